@@ -1,0 +1,116 @@
+"""The variant registry and the per-call choice of kernel.
+
+Every kernel family (a Triton file under ``tmagemm/triton`` or a native one under
+``tmagemm/cuda``) exposes ``VARIANTS``: a list of :class:`Variant`. ``api.py`` validates and
+normalises the user's tensors into a :class:`GemmArgs`, then :func:`choose` picks the variant.
+The benchmark enumerates the same registry, so every backend it reports is one a user can get.
+Backend modules are imported lazily: importing ``tmagemm`` compiles and probes nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+# Modules that define VARIANTS, in order of preference when several accept a problem.
+_BACKEND_MODULES = (
+    "tmagemm.triton.matmul_tma",
+    "tmagemm.triton.matmul_persistent",
+    "tmagemm.triton.matmul_ws",
+    "tmagemm.triton.matmul_splitk",
+    "tmagemm.triton.matmul_ptr",
+    "tmagemm.cuda.gemm",
+)
+
+BACKENDS = ("auto", "triton", "cuda")
+
+
+@dataclass(frozen=True, eq=False)
+class GemmArgs:
+    """Validated, normalised operands of one GEMM: ``out = (scale_a*scale_b) * (a @ b) + bias``.
+
+    a: (M, K); b: (K, N); out: (M, N), preallocated, written by the kernel.
+    scale_a: None, or fp32 contiguous of shape (1,) (tensor-wise) or (M,) (row-wise).
+    scale_b: None, or fp32 contiguous of shape (1,) or (N,).
+    bias: None, or contiguous (N,) in any float dtype; added in fp32.
+    """
+
+    a: torch.Tensor
+    b: torch.Tensor
+    out: torch.Tensor
+    scale_a: torch.Tensor | None = None
+    scale_b: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+    @property
+    def m(self) -> int:
+        return self.a.shape[0]
+
+    @property
+    def n(self) -> int:
+        return self.b.shape[1]
+
+    @property
+    def k(self) -> int:
+        return self.a.shape[1]
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.a.element_size() == 1
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One callable kernel path.
+
+    ``supports(args)`` returns None when the variant can compute ``args`` correctly, or a short
+    reason why not (e.g. "K*itemsize not 16-byte aligned for TMA"). ``run(args)`` writes
+    ``args.out`` and never allocates on the host hot path beyond what its cache holds.
+    """
+
+    name: str
+    backend: str  # "triton" or "cuda"
+    description: str
+    supports: Callable[[GemmArgs], str | None]
+    run: Callable[[GemmArgs], None]
+
+
+_registry: dict[str, Variant] | None = None
+_unavailable: dict[str, str] = {}
+
+
+def _load() -> dict[str, Variant]:
+    global _registry
+    if _registry is None:
+        found: dict[str, Variant] = {}
+        for module_name in _BACKEND_MODULES:
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError as exc:  # an optional dependency (e.g. cuda-bindings) is missing
+                _unavailable[module_name] = f"{type(exc).__name__}: {exc}"
+                continue
+            for variant in module.VARIANTS:
+                found[variant.name] = variant
+        _registry = found
+    return _registry
+
+
+def variants() -> list[Variant]:
+    """All registered variants, in preference order."""
+    return list(_load().values())
+
+
+def unavailable() -> dict[str, str]:
+    """Backend modules that could not be imported, with the reason."""
+    _load()
+    return dict(_unavailable)
+
+
+def get(name: str) -> Variant:
+    registry = _load()
+    if name not in registry:
+        raise ValueError(f"unknown tmagemm variant {name!r}; known: {sorted(registry)}")
+    return registry[name]

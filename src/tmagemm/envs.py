@@ -1,0 +1,38 @@
+"""Every environment knob tmagemm reads, in one place (all share the ``TMAGEMM_`` prefix).
+
+Knobs are read when asked for, not at import, so tests can set them with ``monkeypatch``.
+The README lists them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Root of the on-disk caches (tuned configs, compiled cubins).
+
+    ``TMAGEMM_CACHE_DIR``; default ``$XDG_CACHE_HOME/tmagemm`` or ``~/.cache/tmagemm``.
+    """
+    explicit = os.environ.get("TMAGEMM_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tmagemm"
+
+
+def autotune_enabled() -> bool:
+    """``TMAGEMM_AUTOTUNE=0`` disables call-time tuning: heuristic configs only."""
+    return os.environ.get("TMAGEMM_AUTOTUNE", "1") != "0"
+
+
+def forced_backend() -> str | None:
+    """``TMAGEMM_BACKEND=triton|cuda|auto``: default for calls that pass ``backend="auto"``."""
+    value = os.environ.get("TMAGEMM_BACKEND", "").strip().lower()
+    return value or None
+
+
+def interpret() -> bool:
+    """True when Triton kernels run under the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
