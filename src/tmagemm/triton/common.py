@@ -1,0 +1,78 @@
+"""Device helpers shared by the Triton GEMM kernels: tile order and the scale/bias epilogue."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+import torch
+
+# How a dequantization scale is applied (constexpr SCALE_A / SCALE_B in every kernel).
+SCALE_NONE = 0  # no scale (plain matmul)
+SCALE_TENSOR = 1  # one fp32 value for the whole operand
+SCALE_ROW = 2  # one fp32 value per row of A (M,) or per column of B (N,)
+
+TORCH_TO_TL = {
+    torch.float16: tl.float16,
+    torch.bfloat16: tl.bfloat16,
+    torch.float32: tl.float32,
+    torch.float8_e4m3fn: tl.float8e4nv,
+    torch.float8_e5m2: tl.float8e5,
+}
+
+
+def scale_mode(scale: torch.Tensor | None) -> int:
+    """The constexpr scale mode of a normalised scale tensor (see dispatch.GemmArgs)."""
+    if scale is None:
+        return SCALE_NONE
+    return SCALE_TENSOR if scale.numel() == 1 else SCALE_ROW
+
+
+@triton.jit
+def grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Map a linear tile id to (pid_m, pid_n) in groups of GROUP_M rows of tiles.
+
+    Consecutive programs then share B column panels and A row panels while those are still in L2,
+    instead of sweeping a whole row of output tiles and evicting A before it is reused.
+    """
+    tiles_per_group = GROUP_M * num_pid_n
+    group = tile_id // tiles_per_group
+    first_m = group * GROUP_M
+    group_rows = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile_id % tiles_per_group) % group_rows
+    pid_n = (tile_id % tiles_per_group) // group_rows
+    return pid_m, pid_n
+
+
+@triton.jit
+def scale_bias_epilogue(
+    acc,
+    offs_m,
+    offs_n,
+    M,
+    N,
+    scale_a_ptr,
+    scale_b_ptr,
+    bias_ptr,
+    SCALE_A: tl.constexpr,
+    SCALE_B: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """acc (fp32, [BM, BN]) -> scale_a * scale_b * acc + bias, still fp32.
+
+    Row-wise scales are masked by M/N so ragged edge tiles never read past the scale vectors.
+    """
+    if SCALE_A == 1:
+        acc = acc * tl.load(scale_a_ptr)
+    elif SCALE_A == 2:
+        sa = tl.load(scale_a_ptr + offs_m, mask=offs_m < M, other=0.0)
+        acc = acc * sa[:, None]
+    if SCALE_B == 1:
+        acc = acc * tl.load(scale_b_ptr)
+    elif SCALE_B == 2:
+        sb = tl.load(scale_b_ptr + offs_n, mask=offs_n < N, other=0.0)
+        acc = acc * sb[None, :]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+        acc = acc + bias.to(tl.float32)[None, :]
+    return acc
