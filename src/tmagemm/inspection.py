@@ -1,0 +1,334 @@
+"""Ahead-of-time compilation for sm_90a and a summary of what the compiler produced.
+
+This is the seed's PTX analysis as a tool: does the load path use ``cp.async`` (one 16-byte
+copy per thread, addresses in registers) or ``cp.async.bulk.tensor`` (TMA: one thread issues a
+whole tile through a tensor map)? Does the math use ``wgmma`` (HGMMA/QGMMA in SASS) or the
+older ``mma.sync`` fed by ``ldmatrix``? How many registers, how much shared memory, any spills?
+
+Everything here works without a GPU: Triton compiles for ``GPUTarget("cuda", 90, 32)`` on any
+host, and the SASS comes from the ``cuobjdump`` that Triton's wheel ships.
+
+Triton kernel modules describe a compilable instance with :class:`KernelSpec` (their
+``aot_spec(...)``). Under ``TRITON_INTERPRET=1`` ``@triton.jit`` yields an interpreter object
+that cannot be compiled, so :func:`compile_triton` then compiles in a child process with the
+interpreter switched off.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import importlib
+import importlib.util
+import os
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+# Hopper with the arch-specific features (wgmma, setmaxnreg) that sm_90a unlocks.
+SM90_TARGET = ("cuda", 90, 32)
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One compilable instance of a ``@triton.jit`` kernel.
+
+    signature: every parameter name -> Triton type string: ``"*fp16"``, ``"*fp8e4nv"``, ``"i32"``,
+        ``"fp32"``, ``"tensordesc<fp16[128, 64]>"`` (a host TensorDescriptor of that block shape),
+        or ``"constexpr"``.
+    constexprs: the value of every ``"constexpr"`` parameter.
+    attrs: optional ``{param_name: [["tt.divisibility", 16]]}`` hints, as the launcher would
+        specialize them (16-byte aligned pointers, strides divisible by 16).
+    """
+
+    fn: Any
+    signature: Mapping[str, str]
+    constexprs: Mapping[str, Any]
+    num_warps: int = 4
+    num_stages: int = 3
+    name: str = ""
+    attrs: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return self.name or _python_fn(self.fn).__name__
+
+
+@dataclass(frozen=True)
+class Artifacts:
+    """What compiling a kernel produced, plus the resource numbers read from the cubin.
+
+    registers: per thread; shared: bytes of shared memory the launch needs (dynamic + static);
+    spills: SASS local-memory stores + loads (STL/LDL), 0 for a kernel that fits in registers;
+    local_bytes: the per-thread local-memory frame reported by cuobjdump.
+    """
+
+    name: str
+    ptx: str
+    cubin: bytes
+    sass: str
+    registers: int | None
+    shared: int | None
+    spills: int | None
+    local_bytes: int | None = None
+
+    def summary(self) -> dict[str, Any]:
+        return summarize(self)
+
+
+# --------------------------------------------------------------------------------------------
+# Triton AOT
+# --------------------------------------------------------------------------------------------
+
+
+def _python_fn(fn: Any) -> Any:
+    """The plain Python function behind a JITFunction or an InterpretedFunction."""
+    return getattr(fn, "fn", fn)
+
+
+def _is_compilable(fn: Any) -> bool:
+    from triton.runtime.jit import JITFunction
+
+    return isinstance(fn, JITFunction)
+
+
+def compile_triton(spec: KernelSpec) -> Artifacts:
+    """Compile ``spec`` for sm_90a and return PTX, cubin, SASS and resource usage.
+
+    Raises ValueError when the signature does not name every parameter of the kernel, and
+    RuntimeError (with the compiler's message) when compilation fails.
+    """
+    py_fn = _python_fn(spec.fn)
+    params = list(getattr(spec.fn, "arg_names", None) or py_fn.__code__.co_varnames[: py_fn.__code__.co_argcount])
+    missing = [p for p in params if p not in spec.signature]
+    extra = [p for p in spec.signature if p not in params]
+    if missing or extra:
+        raise ValueError(f"KernelSpec for {py_fn.__name__}: signature is missing {missing} / has unknown {extra}")
+    unset = [p for p, ty in spec.signature.items() if ty == "constexpr" and p not in spec.constexprs]
+    if unset:
+        raise ValueError(f"KernelSpec for {py_fn.__name__}: constexpr parameters without a value: {unset}")
+
+    if _is_compilable(spec.fn):
+        ptx, cubin, shared = _compile_in_process(spec)
+    else:
+        ptx, cubin, shared = _compile_in_child(spec)
+    return _artifacts(spec.label, ptx, cubin, shared)
+
+
+def _compile_in_process(spec: KernelSpec) -> tuple[str, bytes, int]:
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    attrs = {(spec.fn.arg_names.index(k),): v for k, v in spec.attrs.items()}
+    source = triton.compiler.ASTSource(spec.fn, dict(spec.signature), dict(spec.constexprs), attrs)
+    try:
+        kernel = triton.compile(
+            source,
+            target=GPUTarget(*SM90_TARGET),
+            options={"num_warps": spec.num_warps, "num_stages": spec.num_stages},
+        )
+    except Exception as exc:  # surface the compiler's own message with the kernel named
+        raise RuntimeError(f"Triton failed to compile {spec.label} for sm_90a: {exc}") from exc
+    return kernel.asm["ptx"], kernel.asm["cubin"], int(kernel.metadata.shared)
+
+
+def _compile_in_child(spec: KernelSpec) -> tuple[str, bytes, int]:
+    """Re-import the kernel's module with the interpreter off and compile it there."""
+    py_fn = _python_fn(spec.fn)
+    request = {
+        "module": py_fn.__module__,
+        "file": getattr(sys.modules.get(py_fn.__module__), "__file__", None),
+        "fn": py_fn.__name__,
+        "spec": {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name != "fn"},
+    }
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    with tempfile.TemporaryDirectory(prefix="tmagemm-aot-") as tmp:
+        req_path, out_path = Path(tmp, "request.pkl"), Path(tmp, "result.pkl")
+        req_path.write_bytes(pickle.dumps(request))
+        proc = subprocess.run(
+            [sys.executable, "-m", "tmagemm.inspection", str(req_path), str(out_path)],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
+            raise RuntimeError(f"AOT compile of {spec.label} failed in a child process:\n" + "\n".join(tail))
+        return pickle.loads(out_path.read_bytes())
+
+
+def _child_main(request_path: str, out_path: str) -> None:
+    request = pickle.loads(Path(request_path).read_bytes())
+    try:
+        module = importlib.import_module(request["module"])
+    except ImportError:
+        if not request["file"]:
+            raise
+        loader_spec = importlib.util.spec_from_file_location(request["module"], request["file"])
+        module = importlib.util.module_from_spec(loader_spec)
+        loader_spec.loader.exec_module(module)
+    spec = KernelSpec(fn=getattr(module, request["fn"]), **request["spec"])
+    Path(out_path).write_bytes(pickle.dumps(_compile_in_process(spec)))
+
+
+# --------------------------------------------------------------------------------------------
+# cubin -> SASS and resource usage
+# --------------------------------------------------------------------------------------------
+
+
+def cuda_tool(name: str) -> str | None:
+    """Path of ``cuobjdump``/``nvdisasm``: Triton's bundled copy first, then ``$PATH``."""
+    try:
+        import triton.backends.nvidia as nv
+
+        bundled = Path(nv.__file__).parent / "bin" / name
+        if bundled.is_file() and os.access(bundled, os.X_OK):
+            return str(bundled)
+    except ImportError:
+        pass
+    return shutil.which(name)
+
+
+def _run_cuobjdump(flag: str, cubin: bytes) -> str | None:
+    tool = cuda_tool("cuobjdump")
+    if tool is None:
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        proc = subprocess.run([tool, flag, f.name], capture_output=True, text=True)
+    return proc.stdout if proc.returncode == 0 else None
+
+
+_RES_USAGE = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
+
+
+def resource_usage(cubin: bytes) -> dict[str, int] | None:
+    """Registers, stack, static shared and local bytes of the first kernel in ``cubin``."""
+    text = _run_cuobjdump("-res-usage", cubin)
+    match = _RES_USAGE.search(text or "")
+    if match is None:
+        return None
+    reg, stack, shared, local = (int(g) for g in match.groups())
+    return {"registers": reg, "stack": stack, "static_shared": shared, "local": local}
+
+
+def disassemble(cubin: bytes) -> str:
+    """SASS of ``cubin`` ("" when no cuobjdump is available)."""
+    return _run_cuobjdump("-sass", cubin) or ""
+
+
+def _artifacts(name: str, ptx: str, cubin: bytes, dynamic_shared: int | None) -> Artifacts:
+    sass = disassemble(cubin)
+    usage = resource_usage(cubin)
+    counts = sass_counts(sass)
+    shared = None
+    if dynamic_shared is not None or usage is not None:
+        # Triton reports the dynamic allocation; cuobjdump the static one. A launch needs both.
+        shared = (dynamic_shared or 0) + (usage["static_shared"] if usage else 0)
+    return Artifacts(
+        name=name,
+        ptx=ptx,
+        cubin=cubin,
+        sass=sass,
+        registers=usage["registers"] if usage else None,
+        shared=shared,
+        spills=(counts["STL"] + counts["LDL"]) if sass else None,
+        local_bytes=usage["local"] if usage else None,
+    )
+
+
+def artifacts_from_binary(name: str, ptx: str, cubin: bytes, shared: int | None = None) -> Artifacts:
+    """Artifacts for a kernel compiled elsewhere (e.g. a native kernel from ``tmagemm.jit``)."""
+    return _artifacts(name, ptx, cubin, shared)
+
+
+# --------------------------------------------------------------------------------------------
+# Summaries
+# --------------------------------------------------------------------------------------------
+
+# PTX instruction families that tell the load/math path apart. Patterns match the opcode only.
+PTX_PATTERNS: dict[str, str] = {
+    "cp.async (per-thread)": r"cp\.async\.c[ag]\.shared",
+    "cp.async.bulk.tensor load": r"cp\.async\.bulk\.tensor\.\dd\.shared::(?:cluster|cta)\.global",
+    "cp.async.bulk.tensor store": r"cp\.async\.bulk\.tensor\.\dd\.global\.shared",
+    "cp.async.bulk (non-tensor)": r"cp\.async\.bulk\.(?!tensor|commit|wait)",
+    "cp.reduce.async.bulk": r"cp\.reduce\.async\.bulk",
+    "tma prefetch": r"cp\.async\.bulk\.prefetch\.tensor",
+    "wgmma.mma_async": r"wgmma\.mma_async",
+    "mma.sync": r"\bmma\.sync",
+    "ldmatrix": r"\bldmatrix\.",
+    "stmatrix": r"\bstmatrix\.",
+    "mbarrier.init": r"mbarrier\.init",
+    "mbarrier.arrive": r"mbarrier\.arrive(?!\.expect_tx)",
+    "mbarrier.expect_tx": r"mbarrier\.(?:arrive\.)?expect_tx",
+    "mbarrier.wait": r"mbarrier\.(?:try_wait|test_wait)",
+    "fence.proxy.async": r"fence\.proxy\.async",
+    "setmaxnreg": r"setmaxnreg",
+    "ld.global": r"\bld\.global",
+    "st.global": r"\bst\.global",
+}
+
+# SASS opcodes: TMA (UTMALDG/UTMASTG/UTMAPF), cp.async (LDGSTS), tensor cores (HGMMA fp16/bf16
+# wgmma, QGMMA fp8 wgmma, HMMA mma.sync), shared-memory matrix moves (LDSM/STSM), mbarrier
+# (SYNCS.*), register reallocation (USETMAXREG), global and local (spill) memory.
+SASS_OPCODES = (
+    "UTMALDG", "UTMASTG", "UTMAPF", "UBLKCP", "LDGSTS", "HGMMA", "QGMMA", "HMMA", "IMMA",
+    "LDSM", "STSM", "SYNCS", "USETMAXREG", "LDG", "STG", "LDS", "STS", "LDL", "STL", "BAR",
+)  # fmt: skip
+
+_SASS_LINE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", re.M)
+
+
+def ptx_counts(ptx: str) -> dict[str, int]:
+    """Static occurrences of each :data:`PTX_PATTERNS` family in ``ptx`` (comments skipped)."""
+    code = "\n".join(line.split("//", 1)[0] for line in ptx.splitlines())
+    return {key: len(re.findall(pattern, code)) for key, pattern in PTX_PATTERNS.items()}
+
+
+def sass_counts(sass: str) -> dict[str, int]:
+    """Static occurrences of each :data:`SASS_OPCODES` base opcode (``HGMMA.64x128x16`` -> HGMMA)."""
+    seen = collections.Counter(_SASS_LINE.findall(sass))
+    return {op: seen.get(op, 0) for op in SASS_OPCODES}
+
+
+def summarize(art: Artifacts) -> dict[str, Any]:
+    """The numbers that matter, as one flat dict (the ``inspect`` table and its JSON)."""
+    ptx = ptx_counts(art.ptx)
+    sass = sass_counts(art.sass) if art.sass else {}
+    tma = ptx["cp.async.bulk.tensor load"] > 0 or sass.get("UTMALDG", 0) > 0
+    cp_async = ptx["cp.async (per-thread)"] > 0 or sass.get("LDGSTS", 0) > 0
+    return {
+        "kernel": art.name,
+        "load path": "TMA" if tma else ("cp.async" if cp_async else "ld.global"),
+        "math": "wgmma" if ptx["wgmma.mma_async"] else ("mma.sync" if ptx["mma.sync"] else "none"),
+        "registers": art.registers,
+        "shared bytes": art.shared,
+        "local bytes": art.local_bytes,
+        "spill instrs (STL+LDL)": art.spills,
+        **{f"ptx {k}": v for k, v in ptx.items()},
+        **{f"sass {k}": v for k, v in sass.items()},
+    }
+
+
+def write_dumps(art: Artifacts, directory: str | os.PathLike) -> dict[str, Path]:
+    """Write ``<name>.ptx``, ``.cubin`` and ``.sass`` under ``directory``; return their paths."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = re.sub(r"[^\w.-]+", "_", art.name)
+    paths = {"ptx": out / f"{stem}.ptx", "cubin": out / f"{stem}.cubin", "sass": out / f"{stem}.sass"}
+    paths["ptx"].write_text(art.ptx)
+    paths["cubin"].write_bytes(art.cubin)
+    paths["sass"].write_text(art.sass)
+    return paths
+
+
+if __name__ == "__main__":  # the child process of _compile_in_child
+    _child_main(sys.argv[1], sys.argv[2])
