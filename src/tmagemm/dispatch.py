@@ -19,7 +19,6 @@ import torch
 _BACKEND_MODULES = (
     "tmagemm.triton.matmul_tma",
     "tmagemm.triton.matmul_persistent",
-    "tmagemm.triton.matmul_ws",
     "tmagemm.triton.matmul_splitk",
     "tmagemm.triton.matmul_ptr",
     "tmagemm.cuda.gemm",
@@ -44,6 +43,7 @@ class GemmArgs:
     scale_a: torch.Tensor | None = None
     scale_b: torch.Tensor | None = None
     bias: torch.Tensor | None = None
+    fast_accum: bool = True  # fp8 only: keep wgmma's reduced-precision accumulation across K tiles
 
     @property
     def m(self) -> int:
@@ -114,3 +114,54 @@ def get(name: str) -> Variant:
     if name not in registry:
         raise ValueError(f"unknown tmagemm variant {name!r}; known: {sorted(registry)}")
     return registry[name]
+
+
+# Variants auto mode prefers, best first, per problem class. Chosen from the side-by-side
+# measurements in BENCHMARKS.md; a variant is skipped when it is not registered or when its
+# supports() refuses the problem, and triton.ptr accepts everything.
+_AUTO_ORDER = {
+    "small_m": ("triton.splitk", "triton.tma", "triton.persistent", "triton.ptr"),
+    "fp8": ("triton.persistent", "triton.tma", "triton.ptr"),
+    "16bit": ("triton.persistent", "triton.tma", "triton.ptr"),
+}
+SMALL_M = 128
+
+
+def choose(args: GemmArgs, backend: str = "auto") -> Variant:
+    """The variant that runs ``args`` for ``backend`` ("auto", "triton" or "cuda")."""
+    registry = _load()
+    if backend == "auto":
+        backend = _env_backend()
+    if args.m <= SMALL_M:
+        order = _AUTO_ORDER["small_m"]
+    else:
+        order = _AUTO_ORDER["fp8" if args.is_fp8 else "16bit"]
+    reasons = []
+    for name in order:
+        variant = registry.get(name)
+        if variant is None or (backend != "auto" and variant.backend != backend):
+            continue
+        reason = variant.supports(args)
+        if reason is None:
+            return variant
+        reasons.append(f"{name}: {reason}")
+    # Anything registered for the backend that accepts the problem (e.g. native rungs).
+    for variant in registry.values():
+        if (backend == "auto" or variant.backend == backend) and variant.supports(args) is None:
+            return variant
+    missing = unavailable()
+    raise ValueError(
+        f"no {backend!r} tmagemm kernel accepts this problem (M={args.m}, N={args.n}, K={args.k}, "
+        f"a {args.a.dtype} stride {tuple(args.a.stride())}, b {args.b.dtype} stride {tuple(args.b.stride())}); "
+        f"refusals: {reasons or 'none'}; modules not importable: {missing or 'none'}. "
+        "Use backend='auto' to fall back to the pointer kernel."
+    )
+
+
+def _env_backend() -> str:
+    from .envs import forced_backend
+
+    value = forced_backend() or "auto"
+    if value not in BACKENDS:
+        raise ValueError(f"TMAGEMM_BACKEND={value!r} is not one of {BACKENDS}")
+    return value

@@ -1,0 +1,56 @@
+"""Kernel configurations of the Triton GEMMs, as frozen dataclasses with one validity rule."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+# Hopper: 227 KB of shared memory per block (232448 bytes opt-in); keep a margin for barriers and
+# the compiler's own scratch (epilogue layout conversions).
+SMEM_LIMIT_BYTES = 232448
+SMEM_MARGIN_BYTES = 8192
+
+
+@dataclass(frozen=True)
+class TritonGemmConfig:
+    """Tile shape and pipelining of one Triton GEMM launch.
+
+    block_m/n/k: output tile and K step; group_m: rows of tiles per L2 group (grouped order);
+    num_stages: software-pipeline depth (TMA buffers in flight); num_warps: 4 = one warpgroup,
+    8 = two; epilogue_subtile: store the output tile in two halves to halve epilogue registers
+    and shared memory (persistent kernel only).
+    """
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    group_m: int = 8
+    num_stages: int = 4
+    num_warps: int = 8
+    epilogue_subtile: bool = False
+
+    def smem_bytes(self, a_itemsize: int, b_itemsize: int, out_itemsize: int) -> int:
+        """Shared memory the pipeline and epilogue need (operand ring + output staging tile)."""
+        ring = self.num_stages * self.block_k * (self.block_m * a_itemsize + self.block_n * b_itemsize)
+        out_cols = self.block_n // 2 if self.epilogue_subtile else self.block_n
+        return ring + self.block_m * out_cols * out_itemsize
+
+    def is_valid(self, a_itemsize: int, b_itemsize: int, out_itemsize: int) -> bool:
+        """The one rule every heuristic, tuner and test uses to accept a config."""
+        pow2 = all(v > 0 and v & (v - 1) == 0 for v in (self.block_m, self.block_n, self.block_k))
+        return (
+            pow2
+            and self.block_m >= 16
+            and self.block_n >= 16
+            and self.block_k * min(a_itemsize, b_itemsize) >= 32  # TMA inner box >= 32 bytes, wgmma K >= 16/32
+            and self.num_warps in (4, 8)
+            and self.num_stages >= 1
+            and self.group_m >= 1
+            and self.smem_bytes(a_itemsize, b_itemsize, out_itemsize) + SMEM_MARGIN_BYTES <= SMEM_LIMIT_BYTES
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TritonGemmConfig":
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})

@@ -1,0 +1,38 @@
+"""FP8 quantization producing (values, dequantization scale) pairs that ``scaled_mm`` accepts."""
+
+from __future__ import annotations
+
+import torch
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def quantize_fp8(
+    x: torch.Tensor, granularity: str = "tensor", dtype: torch.dtype = torch.float8_e4m3fn
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D float tensor to FP8 with an fp32 dequantization scale (x ~= x_fp8 * scale).
+
+    granularity="tensor": one scale, shape (1, 1). granularity="row": one scale per row, shape
+    (rows, 1). For an activation x (M, K) the scale is ``scale_a``; for a weight w (N, K) pass
+    ``w_fp8.t()`` as ``b`` and ``w_scale.t()`` (shape (1, N)) as ``scale_b``.
+    An all-zero tensor (or row) gets the smallest positive scale, so it quantizes to zeros.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize_fp8 expects a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"quantize_fp8 expects a 2-D tensor, got shape {tuple(x.shape)}")
+    if not x.is_floating_point() or x.dtype in _FP8_DTYPES:
+        raise TypeError(f"quantize_fp8 expects float16/bfloat16/float32 input, got {x.dtype}")
+    if dtype not in _FP8_DTYPES:
+        raise TypeError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+    if granularity not in ("tensor", "row"):
+        raise ValueError(f"granularity must be 'tensor' or 'row', got {granularity!r}")
+    fp8_max = torch.finfo(dtype).max
+    xf = x.float()
+    if granularity == "tensor":
+        amax = xf.abs().amax().reshape(1, 1) if x.numel() else xf.new_zeros(1, 1)
+    else:
+        amax = xf.abs().amax(dim=1, keepdim=True) if x.shape[1] else xf.new_zeros(x.shape[0], 1)
+    scale = (amax / fp8_max).clamp(min=torch.finfo(torch.float32).tiny)
+    x_fp8 = (xf / scale).clamp(-fp8_max, fp8_max).to(dtype)
+    return x_fp8, scale

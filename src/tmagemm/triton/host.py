@@ -1,0 +1,117 @@
+"""Host-side pieces shared by the Triton GEMM launchers: operand layouts and TMA descriptors.
+
+A 2-D operand is "row-major" when its columns are contiguous (stride(1) == 1) and "col-major"
+when its rows are (stride(0) == 1). TMA describes either one as long as the base address and the
+leading stride are 16-byte aligned; anything else goes to the pointer kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ..dispatch import GemmArgs
+from .common import scale_mode
+
+_TMA_ALIGN = 16  # bytes: base address and every non-innermost stride
+_TMA_MAX_STRIDE = 1 << 40  # bytes
+
+
+def is_row_major(t: torch.Tensor) -> bool:
+    """Columns contiguous. A single column counts as both layouts."""
+    return t.stride(1) == 1 or t.shape[1] == 1
+
+
+def is_col_major(t: torch.Tensor) -> bool:
+    return t.stride(0) == 1 or t.shape[0] == 1
+
+
+def _leading_stride(t: torch.Tensor, row_major: bool) -> int:
+    """Element stride between rows (row-major) or columns (col-major).
+
+    With a single row (column) the stride is never used to address memory and torch may report any
+    value, so use the smallest aligned one instead.
+    """
+    rows, cols = t.shape
+    if row_major:
+        if rows > 1:
+            return t.stride(0)
+        per_16b = _TMA_ALIGN // t.element_size()
+        return -(-cols // per_16b) * per_16b
+    if cols > 1:
+        return t.stride(1)
+    per_16b = _TMA_ALIGN // t.element_size()
+    return -(-rows // per_16b) * per_16b
+
+
+def tma_layout_reason(t: torch.Tensor, name: str, row_major: bool) -> str | None:
+    """None if TMA can describe ``t`` in the given layout, else why not (names the stride)."""
+    if t.data_ptr() % _TMA_ALIGN:
+        return f"{name}.data_ptr() is not {_TMA_ALIGN}-byte aligned"
+    if row_major and not is_row_major(t):
+        return f"{name} is not row-major (stride {tuple(t.stride())})"
+    if not row_major and not is_col_major(t):
+        return f"{name} is not column-major (stride {tuple(t.stride())})"
+    lead_bytes = _leading_stride(t, row_major) * t.element_size()
+    if lead_bytes % _TMA_ALIGN:
+        return f"{name} leading stride of {lead_bytes} bytes is not a multiple of {_TMA_ALIGN}"
+    if lead_bytes >= _TMA_MAX_STRIDE:
+        return f"{name} leading stride of {lead_bytes} bytes is >= 2^40"
+    return None
+
+
+def descriptor(t: torch.Tensor, row_major: bool, block_rows: int, block_cols: int) -> TensorDescriptor:
+    """A host TensorDescriptor over ``t`` as stored in memory (passed to the kernel by value).
+
+    Col-major operands are described through their transpose, so the descriptor's block is
+    (block_cols, block_rows) and the kernel transposes the loaded tile.
+    """
+    rows, cols = t.shape
+    lead = _leading_stride(t, row_major)
+    if row_major:
+        return TensorDescriptor(t, [rows, cols], [lead, 1], [block_rows, block_cols])
+    return TensorDescriptor(t, [cols, rows], [lead, 1], [block_cols, block_rows])
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Constexpr layout flags of one problem, shared by all TMA kernels."""
+
+    a_row_major: bool  # A K-major (the usual activation layout)
+    b_row_major: bool  # B N-major: a (K, N) row-major weight; False means B = w.t() (K-major)
+    tma_store: bool  # out can be written by TMA (row-major, aligned); otherwise masked stores
+    scale_a: int
+    scale_b: int
+    has_bias: bool
+
+
+def tma_layout(args: GemmArgs) -> Layout | str:
+    """Layout flags for the TMA kernels, or the reason TMA cannot describe the operands."""
+    a_row = is_row_major(args.a)
+    b_row = is_row_major(args.b) and not (args.is_fp8 and is_col_major(args.b))
+    if args.is_fp8 and not (a_row and not b_row):
+        # fp8 wgmma reads both operands K-major from shared memory: A row-major, B column-major.
+        return "fp8 TMA kernels need A row-major and B column-major (the torch._scaled_mm layout)"
+    for t, name, row in ((args.a, "a", a_row), (args.b, "b", b_row)):
+        reason = tma_layout_reason(t, name, row)
+        if reason:
+            return reason
+    tma_store = tma_layout_reason(args.out, "out", True) is None
+    return Layout(
+        a_row_major=a_row,
+        b_row_major=b_row,
+        tma_store=tma_store,
+        scale_a=scale_mode(args.scale_a),
+        scale_b=scale_mode(args.scale_b),
+        has_bias=args.bias is not None,
+    )
+
+
+def operand_descriptors(args: GemmArgs, layout: Layout, block_m: int, block_n: int, block_k: int, out_block_n: int):
+    """Descriptors for A, B and (when TMA stores) the output tile."""
+    a_desc = descriptor(args.a, layout.a_row_major, block_m, block_k)
+    b_desc = descriptor(args.b, layout.b_row_major, block_k, block_n)
+    c_desc = descriptor(args.out, True, block_m, out_block_n) if layout.tma_store else None
+    return a_desc, b_desc, c_desc

@@ -1,0 +1,148 @@
+"""Persistent TMA GEMM: one program per SM walks the output tiles in grouped order.
+
+Launching exactly as many programs as SMs removes the per-tile launch tail and lets the
+compiler overlap one tile's epilogue with the next tile's first TMA loads. The epilogue can be
+split into two half-width subtiles, halving the registers and shared memory it needs so the
+operand ring can be deeper. The same kernel with ``warp_specialize=True`` on the tile loop is the
+warp-specialized variant: Triton splits it into a TMA producer partition and MMA consumers.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .. import device, tuning
+from ..configs import TritonGemmConfig
+from ..dispatch import GemmArgs, Variant
+from .common import grouped_tile, scale_bias_epilogue
+from .host import Layout, operand_descriptors, tma_layout
+from .matmul_tma import load_a_tile, load_b_tile, mma, store_tile
+
+
+@triton.jit
+def _epilogue(acc, c_desc, c_ptr, off_m, off_n, M, N, stride_cm, stride_cn, scale_a_ptr, scale_b_ptr, bias_ptr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA_STORE: tl.constexpr,
+              SCALE_A: tl.constexpr, SCALE_B: tl.constexpr, HAS_BIAS: tl.constexpr):
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    acc = scale_bias_epilogue(acc, offs_m, offs_n, M, N, scale_a_ptr, scale_b_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS)
+    store_tile(c_desc, c_ptr, acc, offs_m, offs_n, off_m, off_n, M, N, stride_cm, stride_cn, TMA_STORE)
+
+
+@triton.jit
+def persistent_gemm_kernel(
+    a_desc, b_desc, c_desc, c_ptr, scale_a_ptr, scale_b_ptr, bias_ptr,
+    M, N, K, stride_cm, stride_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_SMS: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    A_ROW_MAJOR: tl.constexpr, B_ROW_MAJOR: tl.constexpr, TMA_STORE: tl.constexpr,
+    SCALE_A: tl.constexpr, SCALE_B: tl.constexpr, HAS_BIAS: tl.constexpr, FAST_ACCUM: tl.constexpr,
+):
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+
+    # Static round-robin scheduler: program p takes tiles p, p + NUM_SMS, ...
+    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, warp_specialize=WARP_SPECIALIZE):
+        pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(k_tiles):
+            a = load_a_tile(a_desc, off_m, k * BLOCK_K, A_ROW_MAJOR)
+            b = load_b_tile(b_desc, k * BLOCK_K, off_n, B_ROW_MAJOR)
+            acc = mma(a, b, acc, FAST_ACCUM, BLOCK_K)
+
+        if EPILOGUE_SUBTILE:
+            # [BM, BN] -> two [BM, BN/2] halves: each is scaled, converted and stored on its own.
+            halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+            acc0, acc1 = tl.split(halves)
+            _epilogue(acc0, c_desc, c_ptr, off_m, off_n, M, N, stride_cm, stride_cn, scale_a_ptr, scale_b_ptr,
+                      bias_ptr, BLOCK_M, BLOCK_N // 2, TMA_STORE, SCALE_A, SCALE_B, HAS_BIAS)
+            _epilogue(acc1, c_desc, c_ptr, off_m, off_n + BLOCK_N // 2, M, N, stride_cm, stride_cn, scale_a_ptr,
+                      scale_b_ptr, bias_ptr, BLOCK_M, BLOCK_N // 2, TMA_STORE, SCALE_A, SCALE_B, HAS_BIAS)
+        else:
+            _epilogue(acc, c_desc, c_ptr, off_m, off_n, M, N, stride_cm, stride_cn, scale_a_ptr, scale_b_ptr,
+                      bias_ptr, BLOCK_M, BLOCK_N, TMA_STORE, SCALE_A, SCALE_B, HAS_BIAS)
+
+
+def _configs(subtile: bool) -> tuple[TritonGemmConfig, ...]:
+    shapes = (
+        (128, 256, 64, 4, 8),
+        (128, 256, 128, 3, 8),
+        (128, 128, 64, 5, 8),
+        (128, 128, 128, 4, 8),
+        (64, 128, 128, 5, 4),
+        (128, 64, 128, 5, 4),
+    )
+    return tuple(TritonGemmConfig(bm, bn, bk, 8, s, w, subtile) for bm, bn, bk, s, w in shapes)
+
+
+CONFIGS = _configs(True) + _configs(False)
+
+
+def heuristic(args: GemmArgs) -> TritonGemmConfig:
+    if args.m <= 128:
+        return TritonGemmConfig(64, 128, 128, 8, 5, 4, False)
+    if args.is_fp8:
+        return TritonGemmConfig(128, 256, 128, 8, 3, 8, True)
+    return TritonGemmConfig(128, 256, 64, 8, 4, 8, True)
+
+
+def _num_sms(args: GemmArgs) -> int:
+    if args.out.device.type != "cuda":
+        return 4  # interpreter: a few programs, so the persistent loop runs more than once
+    return device.sm_count(args.out.device.index)
+
+
+def launch(args: GemmArgs, config: TritonGemmConfig, layout: Layout, warp_specialize: bool) -> None:
+    out_block_n = config.block_n // 2 if config.epilogue_subtile else config.block_n
+    a_desc, b_desc, c_desc = operand_descriptors(args, layout, config.block_m, config.block_n, config.block_k, out_block_n)
+    num_sms = _num_sms(args)
+    tiles = triton.cdiv(args.m, config.block_m) * triton.cdiv(args.n, config.block_n)
+    persistent_gemm_kernel[(min(num_sms, tiles),)](
+        a_desc, b_desc, c_desc, args.out, args.scale_a, args.scale_b, args.bias,
+        args.m, args.n, args.k, args.out.stride(0), args.out.stride(1),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        NUM_SMS=num_sms, EPILOGUE_SUBTILE=config.epilogue_subtile, WARP_SPECIALIZE=warp_specialize,
+        A_ROW_MAJOR=layout.a_row_major, B_ROW_MAJOR=layout.b_row_major, TMA_STORE=layout.tma_store,
+        SCALE_A=layout.scale_a, SCALE_B=layout.scale_b, HAS_BIAS=layout.has_bias, FAST_ACCUM=args.fast_accum,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+def _supports(args: GemmArgs) -> str | None:
+    layout = tma_layout(args)
+    return layout if isinstance(layout, str) else None
+
+
+def _runner(name: str, warp_specialize: bool):
+    def run(args: GemmArgs, config: TritonGemmConfig | None = None) -> None:
+        layout = tma_layout(args)
+        if isinstance(layout, str):
+            raise ValueError(f"{name} cannot run this problem: {layout}")
+        if config is None:
+            config = tuning.select(name, args, CONFIGS, heuristic, lambda c: launch(args, c, layout, warp_specialize))
+        launch(args, config, layout, warp_specialize)
+
+    return run
+
+
+VARIANTS = [
+    Variant(
+        name="triton.persistent",
+        backend="triton",
+        description="Triton, persistent (one program per SM), TMA loads/stores, epilogue subtiling",
+        supports=_supports,
+        run=_runner("triton.persistent", False),
+    ),
+    Variant(
+        name="triton.ws",
+        backend="triton",
+        description="Triton, persistent + warp-specialized (TMA producer / MMA consumer partitions)",
+        supports=_supports,
+        run=_runner("triton.ws", True),
+    ),
+]

@@ -1,0 +1,148 @@
+"""The seed kernel on today's API: a non-persistent GEMM whose loads and stores go through TMA.
+
+One program per output tile, in grouped (L2-friendly) order. A and B tiles arrive through host
+``TensorDescriptor``s passed by value (no per-call host-to-device descriptor copy, the cost the
+seed measured); Triton software-pipelines the K loop over ``num_stages`` TMA buffers.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..configs import TritonGemmConfig
+from ..dispatch import GemmArgs, Variant
+from .. import tuning
+from .common import grouped_tile, scale_bias_epilogue
+from .host import Layout, operand_descriptors, tma_layout
+
+
+@triton.jit
+def load_a_tile(a_desc, off_m, off_k, A_ROW_MAJOR: tl.constexpr):
+    """[BM, BK] tile of A; a column-major A is described transposed and flipped back here."""
+    if A_ROW_MAJOR:
+        return a_desc.load([off_m, off_k])
+    return a_desc.load([off_k, off_m]).T
+
+
+@triton.jit
+def load_b_tile(b_desc, off_k, off_n, B_ROW_MAJOR: tl.constexpr):
+    """[BK, BN] tile of B; a K-major B (w.t() of an (N, K) weight) is loaded as [BN, BK] and
+    transposed, which wgmma reads directly from shared memory (required for fp8)."""
+    if B_ROW_MAJOR:
+        return b_desc.load([off_k, off_n])
+    return b_desc.load([off_n, off_k]).T
+
+
+@triton.jit
+def mma(a, b, acc, FAST_ACCUM: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc += a @ b. Without fast accumulation, fp8 partial sums are promoted to the fp32
+    accumulator once per K tile instead of staying in wgmma's reduced-precision adder."""
+    if FAST_ACCUM:
+        return tl.dot(a, b, acc)
+    return tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+
+
+@triton.jit
+def store_tile(c_desc, c_ptr, acc, offs_m, offs_n, off_m, off_n, M, N, stride_cm, stride_cn, TMA_STORE: tl.constexpr):
+    """Write one fp32 tile to the output dtype: TMA store when out is aligned and row-major,
+    masked pointer stores otherwise (TMA clips the ragged edges by itself)."""
+    if TMA_STORE:
+        c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+    else:
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def tma_gemm_kernel(
+    a_desc, b_desc, c_desc, c_ptr, scale_a_ptr, scale_b_ptr, bias_ptr,
+    M, N, K, stride_cm, stride_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    A_ROW_MAJOR: tl.constexpr, B_ROW_MAJOR: tl.constexpr, TMA_STORE: tl.constexpr,
+    SCALE_A: tl.constexpr, SCALE_B: tl.constexpr, HAS_BIAS: tl.constexpr, FAST_ACCUM: tl.constexpr,
+):
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+
+    # K loop: TMA zero-fills the ragged last K tile, so no masks are needed here.
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        a = load_a_tile(a_desc, off_m, k * BLOCK_K, A_ROW_MAJOR)
+        b = load_b_tile(b_desc, k * BLOCK_K, off_n, B_ROW_MAJOR)
+        acc = mma(a, b, acc, FAST_ACCUM, BLOCK_K)
+
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    acc = scale_bias_epilogue(acc, offs_m, offs_n, M, N, scale_a_ptr, scale_b_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS)
+    store_tile(c_desc, c_ptr, acc, offs_m, offs_n, off_m, off_n, M, N, stride_cm, stride_cn, TMA_STORE)
+
+
+# Candidates for tuning; the heuristic picks among them without timing (see heuristic()).
+CONFIGS = tuple(
+    TritonGemmConfig(block_m=bm, block_n=bn, block_k=bk, group_m=8, num_stages=s, num_warps=w)
+    for bm, bn, bk, s, w in (
+        (128, 256, 64, 3, 8),
+        (128, 128, 64, 4, 8),
+        (128, 128, 128, 3, 8),
+        (64, 128, 128, 4, 4),
+        (128, 64, 128, 4, 4),
+        (64, 64, 128, 5, 4),
+        (128, 256, 128, 3, 8),
+    )
+)
+
+
+def heuristic(args: GemmArgs) -> TritonGemmConfig:
+    """A config that is good on H100/H200 without timing anything (used in CUDA-graph capture)."""
+    if args.is_fp8:
+        if args.m <= 64:
+            return TritonGemmConfig(64, 64, 128, 8, 5, 4)
+        if args.m <= 128 or args.n <= 2048:
+            return TritonGemmConfig(64, 128, 128, 8, 4, 4)
+        return TritonGemmConfig(128, 256, 128, 8, 3, 8)
+    if args.m <= 64:
+        return TritonGemmConfig(64, 64, 128, 8, 4, 4)
+    if args.m <= 128:
+        return TritonGemmConfig(64, 128, 64, 8, 4, 4)
+    return TritonGemmConfig(128, 256, 64, 8, 3, 8)
+
+
+def launch(args: GemmArgs, config: TritonGemmConfig, layout: Layout) -> None:
+    a_desc, b_desc, c_desc = operand_descriptors(args, layout, config.block_m, config.block_n, config.block_k, config.block_n)
+    grid = (triton.cdiv(args.m, config.block_m) * triton.cdiv(args.n, config.block_n),)
+    tma_gemm_kernel[grid](
+        a_desc, b_desc, c_desc, args.out, args.scale_a, args.scale_b, args.bias,
+        args.m, args.n, args.k, args.out.stride(0), args.out.stride(1),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        A_ROW_MAJOR=layout.a_row_major, B_ROW_MAJOR=layout.b_row_major, TMA_STORE=layout.tma_store,
+        SCALE_A=layout.scale_a, SCALE_B=layout.scale_b, HAS_BIAS=layout.has_bias, FAST_ACCUM=args.fast_accum,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+def _supports(args: GemmArgs) -> str | None:
+    layout = tma_layout(args)
+    return layout if isinstance(layout, str) else None
+
+
+def run(args: GemmArgs, config: TritonGemmConfig | None = None) -> None:
+    layout = tma_layout(args)
+    if isinstance(layout, str):
+        raise ValueError(f"triton.tma cannot run this problem: {layout}")
+    if config is None:
+        config = tuning.select("triton.tma", args, CONFIGS, heuristic, lambda c: launch(args, c, layout))
+    launch(args, config, layout)
+
+
+VARIANTS = [
+    Variant(
+        name="triton.tma",
+        backend="triton",
+        description="Triton, non-persistent, TMA loads/stores via host TensorDescriptor (the seed kernel)",
+        supports=_supports,
+        run=run,
+    )
+]

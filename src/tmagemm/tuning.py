@@ -1,0 +1,123 @@
+"""Config selection for the Triton kernels: tuned once per (device, problem bucket), cached on disk.
+
+Policy, in order:
+1. a config already chosen in this process for the same key;
+2. one stored on disk by an earlier process (``$TMAGEMM_CACHE_DIR/tuning/<device>.json``);
+3. when tuning is allowed (a GPU, ``TMAGEMM_AUTOTUNE`` not 0, and the current stream is not
+   being captured into a CUDA graph) time every valid candidate and keep the fastest;
+4. otherwise the kernel's heuristic, which times nothing.
+Tuning never runs during CUDA-graph capture: tune beforehand (one eager call) or accept the
+heuristic.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import triton
+import triton.testing
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources, PTXASError
+
+from . import envs
+from .configs import TritonGemmConfig
+from .dispatch import GemmArgs
+
+_memory: dict[str, TritonGemmConfig] = {}
+_disk_loaded: set[Path] = set()
+
+
+def bucket_m(m: int) -> int:
+    """M rounded up to a power of two: one tuning per bucket, since M varies per batch."""
+    return 1 << max(m - 1, 0).bit_length()
+
+
+def problem_key(variant: str, args: GemmArgs) -> str:
+    a, b, out = args.a, args.b, args.out
+    layout = f"{'r' if a.stride(1) == 1 else 'c'}{'r' if b.stride(1) == 1 else 'c'}"
+    return f"{variant}|{a.dtype}|{b.dtype}|{out.dtype}|{layout}|m{bucket_m(args.m)}|n{args.n}|k{args.k}"
+
+
+def _cache_file(device: torch.device) -> Path:
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", torch.cuda.get_device_name(device))
+    return envs.cache_dir() / "tuning" / f"{name}-triton{triton.__version__}.json"
+
+
+def _load_disk(path: Path) -> None:
+    if path in _disk_loaded:
+        return
+    _disk_loaded.add(path)
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    for key, cfg in stored.items():
+        try:
+            _memory.setdefault(f"{path}|{key}", TritonGemmConfig.from_dict(cfg))
+        except TypeError:
+            continue  # written by another version of tmagemm: retune
+
+
+def _store_disk(path: Path, key: str, config: TritonGemmConfig) -> None:
+    """Merge one entry into the file; write to a temp file and rename so readers never see half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        stored = {}
+    stored[key] = config.to_dict()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(stored, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def can_tune(device: torch.device) -> bool:
+    return (
+        device.type == "cuda"
+        and envs.autotune_enabled()
+        and not envs.interpret()
+        and not torch.cuda.is_current_stream_capturing()
+    )
+
+
+def select(
+    variant: str,
+    args: GemmArgs,
+    candidates: Sequence[TritonGemmConfig],
+    heuristic: Callable[[GemmArgs], TritonGemmConfig],
+    launch: Callable[[TritonGemmConfig], None],
+) -> TritonGemmConfig:
+    """The config to run ``args`` with (see the module docstring for the policy)."""
+    device = args.out.device
+    if device.type != "cuda" or envs.interpret():
+        return heuristic(args)
+    key = problem_key(variant, args)
+    path = _cache_file(device)
+    _load_disk(path)
+    full_key = f"{path}|{key}"
+    found = _memory.get(full_key)
+    if found is not None:
+        return found
+    if not can_tune(device):
+        return heuristic(args)
+    sizes = (args.a.element_size(), args.b.element_size(), args.out.element_size())
+    best, best_ms = heuristic(args), float("inf")
+    for config in dict.fromkeys((heuristic(args), *candidates)):
+        if not config.is_valid(*sizes):
+            continue
+        try:
+            ms = triton.testing.do_bench(lambda: launch(config), warmup=5, rep=25, return_mode="median")
+        except (OutOfResources, PTXASError, CompilationError, RuntimeError):
+            continue  # the config does not fit this problem or dtype
+        if ms < best_ms:
+            best, best_ms = config, ms
+    _memory[full_key] = best
+    _store_disk(path, key, best)
+    return best
