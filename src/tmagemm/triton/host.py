@@ -115,3 +115,70 @@ def operand_descriptors(args: GemmArgs, layout: Layout, block_m: int, block_n: i
     b_desc = descriptor(args.b, layout.b_row_major, block_k, block_n)
     c_desc = descriptor(args.out, True, block_m, out_block_n) if layout.tma_store else None
     return a_desc, b_desc, c_desc
+
+
+# ------------------------------------------------------------------ AOT specs (tmagemm inspect)
+
+_TL_NAMES = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.float8_e4m3fn: "fp8e4nv",
+    torch.float8_e5m2: "fp8e5",
+}
+_ALIGNED = [["tt.divisibility", 16]]
+
+
+def aot_gemm_signature(
+    a_dtype: torch.dtype,
+    b_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    block_m: int,
+    block_n: int,
+    block_k: int,
+    out_block_n: int,
+    *,
+    b_row_major: bool,
+    scaled: bool,
+    tma: bool = True,
+) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) of the operand/epilogue parameters every GEMM kernel shares.
+
+    Describes the common case: row-major A, aligned row-major output stored through TMA,
+    tensor-wise scales when ``scaled`` and no bias.
+    """
+    a, b, c = _TL_NAMES[a_dtype], _TL_NAMES[b_dtype], _TL_NAMES[out_dtype]
+    b_block = [block_k, block_n] if b_row_major else [block_n, block_k]
+    sig = {
+        "a_desc": f"tensordesc<{a}[{block_m}, {block_k}]>" if tma else f"*{a}",
+        "b_desc": f"tensordesc<{b}[{b_block[0]}, {b_block[1]}]>" if tma else f"*{b}",
+        "c_desc": f"tensordesc<{c}[{block_m}, {out_block_n}]>" if tma else "constexpr",
+        "c_ptr": f"*{c}",
+        "scale_a_ptr": "*fp32" if scaled else "constexpr",
+        "scale_b_ptr": "*fp32" if scaled else "constexpr",
+        "bias_ptr": "constexpr",
+        "M": "i32",
+        "N": "i32",
+        "K": "i32",
+        "stride_cm": "i32",
+        "stride_cn": "i32",
+    }
+    constexprs = {"bias_ptr": None}
+    if not tma:
+        constexprs["c_desc"] = None
+    if not scaled:
+        constexprs.update(scale_a_ptr=None, scale_b_ptr=None)
+    attrs = {name: _ALIGNED for name in ("c_ptr", "K", "stride_cm") if name in sig}
+    return sig, constexprs, attrs
+
+
+def aot_layout_constexprs(b_row_major: bool, scaled: bool) -> dict:
+    return {
+        "A_ROW_MAJOR": True,
+        "B_ROW_MAJOR": b_row_major,
+        "TMA_STORE": True,
+        "SCALE_A": 1 if scaled else 0,
+        "SCALE_B": 1 if scaled else 0,
+        "HAS_BIAS": False,
+        "FAST_ACCUM": True,
+    }

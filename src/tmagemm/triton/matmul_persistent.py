@@ -44,13 +44,13 @@ def persistent_gemm_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
 
     # Static round-robin scheduler: program p takes tiles p, p + NUM_SMS, ...
-    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, warp_specialize=WARP_SPECIALIZE):
+    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS):
         pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(k_tiles):
+        for k in tl.range(0, k_tiles, warp_specialize=WARP_SPECIALIZE):
             a = load_a_tile(a_desc, off_m, k * BLOCK_K, A_ROW_MAJOR)
             b = load_b_tile(b_desc, k * BLOCK_K, off_n, B_ROW_MAJOR)
             acc = mma(a, b, acc, FAST_ACCUM, BLOCK_K)
@@ -146,3 +146,27 @@ VARIANTS = [
         run=_runner("triton.ws", True),
     ),
 ]
+
+
+def aot_spec(config: TritonGemmConfig | None = None, a_dtype=None, out_dtype=None, warp_specialize: bool = False):
+    """A compilable instance for ``tmagemm inspect`` (fp8 by default: A row-major, B K-major)."""
+    import torch
+
+    from ..inspection import KernelSpec
+    from .host import aot_gemm_signature, aot_layout_constexprs
+
+    a_dtype = a_dtype or torch.float8_e4m3fn
+    out_dtype = out_dtype or torch.bfloat16
+    fp8 = a_dtype.itemsize == 1
+    config = config or TritonGemmConfig(128, 256, 128 if fp8 else 64, 8, 3 if fp8 else 4, 8, True)
+    out_block_n = config.block_n // 2 if config.epilogue_subtile else config.block_n
+    sig, consts, attrs = aot_gemm_signature(
+        a_dtype, torch.float8_e4m3fn if fp8 else a_dtype, out_dtype,
+        config.block_m, config.block_n, config.block_k, out_block_n, b_row_major=not fp8, scaled=fp8,
+    )
+    consts.update(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+                  NUM_SMS=132, EPILOGUE_SUBTILE=config.epilogue_subtile, WARP_SPECIALIZE=warp_specialize)
+    consts.update(aot_layout_constexprs(b_row_major=not fp8, scaled=fp8))
+    sig.update({name: "constexpr" for name in consts if name.isupper()})
+    name = "triton.ws" if warp_specialize else "triton.persistent"
+    return KernelSpec(persistent_gemm_kernel, sig, consts, config.num_warps, config.num_stages, name, attrs)

@@ -61,10 +61,10 @@ CONFIGS = tuple(
 
 
 def heuristic(args: GemmArgs) -> TritonGemmConfig:
-    block_k = 128 if args.is_fp8 else 64
+    # 128x128x128 fp8 at 8 warps spills (the loaded tiles live in registers before shared memory).
     if args.m <= 64:
-        return TritonGemmConfig(64, 64, block_k, 8, 4, 4)
-    return TritonGemmConfig(128, 128, block_k, 8, 4, 8)
+        return TritonGemmConfig(64, 64, 128 if args.is_fp8 else 64, 8, 4, 4)
+    return TritonGemmConfig(128, 128, 64, 8, 4, 8)
 
 
 def launch(args: GemmArgs, config: TritonGemmConfig) -> None:
@@ -96,3 +96,35 @@ VARIANTS = [
         run=run,
     )
 ]
+
+
+def aot_spec(config: TritonGemmConfig | None = None, a_dtype=None, out_dtype=None):
+    """A compilable instance for ``tmagemm inspect``: fp8 A row-major, B K-major, as the TMA kernels."""
+    import torch
+
+    from ..inspection import KernelSpec
+    from .host import _TL_NAMES
+
+    a_dtype = a_dtype or torch.float8_e4m3fn
+    out_dtype = out_dtype or torch.bfloat16
+    fp8 = a_dtype.itemsize == 1
+    config = config or TritonGemmConfig(128, 128, 64, 8, 4, 8)
+    b_name = "fp8e4nv" if fp8 else _TL_NAMES[a_dtype]
+    sig = {
+        "a_ptr": f"*{_TL_NAMES[a_dtype]}", "b_ptr": f"*{b_name}", "c_ptr": f"*{_TL_NAMES[out_dtype]}",
+        "scale_a_ptr": "*fp32" if fp8 else "constexpr", "scale_b_ptr": "*fp32" if fp8 else "constexpr",
+        "bias_ptr": "constexpr",
+        **{name: "i32" for name in ("M", "N", "K", "stride_am", "stride_bn", "stride_cm")},
+        **{name: "constexpr" for name in ("stride_ak", "stride_bk", "stride_cn")},
+    }
+    consts = {"bias_ptr": None, "stride_ak": 1, "stride_bk": 1, "stride_cn": 1,
+              "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
+              "GROUP_M": config.group_m, "SCALE_A": int(fp8), "SCALE_B": int(fp8), "HAS_BIAS": False,
+              "FAST_ACCUM": True}
+    if not fp8:
+        consts.update(scale_a_ptr=None, scale_b_ptr=None, stride_bk=None, stride_bn=1)
+        sig.update(stride_bk="i32", stride_bn="constexpr")
+        del consts["stride_bk"]
+    sig.update({name: "constexpr" for name in consts if name.isupper()})
+    attrs = {name: [["tt.divisibility", 16]] for name in ("a_ptr", "b_ptr", "c_ptr", "K", "stride_am", "stride_cm")}
+    return KernelSpec(ptr_gemm_kernel, sig, consts, config.num_warps, config.num_stages, "triton.ptr", attrs)

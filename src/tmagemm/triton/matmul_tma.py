@@ -21,8 +21,10 @@ from .host import Layout, operand_descriptors, tma_layout
 def load_a_tile(a_desc, off_m, off_k, A_ROW_MAJOR: tl.constexpr):
     """[BM, BK] tile of A; a column-major A is described transposed and flipped back here."""
     if A_ROW_MAJOR:
-        return a_desc.load([off_m, off_k])
-    return a_desc.load([off_k, off_m]).T
+        tile = a_desc.load([off_m, off_k])
+    else:
+        tile = a_desc.load([off_k, off_m]).T
+    return tile
 
 
 @triton.jit
@@ -30,8 +32,10 @@ def load_b_tile(b_desc, off_k, off_n, B_ROW_MAJOR: tl.constexpr):
     """[BK, BN] tile of B; a K-major B (w.t() of an (N, K) weight) is loaded as [BN, BK] and
     transposed, which wgmma reads directly from shared memory (required for fp8)."""
     if B_ROW_MAJOR:
-        return b_desc.load([off_k, off_n])
-    return b_desc.load([off_n, off_k]).T
+        tile = b_desc.load([off_k, off_n])
+    else:
+        tile = b_desc.load([off_n, off_k]).T
+    return tile
 
 
 @triton.jit
@@ -39,8 +43,10 @@ def mma(a, b, acc, FAST_ACCUM: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc += a @ b. Without fast accumulation, fp8 partial sums are promoted to the fp32
     accumulator once per K tile instead of staying in wgmma's reduced-precision adder."""
     if FAST_ACCUM:
-        return tl.dot(a, b, acc)
-    return tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+        acc = tl.dot(a, b, acc)
+    else:
+        acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+    return acc
 
 
 @triton.jit
@@ -146,3 +152,27 @@ VARIANTS = [
         run=run,
     )
 ]
+
+
+def aot_spec(config: TritonGemmConfig | None = None, a_dtype=None, out_dtype=None):
+    """A compilable instance for ``tmagemm inspect`` (fp8 by default: A row-major, B K-major)."""
+    import torch
+
+    from ..inspection import KernelSpec
+    from .host import aot_gemm_signature, aot_layout_constexprs
+
+    a_dtype = a_dtype or torch.float8_e4m3fn
+    out_dtype = out_dtype or torch.bfloat16
+    fp8 = a_dtype.itemsize == 1
+    config = config or TritonGemmConfig(128, 256, 128 if fp8 else 64, 8, 3, 8)
+    b_dtype = torch.float8_e4m3fn if fp8 else a_dtype
+    sig, consts, attrs = aot_gemm_signature(
+        a_dtype, b_dtype, out_dtype, config.block_m, config.block_n, config.block_k, config.block_n,
+        b_row_major=not fp8, scaled=fp8,
+    )
+    sig.update({name: "constexpr" for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "A_ROW_MAJOR",
+                                               "B_ROW_MAJOR", "TMA_STORE", "SCALE_A", "SCALE_B", "HAS_BIAS",
+                                               "FAST_ACCUM")})
+    consts.update(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m)
+    consts.update(aot_layout_constexprs(b_row_major=not fp8, scaled=fp8))
+    return KernelSpec(tma_gemm_kernel, sig, consts, config.num_warps, config.num_stages, "triton.tma", attrs)
