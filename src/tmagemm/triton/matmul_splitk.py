@@ -122,7 +122,7 @@ def choose_config(m: int, n: int, k: int, a_dtype: torch.dtype, sm_count: int) -
     block_n = 128
     tiles = _cdiv(max(m, 1), block_m) * _cdiv(max(n, 1), block_n)
     k_iters = max(1, _cdiv(k, block_k))
-    split = max(1, min(_cdiv(2 * sm_count, tiles), k_iters // 4))
+    split = max(1, min(2 * sm_count // tiles, k_iters // 4))
     # Re-derive the split from the slice length so no slice is empty.
     split = _cdiv(k_iters, _cdiv(k_iters, split))
     num_warps = 8 if block_m * block_n > 128 * 64 else 4

@@ -1,0 +1,292 @@
+"""Small-M split-K / swap-AB kernels (tmagemm.triton.matmul_splitk).
+
+CPU tests run the Triton kernel under the interpreter at small shapes (fp16 and fp8: the
+interpreter's bf16 dot is wrong); GPU tests cover every M up to 128, bf16, determinism and
+CUDA-graph capture.
+"""
+
+import pytest
+import torch
+
+from tmagemm.dispatch import GemmArgs
+from tmagemm.triton import matmul_splitk as sk
+
+F8 = torch.float8_e4m3fn
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _operands(m, n, k, dtype, *, integer=False, device=DEV):
+    """a (m, k) row-major; b (k, n) = w.t() of a row-major (n, k) weight, like nn.Linear."""
+    if integer:  # small integers: every product and fp32 partial sum is exact
+        a = torch.randint(-4, 5, (m, k), device=device).to(dtype)
+        w = torch.randint(-4, 5, (n, k), device=device).to(dtype)
+    else:
+        a = torch.randn(m, k, device=device).to(dtype)
+        w = torch.randn(n, k, device=device).to(dtype)
+    return a, w.t()
+
+
+def _reference(a, b, scale_a=None, scale_b=None, bias=None):
+    ref = a.double() @ b.double()
+    if scale_a is not None:
+        ref = ref * (scale_a.double()[:, None] if scale_a.numel() > 1 else scale_a.double())
+    if scale_b is not None:
+        ref = ref * (scale_b.double()[None, :] if scale_b.numel() > 1 else scale_b.double())
+    if bias is not None:
+        ref = ref + bias.double()[None, :]
+    return ref
+
+
+def _assert_close(out, ref, rtol, atol):
+    err = (out.double() - ref).abs()
+    bound = rtol * ref.abs() + atol
+    bad = err > bound
+    if bad.any():
+        flat = int((err - bound).flatten().argmax())
+        r, c = divmod(flat, ref.shape[1])
+        raise AssertionError(
+            f"{int(bad.sum())} of {bad.numel()} elements out of tolerance; worst at ({r}, {c}): "
+            f"got {out[r, c].item()}, want {ref[r, c].item()} (rtol={rtol}, atol={atol})"
+        )
+
+
+def _run(args, config=None):
+    assert sk.supports(args) is None, sk.supports(args)
+    args.out.fill_(float("nan"))  # poison: any element the kernel skips fails the check
+    sk.run(args, config)
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU (interpreter) and GPU: the kernel itself at small shapes with explicit configs
+# ----------------------------------------------------------------------------------------------
+
+# (M, N, K): ragged in every dim; K=208 is 6.5 blocks of 32, 3.25 blocks of 64.
+SHAPES = [(1, 40, 208), (17, 72, 208), (5, 33, 96)]
+CONFIGS = [
+    # block_m, block_n, block_k, split, swap, a_tma, stages
+    (16, 32, 32, 1, True, False, 2),
+    (16, 32, 32, 3, True, False, 2),  # 7 K-blocks in slices of 3, 3, 1
+    (16, 32, 32, 2, True, True, 2),  # activation through TMA too
+    (16, 32, 32, 3, False, False, 2),  # no swap
+    (32, 16, 64, 4, True, False, 3),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, F8], ids=["fp16", "fp8"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"bm{c[0]}bn{c[1]}bk{c[2]}s{c[3]}{'swap' if c[4] else ''}{'tma' if c[5] else ''}")
+def test_exact_on_integers(dtype, shape, cfg, seeded):
+    m, n, k = shape
+    config = sk.SplitKConfig(*cfg)
+    a, b = _operands(m, n, k, dtype, integer=True)
+    scale_b = torch.tensor([0.5], device=DEV)  # power of two: scaling stays exact
+    bias = torch.randint(-8, 9, (n,), device=DEV).float()
+    out = torch.empty(m, n, device=DEV, dtype=torch.float32)
+    args = GemmArgs(a, b, out, None, scale_b, bias)
+    _run(args, config)
+    ref = _reference(a, b, None, scale_b, bias)
+    _assert_close(out, ref, rtol=0.0, atol=0.0)
+
+
+@pytest.mark.parametrize("scales", ["none", "tensor", "row"])
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32])
+def test_random_fp8_scales_bias(scales, out_dtype, seeded):
+    m, n, k = 17, 72, 208
+    a, b = _operands(m, n, k, F8)
+    if scales == "tensor":
+        scale_a, scale_b = torch.rand(1, device=DEV) + 0.5, torch.rand(1, device=DEV) + 0.5
+    elif scales == "row":
+        scale_a, scale_b = torch.rand(m, device=DEV) + 0.5, torch.rand(n, device=DEV) + 0.5
+    else:
+        scale_a = scale_b = None
+    bias = torch.randn(n, device=DEV).to(torch.float16)
+    out = torch.empty(m, n, device=DEV, dtype=out_dtype)
+    args = GemmArgs(a, b, out, scale_a, scale_b, bias)
+    _run(args, sk.SplitKConfig(16, 32, 64, 3, True, False, 2))
+    ref = _reference(a, b, scale_a, scale_b, bias)
+    # fp32 accumulation of 208 products: ~1e-5 absolute; fp16 output rounding: 2^-11 relative.
+    rtol = 2.0**-10 if out_dtype == torch.float16 else 1e-6
+    _assert_close(out, ref, rtol=rtol, atol=1e-3)
+
+
+def test_row_major_fp16_weight_and_strided_operands(seeded):
+    """16-bit b may be N-major; a and out may have padded rows (pointer loads / stores)."""
+    m, n, k = 9, 48, 160
+    a_full = torch.randint(-4, 5, (m, k + 24), device=DEV).to(torch.float16)
+    a = a_full[:, 8 : 8 + k]
+    b = torch.randint(-4, 5, (k, n), device=DEV).to(torch.float16)  # row-major (K, N)
+    out_full = torch.empty(m, n + 16, device=DEV, dtype=torch.float32)
+    out = out_full[:, :n]
+    args = GemmArgs(a, b, out)
+    assert sk.supports(args) is None
+    _run(args, sk.SplitKConfig(16, 16, 32, 2, True, False, 2))
+    _assert_close(out, _reference(a, b), rtol=0.0, atol=0.0)
+
+
+def test_split_is_bitwise_deterministic_and_rearms_counters(seeded):
+    m, n, k = 17, 72, 200
+    a, b = _operands(m, n, k, torch.float16)
+    out = torch.empty(m, n, device=DEV, dtype=torch.float32)
+    args = GemmArgs(a, b, out)
+    config = sk.SplitKConfig(16, 32, 32, 3, True, False, 2)
+    _run(args, config)
+    first = out.clone()
+    for _ in range(2):
+        _run(args, config)
+        assert torch.equal(out, first)
+    ws = sk._workspaces[sk._stream_key(a.device)]
+    assert int(ws.locks.abs().sum()) == 0, "arrival counters must be back at zero after a launch"
+    _assert_close(out, _reference(a, b), rtol=1e-6, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(0, 40, 64), (5, 0, 64), (5, 40, 0)])
+def test_zero_size(shape):
+    m, n, k = shape
+    a, b = _operands(m, n, k, torch.float16)
+    bias = torch.randn(n, device=DEV)
+    out = torch.full((m, n), float("nan"), device=DEV, dtype=torch.float32)
+    args = GemmArgs(a, b, out, None, None, bias)
+    assert sk.supports(args) is None
+    sk.run(args)
+    assert torch.equal(out, bias.expand(m, n))
+
+
+def test_supports_reasons():
+    a, b = _operands(129, 64, 64, torch.float16)
+    assert "M=129" in sk.supports(GemmArgs(a, b, torch.empty(129, 64, device=DEV)))
+    a8 = torch.randn(4, 64, device=DEV).to(F8)
+    b8_row_major = torch.randn(64, 32, device=DEV).to(F8)
+    assert "column-major" in sk.supports(GemmArgs(a8, b8_row_major, torch.empty(4, 32, device=DEV)))
+    w = torch.randn(32, 72, device=DEV).to(torch.float16)[:, :68]  # ld 72 ok, K=68: 136 B rows
+    a16 = torch.randn(4, 68, device=DEV).to(torch.float16)
+    assert sk.supports(GemmArgs(a16, w.t(), torch.empty(4, 32, device=DEV))) is None
+    w_bad = torch.randn(32, 70, device=DEV).to(torch.float16)[:, :68]  # ld 70 x 2 B = 140 B
+    assert "16 B" in sk.supports(GemmArgs(a16, w_bad.t(), torch.empty(4, 32, device=DEV)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Heuristic
+# ----------------------------------------------------------------------------------------------
+
+
+def _slices(cfg, k):
+    k_iters = -(-k // cfg.block_k)
+    per = -(-k_iters // cfg.split_k)
+    return k_iters, per
+
+
+@pytest.mark.parametrize("dtype", [F8, torch.bfloat16], ids=["fp8", "bf16"])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16, 17, 32, 64, 100, 128])
+@pytest.mark.parametrize("kn", [(4096, 4096), *sk.LLM_PROJECTIONS.values(), (200, 40), (4000, 1000)])
+def test_heuristic_invariants(dtype, m, kn):
+    k, n = kn
+    cfg = sk.choose_config(m, n, k, dtype, 132)
+    assert cfg == sk.choose_config(m, n, k, dtype, 132), "must be a pure function"
+    assert cfg.block_m >= min(m, cfg.block_m) and cfg.block_m >= 16
+    assert cfg.block_k * (1 if dtype == F8 else 2) == 128, "block_k spans one 128 B swizzle row"
+    k_iters, per = _slices(cfg, k)
+    assert -(-k_iters // per) == cfg.split_k, "no K slice may be empty"
+    assert cfg.smem_bytes(1 if dtype == F8 else 2) <= sk._SMEM_BUDGET
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    if cfg.split_k > 1:
+        # The default workspace must hold every split the heuristic picks for M <= 128, so one
+        # eager call makes any later capture on that stream safe.
+        assert tiles * cfg.split_k * cfg.block_m * cfg.block_n <= sk._MIN_PARTIALS
+        assert tiles <= sk._MIN_LOCKS
+
+
+HEURISTIC_TABLE = [
+    # m, n, k, dtype, expected (block_m, block_n, split_k, swap_ab)
+]
+
+
+@pytest.mark.parametrize("row", HEURISTIC_TABLE)
+def test_heuristic_table(row):
+    m, n, k, dtype, want = row
+    cfg = sk.choose_config(m, n, k, dtype, 132)
+    assert (cfg.block_m, cfg.block_n, cfg.split_k, cfg.swap_ab) == want
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F8, torch.bfloat16], ids=["fp8", "bf16"])
+@pytest.mark.parametrize("nk", [(4096, 4096), (1000, 4000), (72, 176)], ids=lambda s: f"n{s[0]}k{s[1]}")
+def test_gpu_every_m(dtype, nk, seeded):
+    n, k = nk
+    a_all, b = _operands(130, n, k, dtype)
+    scale_b = (torch.rand(n, device="cuda") + 0.5) if dtype == F8 else None
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    worst = 0.0
+    for m in range(1, 131):
+        a = a_all[:m]
+        scale_a = (torch.rand(m, device="cuda") + 0.5) if dtype == F8 else None
+        out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        args = GemmArgs(a, b, out, scale_a, scale_b, bias)
+        if m > sk.MAX_M:
+            assert sk.supports(args) is not None
+            continue
+        assert sk.supports(args) is None
+        _run(args)
+        ref = _reference(a, b, scale_a, scale_b, bias)
+        # bf16 output: 2^-8 relative; fp32 accumulation over K: far below 2^-10 of max|ref|.
+        _assert_close(out, ref, rtol=2.0**-7, atol=2.0**-10 * float(ref.abs().max()))
+        worst = max(worst, float(((out.double() - ref).abs() / (ref.abs() + 1)).max()))
+    assert worst > 0.0, "a check that compared nothing"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F8, torch.bfloat16], ids=["fp8", "bf16"])
+def test_gpu_deterministic(dtype, seeded):
+    m, n, k = 16, 4096, 4000  # K not a multiple of the split
+    a, b = _operands(m, n, k, dtype)
+    out = torch.empty(m, n, device="cuda", dtype=torch.float32)
+    args = GemmArgs(a, b, out)
+    config = sk.choose_config(m, n, k, dtype, torch.cuda.get_device_properties(0).multi_processor_count)
+    assert config.split_k > 1, "the decode shape should split K"
+    _run(args, config)
+    first = out.clone()
+    for _ in range(20):
+        _run(args, config)
+        assert torch.equal(out, first), "split-K result changed between runs"
+    _assert_close(out, _reference(a, b), rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph(seeded):
+    m, n, k = 8, 4096, 4096
+    a, b = _operands(m, n, k, F8)
+    scale_a = torch.rand(1, device="cuda") + 0.5
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    args = GemmArgs(a, b, out, scale_a, None, None)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        sk.run(args)  # allocates this stream's workspace outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        sk.run(args)
+    a.copy_(torch.randn(m, k, device="cuda").to(F8))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = out.clone()
+    _run(args)
+    assert torch.equal(replayed, out)
+    _assert_close(out, _reference(a, b, scale_a), rtol=2.0**-7, atol=1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_capture_without_workspace_raises():
+    a, b = _operands(4, 256, 512, F8)
+    args = GemmArgs(a, b, torch.empty(4, 256, device="cuda", dtype=torch.bfloat16))
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        sk._workspaces.pop(sk._stream_key(a.device), None)  # as if this stream were new
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="eager call"):
+        with torch.cuda.graph(graph, stream=stream):
+            sk.run(args)
