@@ -1,0 +1,284 @@
+"""What the benchmark runs: test operands, every tmagemm variant, and the cuBLAS peers.
+
+A :class:`Provider` turns a :class:`Case` (operands of one shape) into a zero-argument call that
+writes a preallocated output. Providers that cannot run are never dropped: an import failure
+makes them *absent*, a shape their ``supports()`` refuses makes them *unsupported*, and both
+reasons end up in the results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .shapes import Shape
+
+DTYPES = ("fp8", "bf16", "fp16")
+
+# Largest accepted max|out - ref| / max|ref| per input dtype. The output is rounded once to
+# bf16 (fp8 and bf16 runs, 2^-9 relative) or fp16 (2^-11); fp32 accumulation over K <= 32k adds
+# well under that. A kernel that drops a tile or mis-applies a scale misses by O(1).
+TOLERANCE = {"fp8": 1e-2, "bf16": 1e-2, "fp16": 2e-3}
+
+FP8 = torch.float8_e4m3fn
+
+
+class Unsupported(Exception):
+    """A provider refuses a shape (the message says why)."""
+
+
+@dataclass(frozen=True, eq=False)
+class Case:
+    """Operands of one benchmark problem, laid out as the tmagemm contract expects.
+
+    fp8: a (M, K) row-major e4m3; b (K, N) the ``.t()`` view of a row-major (N, K) weight;
+    fp32 dequantization scales, tensor-wise (1,) or row-wise (M,)/(N,); bf16 output.
+    bf16/fp16: a (M, K) and b (K, N) row-major, output in the input dtype.
+    ``reference`` is the float64 product including the scales.
+    """
+
+    shape: Shape
+    dtype: str
+    a: torch.Tensor
+    b: torch.Tensor
+    scale_a: torch.Tensor | None
+    scale_b: torch.Tensor | None
+    reference: torch.Tensor
+
+    @property
+    def out_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.dtype == "fp8" else self.a.dtype
+
+    def empty_out(self) -> torch.Tensor:
+        """An output buffer poisoned with NaN, so an unwritten tile fails the accuracy check."""
+        m, n = self.shape.m, self.shape.n
+        return torch.full((m, n), float("nan"), dtype=self.out_dtype, device=self.a.device)
+
+    @property
+    def compulsory_bytes(self) -> int:
+        """Bytes every kernel must move at least once: A and B read, C written."""
+        s = self.shape
+        out_size = torch.empty((), dtype=self.out_dtype).element_size()
+        return (s.m * s.k + s.k * s.n) * self.a.element_size() + s.m * s.n * out_size
+
+
+def make_case(shape: Shape, dtype: str, device: torch.device | str, rowwise: bool = False) -> Case:
+    """Fresh random operands (never zeros) and their float64 reference."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    m, n, k = shape.m, shape.n, shape.k
+    if dtype == "fp8":
+        a = torch.randn(m, k, device=device).to(FP8)
+        b = torch.randn(n, k, device=device).to(FP8).t()
+        if rowwise:
+            scale_a = torch.rand(m, device=device) + 0.5
+            scale_b = torch.rand(n, device=device) + 0.5
+        else:
+            scale_a = torch.rand(1, device=device) + 0.5
+            scale_b = torch.rand(1, device=device) + 0.5
+    else:
+        torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
+        a = torch.randn(m, k, device=device, dtype=torch_dtype)
+        b = torch.randn(k, n, device=device, dtype=torch_dtype)
+        scale_a = scale_b = None
+    ref = a.double() @ b.double()
+    if scale_a is not None:
+        ref *= (scale_a.double()[:, None] if rowwise else scale_a.double())
+        ref *= (scale_b.double()[None, :] if rowwise else scale_b.double())
+    return Case(shape, dtype, a, b, scale_a, scale_b, ref)
+
+
+def relative_error(out: torch.Tensor, case: Case, out_scale: float = 1.0) -> float:
+    """max|out*out_scale - ref| / max|ref|; inf when the output holds NaN/Inf."""
+    if out.numel() == 0:
+        return 0.0
+    got = out.double() * out_scale
+    if not torch.isfinite(got).all():
+        return float("inf")
+    denom = case.reference.abs().max().item() or 1.0
+    return (got - case.reference).abs().max().item() / denom
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A ready call for one case; ``out_scale`` maps its output onto the reference's scale."""
+
+    call: Callable[[], torch.Tensor]
+    out_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class Provider:
+    """One implementation the benchmark times.
+
+    family: "tmagemm" (our variants and the public API) or "peer" (cuBLAS through torch).
+    backend: "api" (tmagemm.auto), "triton" or "cuda" (a variant), "torch" (a peer).
+    absent: why the provider cannot run at all here (not installed, not importable), else None.
+    prepare(case): returns a :class:`Prepared` or raises :class:`Unsupported`.
+    """
+
+    name: str
+    family: str
+    backend: str
+    description: str
+    dtypes: tuple[str, ...]
+    prepare: Callable[[Case], Prepared] | None = None
+    absent: str | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# tmagemm providers
+# --------------------------------------------------------------------------------------------
+
+
+def _gemm_args(case: Case, out: torch.Tensor, fast_accum: bool):
+    from ..dispatch import GemmArgs
+
+    kwargs = {}
+    if any(f.name == "fast_accum" for f in dataclasses.fields(GemmArgs)):
+        kwargs["fast_accum"] = fast_accum
+    return GemmArgs(case.a, case.b, out, case.scale_a, case.scale_b, None, **kwargs)
+
+
+def _variant_provider(variant, fast_accum: bool) -> Provider:
+    def prepare(case: Case) -> Prepared:
+        out = case.empty_out()
+        args = _gemm_args(case, out, fast_accum)
+        reason = variant.supports(args)
+        if reason is not None:
+            raise Unsupported(reason)
+
+        def call() -> torch.Tensor:
+            variant.run(args)
+            return out
+
+        return Prepared(call)
+
+    return Provider(variant.name, "tmagemm", variant.backend, variant.description, DTYPES, prepare)
+
+
+def _auto_provider(fast_accum: bool) -> Provider:
+    """The public API as users call it: ``tmagemm.scaled_mm`` (fp8) / ``tmagemm.matmul``."""
+    import tmagemm
+
+    missing = [f for f in ("matmul", "scaled_mm") if not hasattr(tmagemm, f)]
+    if missing:
+        return Provider("tmagemm.auto", "tmagemm", "api", "public API", DTYPES,
+                        absent=f"tmagemm does not export {', '.join(missing)}")  # fmt: skip
+
+    def prepare(case: Case) -> Prepared:
+        out = case.empty_out()
+        if case.dtype == "fp8":
+            def call() -> torch.Tensor:
+                return tmagemm.scaled_mm(case.a, case.b, case.scale_a, case.scale_b, out_dtype=out.dtype,
+                                         use_fast_accum=fast_accum, out=out)  # fmt: skip
+        else:
+            def call() -> torch.Tensor:
+                return tmagemm.matmul(case.a, case.b, out=out)
+        return Prepared(call)
+
+    return Provider("tmagemm.auto", "tmagemm", "api", "public API: tmagemm.scaled_mm / tmagemm.matmul", DTYPES, prepare)
+
+
+def tmagemm_providers(fast_accum: bool = True) -> list[Provider]:
+    """The public API, every registered variant, and an absent entry per unimportable module."""
+    found = [_auto_provider(fast_accum)]
+    try:
+        from .. import dispatch
+
+        variants = dispatch.variants()
+        missing = dispatch.unavailable()
+    except Exception as exc:  # the registry itself is broken: say so instead of crashing
+        return found + [Provider("tmagemm.variants", "tmagemm", "api", "variant registry", DTYPES,
+                                 absent=f"dispatch registry failed: {type(exc).__name__}: {exc}")]  # fmt: skip
+    found += [_variant_provider(v, fast_accum) for v in variants]
+    for module, reason in missing.items():
+        name = module.removeprefix("tmagemm.")
+        backend = name.split(".")[0]
+        found.append(Provider(f"{name} (module)", "tmagemm", backend, f"variants of {module}", DTYPES, absent=reason))
+    return found
+
+
+# --------------------------------------------------------------------------------------------
+# cuBLAS peers through torch
+# --------------------------------------------------------------------------------------------
+
+
+def _cublas_matmul(case: Case) -> Prepared:
+    if case.dtype == "fp8":
+        raise Unsupported("torch.matmul has no fp8 path; see cublas.fp8")
+    out = case.empty_out()
+
+    def call() -> torch.Tensor:
+        return torch.matmul(case.a, case.b, out=out)
+
+    return Prepared(call)
+
+
+def _cublas_fp16_of_fp8(case: Case) -> Prepared:
+    """The seed's comparison: the same e4m3 values as fp16 (exact), cuBLAS fp16 GEMM."""
+    if case.dtype != "fp8":
+        raise Unsupported("only compared against fp8 runs")
+    if case.scale_a.numel() != 1 or case.scale_b.numel() != 1:
+        raise Unsupported("row-wise scales: compare against cublas.fp8")
+    a16, b16 = case.a.to(torch.float16), case.b.to(torch.float16)
+    out = torch.full((case.shape.m, case.shape.n), float("nan"), dtype=torch.float16, device=case.a.device)
+
+    def call() -> torch.Tensor:
+        return torch.matmul(a16, b16, out=out)
+
+    return Prepared(call, out_scale=case.scale_a.item() * case.scale_b.item())
+
+
+def _cublas_fp8(fast_accum: bool) -> Callable[[Case], Prepared]:
+    def prepare(case: Case) -> Prepared:
+        if case.dtype != "fp8":
+            raise Unsupported("fp8 inputs only")
+        scale_a, scale_b = case.scale_a, case.scale_b
+        if scale_a.numel() != 1:  # torch wants row-wise scales as (M, 1) and (1, N)
+            scale_a, scale_b = scale_a[:, None], scale_b[None, :]
+
+        def call() -> torch.Tensor:
+            return torch._scaled_mm(case.a, case.b, scale_a, scale_b,
+                                    out_dtype=torch.bfloat16, use_fast_accum=fast_accum)  # fmt: skip
+
+        return Prepared(call)
+
+    return prepare
+
+
+def peer_providers() -> list[Provider]:
+    scaled_mm_absent = None if hasattr(torch, "_scaled_mm") else f"torch {torch.__version__} has no _scaled_mm"
+    return [
+        Provider("cublas", "peer", "torch", "cuBLAS via torch.matmul", ("bf16", "fp16"), _cublas_matmul),
+        Provider("cublas.fp16", "peer", "torch", "cuBLAS fp16 on the fp8 values (seed's comparison)", ("fp8",),
+                 _cublas_fp16_of_fp8),  # fmt: skip
+        Provider("cublas.fp8", "peer", "torch", "cuBLAS via torch._scaled_mm, fast accumulation", ("fp8",),
+                 _cublas_fp8(True), scaled_mm_absent),  # fmt: skip
+        Provider("cublas.fp8.exact", "peer", "torch", "cuBLAS via torch._scaled_mm, fp32 accumulation", ("fp8",),
+                 _cublas_fp8(False), scaled_mm_absent),  # fmt: skip
+    ]
+
+
+def main_peer(dtype: str) -> str:
+    """The peer that headline speedups are quoted against."""
+    return "cublas.fp8" if dtype == "fp8" else "cublas"
+
+
+def select(providers: list[Provider], dtype: str, patterns: list[str] | None) -> list[Provider]:
+    """Providers for ``dtype`` whose name matches any glob in ``patterns`` (all when None).
+
+    Raises ValueError when a pattern matches nothing, so a typo is not a silently empty run.
+    """
+    chosen = [p for p in providers if dtype in p.dtypes]
+    if not patterns:
+        return chosen
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(p.name, pattern) for p in chosen):
+            names = ", ".join(p.name for p in chosen)
+            raise ValueError(f"--providers {pattern!r} matches none of the {dtype} providers: {names}")
+    return [p for p in chosen if any(fnmatch.fnmatchcase(p.name, pat) for pat in patterns)]

@@ -1,0 +1,224 @@
+"""The benchmark loop: every (shape, provider) is checked against float64, then timed.
+
+Nothing a provider does can end the run: absent, unsupported, failed and wrong results are
+recorded with their reason. Without a GPU, :func:`check` runs the Triton kernels under the
+interpreter on small shapes and verifies them; timing needs a GPU.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Any, TextIO
+
+import torch
+
+from . import envinfo, providers as prov
+from .results import ABSENT, CHECKED, FAILED, OK, UNSUPPORTED, WRONG, BenchResult, derive
+from .shapes import CHECK_SHAPES, Shape
+from .timing import Timer, copy_bandwidth_gbs, host_loop_us, matmul_peak_tflops
+
+# The seed's end-to-end number: a decode-sized GEMM where host overhead dominates.
+HOST_LOOP_SHAPE = Shape(16, 4096, 4096)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What one ``tmagemm bench`` run measures.
+
+    providers: glob patterns of provider names (None: all). rowwise: row-wise fp8 scales
+    instead of tensor-wise. fast_accum: fp8 accumulation mode of the tmagemm providers.
+    graph: also time CUDA-graph replay. host_loop: also time a Python loop of calls at
+    :data:`HOST_LOOP_SHAPE`. budget_ms: GPU time spent on timed runs per (shape, provider).
+    """
+
+    shapes: tuple[Shape, ...]
+    dtype: str = "fp8"
+    providers: tuple[str, ...] | None = None
+    rowwise: bool = False
+    fast_accum: bool = True
+    graph: bool = False
+    host_loop: bool = True
+    budget_ms: float = 200.0
+    command: str = ""
+
+
+class Progress:
+    """A one-line progress bar on a terminal; one line per step otherwise (logs, CI)."""
+
+    def __init__(self, total: int, stream: TextIO | None = None, width: int = 28):
+        self.total, self.done, self.width = total, 0, width
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = self.stream.isatty()
+        self.t0 = time.perf_counter()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        filled = self.width * self.done // max(self.total, 1)
+        elapsed = time.perf_counter() - self.t0
+        line = f"[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} {elapsed:5.0f}s {label}"
+        if self.tty:
+            self.stream.write("\r" + line[:120].ljust(120))
+            if self.done == self.total:
+                self.stream.write("\n")
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+def _error_text(exc: BaseException) -> str:
+    """The exception's first line plus where it was raised, short enough for a table cell."""
+    first = (str(exc).strip().splitlines() or [""])[0][:240]
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {frames[-1].name}:{frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {first}{where}"
+
+
+def _record(shape: Shape, dtype: str, provider: prov.Provider, bytes_: int) -> dict[str, Any]:
+    return {
+        "m": shape.m, "n": shape.n, "k": shape.k, "label": shape.label, "dtype": dtype,
+        "provider": provider.name, "family": provider.family, "status": None, "reason": None,
+        "median_us": None, "p20_us": None, "p80_us": None, "reps": None,
+        "graph_median_us": None, "graph_p20_us": None, "graph_p80_us": None,
+        "max_rel_err": None, "tolerance": prov.TOLERANCE[dtype], "flops": shape.flops, "bytes": bytes_,
+    }  # fmt: skip
+
+
+def _run_one(provider: prov.Provider, case: prov.Case, timer: Timer | None, graph: bool) -> dict[str, Any]:
+    rec = _record(case.shape, case.dtype, provider, case.compulsory_bytes)
+    if provider.absent:
+        rec.update(status=ABSENT, reason=provider.absent)
+        return rec
+    try:
+        prepared = provider.prepare(case)
+    except prov.Unsupported as exc:
+        rec.update(status=UNSUPPORTED, reason=str(exc))
+        return rec
+    except Exception as exc:
+        rec.update(status=FAILED, reason=f"prepare: {_error_text(exc)}")
+        return rec
+    try:
+        # The first call compiles/autotunes; it is also the one checked for accuracy.
+        out = prepared.call()
+        err = prov.relative_error(out, case, prepared.out_scale)
+    except Exception as exc:
+        rec.update(status=FAILED, reason=_error_text(exc))
+        return rec
+    rec["max_rel_err"] = err
+    good = err <= rec["tolerance"]
+    if timer is None:
+        rec.update(status=CHECKED if good else WRONG)
+    else:
+        rec["status"] = OK if good else WRONG
+    if not good:
+        rec["reason"] = f"max rel err {err:.3g} > {rec['tolerance']:g}"
+    if timer is None:
+        return rec
+    try:
+        t = timer.eager(prepared.call)
+        rec.update(median_us=t.median_us, p20_us=t.p20_us, p80_us=t.p80_us, reps=t.reps)
+    except Exception as exc:
+        rec.update(status=FAILED, reason=f"timing: {_error_text(exc)}")
+        return rec
+    if graph:
+        try:
+            t = timer.graph(prepared.call)
+            rec.update(graph_median_us=t.median_us, graph_p20_us=t.p20_us, graph_p80_us=t.p80_us)
+        except Exception as exc:
+            rec["reason"] = "; ".join(filter(None, [rec["reason"], f"graph: {_error_text(exc)}"]))
+    return rec
+
+
+def _ceilings(dtype: str, device: torch.device) -> dict[str, Any]:
+    ceilings: dict[str, Any] = {"copy_gbs": None, "peak_tflops": {}, "errors": []}
+    try:
+        ceilings["copy_gbs"] = copy_bandwidth_gbs(device)
+    except Exception as exc:
+        ceilings["errors"].append(f"copy bandwidth: {_error_text(exc)}")
+    try:
+        ceilings["peak_tflops"][dtype] = matmul_peak_tflops(dtype, device)
+    except Exception as exc:
+        ceilings["errors"].append(f"{dtype} matmul peak: {_error_text(exc)}")
+    return ceilings
+
+
+def _host_loop(chosen: list[prov.Provider], config: BenchConfig, device: torch.device) -> list[dict[str, Any]]:
+    """Per-call time of an unsynchronised Python loop for each tmagemm provider and the main peer."""
+    rows = []
+    case = prov.make_case(HOST_LOOP_SHAPE, config.dtype, device, config.rowwise)
+    peer = prov.main_peer(config.dtype)
+    for p in chosen:
+        if p.absent or not (p.family == "tmagemm" or p.name == peer):
+            continue
+        row = {"provider": p.name, "m": case.shape.m, "n": case.shape.n, "k": case.shape.k, "us_per_call": None, "reason": None}
+        try:
+            row["us_per_call"] = host_loop_us(p.prepare(case).call)
+        except prov.Unsupported as exc:
+            row["reason"] = f"unsupported: {exc}"
+        except Exception as exc:
+            row["reason"] = _error_text(exc)
+        rows.append(row)
+    return rows
+
+
+def _providers(config: BenchConfig) -> list[prov.Provider]:
+    everything = prov.tmagemm_providers(config.fast_accum) + prov.peer_providers()
+    return prov.select(everything, config.dtype, list(config.providers) if config.providers else None)
+
+
+def run(config: BenchConfig, stream: TextIO | None = None) -> BenchResult:
+    """Benchmark ``config`` on the current CUDA device."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("tmagemm bench needs a CUDA GPU for timing; without one use check()")
+    device = torch.device("cuda", torch.cuda.current_device())
+    chosen = _providers(config)
+    meta = envinfo.metadata(config.command)
+    meta["config"] = {**asdict(config), "shapes": [str(s) for s in config.shapes]}
+    meta["providers"] = {p.name: p.description for p in chosen}
+    meta["ceilings"] = _ceilings(config.dtype, device)
+    result = BenchResult(meta)
+    timer = Timer(device, config.budget_ms)
+    progress = Progress(len(config.shapes) * len(chosen), stream)
+    for shape in config.shapes:
+        try:
+            case = prov.make_case(shape, config.dtype, device, config.rowwise)
+        except Exception as exc:  # e.g. out of memory for the operands or the reference
+            for p in chosen:
+                rec = _record(shape, config.dtype, p, 0)
+                rec.update(status=FAILED, reason=f"operands: {_error_text(exc)}")
+                result.records.append(rec)
+                progress.step(f"{shape} {p.name}")
+            continue
+        for p in chosen:
+            result.records.append(_run_one(p, case, timer, config.graph))
+            progress.step(f"{shape} {p.name}")
+        del case
+    del timer
+    torch.cuda.empty_cache()
+    if config.host_loop:
+        result.host_loop = _host_loop(chosen, config, device)
+    return derive(result)
+
+
+def check(dtypes: tuple[str, ...] = ("fp16", "fp8"), shapes: tuple[Shape, ...] = CHECK_SHAPES,
+          patterns: tuple[str, ...] | None = None, command: str = "", stream: TextIO | None = None) -> BenchResult:  # fmt: skip
+    """CPU mode: run the Triton providers under the interpreter on small shapes, no timing."""
+    if "bf16" in dtypes:
+        raise ValueError("the Triton interpreter computes bf16 dots wrongly; check fp16 and fp8 on the CPU")
+    meta = envinfo.metadata(command)
+    meta["mode"] = "interpreter check (no GPU): accuracy only, timings need a GPU"
+    result = BenchResult(meta)
+    per_dtype = {}
+    for dtype in dtypes:
+        everything = [p for p in prov.tmagemm_providers() if p.backend in ("triton", "api")]
+        per_dtype[dtype] = prov.select(everything, dtype, list(patterns) if patterns else None)
+    progress = Progress(sum(len(v) for v in per_dtype.values()) * len(shapes), stream)
+    for dtype, chosen in per_dtype.items():
+        for shape in shapes:
+            case = prov.make_case(shape, dtype, "cpu")
+            for p in chosen:
+                result.records.append(_run_one(p, case, None, False))
+                progress.step(f"{dtype} {shape} {p.name}")
+    return derive(result)

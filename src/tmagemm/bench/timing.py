@@ -1,0 +1,139 @@
+"""GPU timing: L2-flushed event timing, CUDA-graph replay, host-loop time, device ceilings.
+
+Every kernel time is the median (with p20/p80) of many runs, each preceded by zeroing a 256 MB
+buffer so that no operand is still in the 50 MB L2 from the previous run; only the call itself
+sits between its two CUDA events. Callers warm up first so compilation and autotuning are
+outside timing.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+FLUSH_BYTES = 256 << 20  # > 5x the H100/H200 L2
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_us: float
+    p20_us: float
+    p80_us: float
+    reps: int
+
+
+class Timer:
+    """Owns the flush buffer of one device; ``budget_ms`` bounds the timed runs per call."""
+
+    def __init__(self, device: torch.device, budget_ms: float = 200.0, min_reps: int = 10, max_reps: int = 300):
+        self.device = device
+        self.budget_ms = budget_ms
+        self.min_reps = min_reps
+        self.max_reps = max_reps
+        self._flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+
+    def _reps_for(self, run_once: Callable[[], None]) -> int:
+        """Estimate the time of one flushed run from a few, and fit the rep count to the budget."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            self._flush.zero_()
+            run_once()
+        end.record()
+        end.synchronize()
+        per_run_ms = start.elapsed_time(end) / 3
+        return int(min(self.max_reps, max(self.min_reps, self.budget_ms / max(per_run_ms, 1e-3))))
+
+    def _timed(self, run_once: Callable[[], None]) -> Timing:
+        reps = self._reps_for(run_once)
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for i in range(reps):
+            self._flush.zero_()
+            starts[i].record()
+            run_once()
+            ends[i].record()
+        torch.cuda.synchronize(self.device)
+        times_us = np.array([s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)])
+        p20, p50, p80 = np.percentile(times_us, [20, 50, 80])
+        return Timing(float(p50), float(p20), float(p80), reps)
+
+    def eager(self, fn: Callable[[], object]) -> Timing:
+        """Kernel time of ``fn`` launched from Python (includes its host-side launch work only
+        where that work is slower than the preceding flush)."""
+        return self._timed(fn)
+
+    def graph(self, fn: Callable[[], object]) -> Timing:
+        """Time of replaying a CUDA graph that captured one call of ``fn``.
+
+        Raises RuntimeError when ``fn`` cannot be captured (e.g. it synchronises or copies
+        from the host during the call).
+        """
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # the graph capture recipe: warm up on a side stream
+            fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                fn()
+        except Exception as exc:
+            raise RuntimeError(f"CUDA graph capture failed: {type(exc).__name__}: {exc}") from exc
+        return self._timed(graph.replay)
+
+
+def host_loop_us(fn: Callable[[], object], calls: int = 200) -> float:
+    """Per-call wall time of ``calls`` back-to-back calls with one sync at the end.
+
+    This is the seed's end-to-end number: it includes Python, argument checks, descriptor
+    creation and launch; when the GPU is the slower side it converges to the kernel time.
+    """
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def _median_ms(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for s, e in zip(starts, ends):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return float(np.median([s.elapsed_time(e) for s, e in zip(starts, ends)]))
+
+
+def copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Measured device-to-device copy bandwidth, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes // 4, dtype=torch.int32, device=device).random_()
+    dst = torch.empty_like(src)
+    ms = _median_ms(lambda: dst.copy_(src), reps=20)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def matmul_peak_tflops(dtype: str, device: torch.device, size: int = 8192) -> float:
+    """Measured cuBLAS throughput at size^3: torch.matmul for 16-bit, fast-accum _scaled_mm for fp8."""
+    if dtype == "fp8":
+        a = torch.randn(size, size, device=device).to(torch.float8_e4m3fn)
+        b = torch.randn(size, size, device=device).to(torch.float8_e4m3fn).t()
+        one = torch.ones(1, device=device)
+        ms = _median_ms(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16, use_fast_accum=True), 20)
+    else:
+        torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
+        a = torch.randn(size, size, device=device, dtype=torch_dtype)
+        b = torch.randn(size, size, device=device, dtype=torch_dtype)
+        ms = _median_ms(lambda: torch.matmul(a, b), 20)
+    return 2 * size**3 / (ms * 1e-3) / 1e12
