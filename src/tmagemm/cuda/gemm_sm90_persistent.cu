@@ -1,0 +1,171 @@
+// Rung 3 of the native GEMM ladder: persistent warp-specialized kernels (docs/native-gemm.md).
+//
+// One CTA per SM walks the tiles blockIdx.x, blockIdx.x + gridDim.x, ... in grouped order, so
+// the producer streams the next tile's k-blocks while the consumers run the current tile's
+// epilogue, and launch/tail costs are paid once per SM instead of once per tile. Two consumer
+// schedules (TMAGEMM_PINGPONG):
+//   0 cooperative: both consumer warpgroups share each 128 x BLOCK_N tile (64 rows each).
+//   1 ping-pong:   consumer warpgroups take alternate tiles (128 x BLOCK_N each, two 64-row
+//                  fragments); an ordering barrier hands the tensor cores from one to the other,
+//                  so one warpgroup's epilogue hides behind the other's mainloop.
+// Each consumer stages its output in a dedicated buffer (the ring keeps streaming meanwhile).
+#include "tmagemm/gemm_sm90.cuh"
+
+#ifndef TMAGEMM_PINGPONG
+#error "gemm_sm90_persistent.cu needs TMAGEMM_PINGPONG (0 cooperative, 1 ping-pong)"
+#endif
+
+using namespace tmagemm;
+using namespace tmagemm::gemm;
+
+namespace {
+constexpr bool kPingPong = TMAGEMM_PINGPONG != 0;
+constexpr int kConsumers = 2;
+constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr int kFrags = kPingPong ? 2 : 1;  // 64-row fragments per consumer
+constexpr int kAccRegs = kBlockN / 2;
+static_assert(kFrags * kAccRegs <= 128, "a consumer holds at most 128 fp32 accumulators per thread");
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;
+static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= 65536, "register file");
+constexpr int kFragBytes = 64 * kBlockN * kOutBytes;
+constexpr int kEpiBytesPerConsumer = kFrags * kFragBytes;
+// Arrivals that free a stage: both consumers read every stage in the cooperative schedule,
+// only the owner of the tile in ping-pong.
+constexpr int kStageReaders = kPingPong ? 128 : 128 * kConsumers;
+// Named barriers: 0 is __syncthreads; 1 + i private to consumer i; 3 and 4 order the mainloops
+// of consumer 0 -> 1 and 1 -> 0 (ping-pong only).
+constexpr int kBarConsumer0 = 1;
+constexpr int kBarTurnTo1 = 3;
+constexpr int kBarTurnTo0 = 4;
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(kThreads, 1)
+    tmagemm_gemm_sm90_persistent(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                                 const __grid_constant__ CUtensorMap map_d, const __grid_constant__ Params params) {
+  // ---- shared-memory plan: STAGES x [A | B] ring, then one epilogue buffer per consumer ------
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = aligned_smem(smem_raw);
+  unsigned char* epi = smem + kStages * kStageBytes;
+  __shared__ alignas(8) u64 full[kStages];
+  __shared__ alignas(8) u64 empty[kStages];
+
+  // ---- scheduler: a static stride over the grouped tile order -------------------------------
+  const int tiles_m = ceil_div(params.m, kBlockM);
+  const int tiles_n = ceil_div(params.n, kBlockN);
+  const int tiles = tiles_m * tiles_n;
+  const int k_tiles = ceil_div(params.k, kBlockK);
+  // Tiles this CTA runs: local tile i is global tile blockIdx.x + i * gridDim.x.
+  const int my_tiles = blockIdx.x < tiles ? (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+  const int warpgroup = threadIdx.x / 128;
+
+  // ---- descriptor prefetch, barrier init + fence + sync ------------------------------------
+  if (threadIdx.x == 0) {
+    ptx::tma_prefetch_descriptor(&map_a);
+    ptx::tma_prefetch_descriptor(&map_b);
+    ptx::tma_prefetch_descriptor(&map_d);
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbarrier_init(&full[s], 1);
+      ptx::mbarrier_init(&empty[s], kStageReaders);
+    }
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // ---- producer: every k-block of every tile, in the order the consumers read them ----------
+    ptx::warpgroup_reg_dealloc<kProducerRegs>();
+    if (threadIdx.x == 0) {
+      PipelineState write;
+      for (int i = 0; i < my_tiles; ++i) {
+        const TileCoord tile = grouped_tile(blockIdx.x + i * gridDim.x, tiles_m, tiles_n, params.group_m);
+        for (int kt = 0; kt < k_tiles; ++kt) {
+          ptx::mbarrier_wait(&empty[write.index], write.phase ^ 1);
+          load_stage(smem + write.index * kStageBytes, &full[write.index], &map_a, &map_b, kt, tile.m0, tile.n0);
+          write.advance();
+        }
+      }
+    }
+    return;
+  }
+
+  // ---- consumers -------------------------------------------------------------------------------
+  ptx::warpgroup_reg_alloc<kConsumerRegs>();
+  const int consumer = warpgroup - 1;
+  const bool leader = threadIdx.x % 128 == 0;
+  unsigned char* my_epi = epi + consumer * kEpiBytesPerConsumer;
+  float acc[kFrags][kAccRegs];
+
+  PipelineState read;
+  // Ping-pong: consumer 1 starts at the second tile's first k-block; both skip the other's tiles.
+  const int first = kPingPong ? consumer : 0;
+  const int step = kPingPong ? kConsumers : 1;
+  if (kPingPong && consumer == 1)
+    for (int kt = 0; kt < k_tiles; ++kt) read.advance();
+
+  for (int i = first; i < my_tiles; i += step) {
+    const TileCoord tile = grouped_tile(blockIdx.x + i * gridDim.x, tiles_m, tiles_n, params.group_m);
+#pragma unroll
+    for (int f = 0; f < kFrags; ++f)
+#pragma unroll
+      for (int r = 0; r < kAccRegs; ++r) acc[f][r] = 0.0f;
+
+    // Ping-pong: wait for the other consumer to finish issuing its mainloop. Besides taking
+    // turns on the tensor cores, this keeps each full-barrier wait at most one phase ahead of
+    // the barrier, which parity waits require.
+    if (kPingPong && i > 0) named_barrier_sync(consumer == 0 ? kBarTurnTo0 : kBarTurnTo1, 256);
+
+    PipelineState release = read;
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      ptx::mbarrier_wait(&full[read.index], read.phase);
+      const u32 a = ptx::smem_u32(smem + read.index * kStageBytes) + (kPingPong ? 0 : consumer * 64 * kRowBytes);
+      const u32 b = ptx::smem_u32(smem + read.index * kStageBytes + kStageBytesA);
+#pragma unroll
+      for (int f = 0; f < kFrags; ++f) wgmma::fence_operand(acc[f]);
+      wgmma::fence();
+#pragma unroll
+      for (int f = 0; f < kFrags; ++f) mma_stage<kBlockN>(acc[f], a + f * 64 * kRowBytes, b);
+      wgmma::commit_group();
+      wgmma::wait_group<1>();
+#pragma unroll
+      for (int f = 0; f < kFrags; ++f) wgmma::fence_operand(acc[f]);
+      if (kt > 0) {
+        ptx::mbarrier_arrive(&empty[release.index]);
+        release.advance();
+      }
+      read.advance();
+    }
+    // Hand the tensor cores over as soon as the last batch is issued (if the other has a tile).
+    if (kPingPong && i + 1 < my_tiles) {
+      asm volatile("bar.arrive %0, %1;\n" ::"r"(consumer == 0 ? kBarTurnTo1 : kBarTurnTo0), "r"(256) : "memory");
+    }
+    wgmma::wait_group<0>();
+#pragma unroll
+    for (int f = 0; f < kFrags; ++f) wgmma::fence_operand(acc[f]);
+    if (k_tiles > 0) ptx::mbarrier_arrive(&empty[release.index]);
+    if (kPingPong)
+      for (int kt = 0; kt < k_tiles; ++kt) read.advance();
+
+    // ---- epilogue (overlaps the producer's loads and, in ping-pong, the other's mainloop) ------
+    if constexpr (kPingPong) {
+#pragma unroll
+      for (int f = 0; f < kFrags; ++f) epilogue_apply<kBlockN>(acc[f], tile.m0 + 64 * f, tile.n0, params);
+      if (leader) ptx::tma_store_wait_group_read<0>();
+      named_barrier_sync(kBarConsumer0 + consumer, 128);
+#pragma unroll
+      for (int f = 0; f < kFrags; ++f) epilogue_to_smem<kBlockN>(acc[f], ptx::smem_u32(my_epi + f * kFragBytes));
+      ptx::fence_proxy_async_shared();
+      named_barrier_sync(kBarConsumer0 + consumer, 128);
+      if (leader) {
+#pragma unroll
+        for (int f = 0; f < kFrags; ++f)
+          epilogue_issue_store<kBlockN>(&map_d, my_epi + f * kFragBytes, tile.m0 + 64 * f, tile.n0);
+      }
+    } else {
+      epilogue_fragment<kBlockN>(acc[0], my_epi, &map_d, tile.m0 + 64 * consumer, tile.n0, params,
+                                 kBarConsumer0 + consumer, leader);
+    }
+  }
+  if (leader) ptx::tma_store_wait_group<0>();
+}

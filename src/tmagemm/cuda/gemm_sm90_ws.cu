@@ -1,0 +1,114 @@
+// Rung 2 of the native GEMM ladder: warp specialization (docs/native-gemm.md).
+//
+// Three warpgroups per 128 x BLOCK_N tile (BLOCK_N = 256 by default). Warpgroup 0 is the
+// producer: it gives most of its registers back (setmaxnreg.dec) and one thread only issues
+// TMA, so loads never wait behind math. Warpgroups 1 and 2 are consumers with the registers
+// the producer released (setmaxnreg.inc): each owns 64 rows and issues one m64n256k16 (or k32
+// for e4m3) wgmma per 32-byte K step, which reads B from shared memory once per 64 x 256
+// product instead of twice for the seed's 2 x m64n128. Stores go through swizzled shared
+// memory and TMA, one warpgroup at a time.
+#include "tmagemm/gemm_sm90.cuh"
+
+using namespace tmagemm;
+using namespace tmagemm::gemm;
+
+namespace {
+constexpr int kConsumers = 2;
+constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr int kAccRegs = kBlockN / 2;
+// Register split: 65536 registers / 384 threads = 168 each at launch; the producer drops to 40
+// so each consumer thread can hold 128 fp32 accumulators plus addressing and the epilogue.
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;
+static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= 65536, "register file");
+// The epilogue stages each consumer's 64 x BLOCK_N fragment in the (then idle) operand ring.
+constexpr int kFragBytes = 64 * kBlockN * kOutBytes;
+static_assert(kStages * kStageBytes >= kConsumers * kFragBytes, "operand ring too small to stage the output tile");
+// Named barriers: 0 is __syncthreads, 1 spans both consumers, 2 + i is consumer i alone.
+constexpr int kBarConsumers = 1;
+constexpr int kBarConsumer0 = 2;
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(kThreads, 1)
+    tmagemm_gemm_sm90_ws(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                         const __grid_constant__ CUtensorMap map_d, const __grid_constant__ Params params) {
+  // ---- shared-memory plan: STAGES x [A 128 x 128 B | B BLOCK_N x 128 B], 1 KB aligned -------
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = aligned_smem(smem_raw);
+  __shared__ alignas(8) u64 full[kStages];   // producer arrival + TMA bytes
+  __shared__ alignas(8) u64 empty[kStages];  // every consumer thread released the stage
+
+  const int tiles_m = ceil_div(params.m, kBlockM);
+  const int tiles_n = ceil_div(params.n, kBlockN);
+  const TileCoord tile = grouped_tile(blockIdx.x, tiles_m, tiles_n, params.group_m);
+  const int k_tiles = ceil_div(params.k, kBlockK);
+  const int warpgroup = threadIdx.x / 128;
+
+  // ---- descriptor prefetch, barrier init + fence + sync ------------------------------------
+  if (threadIdx.x == 0) {
+    ptx::tma_prefetch_descriptor(&map_a);
+    ptx::tma_prefetch_descriptor(&map_b);
+    ptx::tma_prefetch_descriptor(&map_d);
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbarrier_init(&full[s], 1);
+      ptx::mbarrier_init(&empty[s], 128 * kConsumers);
+    }
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // ---- producer: register reallocation, then one thread streams the k-blocks ---------------
+    ptx::warpgroup_reg_dealloc<kProducerRegs>();
+    if (threadIdx.x == 0) {
+      PipelineState write;
+      for (int kt = 0; kt < k_tiles; ++kt) {
+        // Parity starts at 1 (phase ^ 1): a fresh barrier counts as having completed the phase
+        // before phase 0, so the first pass over the ring does not wait.
+        ptx::mbarrier_wait(&empty[write.index], write.phase ^ 1);
+        load_stage(smem + write.index * kStageBytes, &full[write.index], &map_a, &map_b, kt, tile.m0, tile.n0);
+        write.advance();
+      }
+    }
+    return;
+  }
+
+  // ---- consumers -------------------------------------------------------------------------------
+  ptx::warpgroup_reg_alloc<kConsumerRegs>();
+  const int consumer = warpgroup - 1;
+  float acc[kAccRegs];
+#pragma unroll
+  for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.0f;
+
+  PipelineState read;
+  PipelineState release;
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    ptx::mbarrier_wait(&full[read.index], read.phase);
+    const u32 a = ptx::smem_u32(smem + read.index * kStageBytes) + consumer * 64 * kRowBytes;
+    const u32 b = ptx::smem_u32(smem + read.index * kStageBytes + kStageBytesA);
+    wgmma::fence_operand(acc);
+    wgmma::fence();
+    mma_stage<kBlockN>(acc, a, b);
+    wgmma::commit_group();
+    // One batch stays in flight; the one before it has retired and its stage goes back.
+    wgmma::wait_group<1>();
+    wgmma::fence_operand(acc);
+    if (kt > 0) {
+      ptx::mbarrier_arrive(&empty[release.index]);
+      release.advance();
+    }
+    read.advance();
+  }
+  wgmma::wait_group<0>();
+  wgmma::fence_operand(acc);
+
+  // ---- epilogue ---------------------------------------------------------------------------------
+  // The other consumer may still be reading the ring with wgmma: wait for both before reusing it.
+  named_barrier_sync(kBarConsumers, 128 * kConsumers);
+  const bool leader = threadIdx.x % 128 == 0;
+  epilogue_fragment<kBlockN>(acc, smem + consumer * kFragBytes, &map_d, tile.m0 + 64 * consumer, tile.n0, params,
+                             kBarConsumer0 + consumer, leader);
+  // Shared memory must outlive the bulk reads of the stores.
+  if (leader) ptx::tma_store_wait_group<0>();
+}

@@ -1,0 +1,275 @@
+// Pieces shared by the sm_90a GEMM rungs (gemm_sm90_seed.cu, gemm_sm90_ws.cu,
+// gemm_sm90_persistent.cu): compile-time problem types, kernel parameters, the pipeline
+// stage/phase helper, grouped tile order, the TMA producer step, the wgmma consumer step and
+// the epilogue (alpha/scales/bias/beta*C in registers -> swizzled smem -> TMA store).
+//
+// Compile-time knobs (set by tmagemm/cuda/gemm.py through NVRTC -D flags):
+//   TMAGEMM_AB_TYPE   0 f16, 1 bf16, 2 e4m3          (A and B share one type)
+//   TMAGEMM_OUT_TYPE  0 f16, 1 bf16, 2 f32           (C for beta has the output type)
+//   TMAGEMM_B_KMAJOR  1: B tile is K-major ((N, K) contiguous); 0: N-major ((K, N) contiguous)
+//   TMAGEMM_BLOCK_N, TMAGEMM_STAGES                   tile width and pipeline depth
+#pragma once
+
+#include "tmagemm/ptx.cuh"
+#include "tmagemm/wgmma.cuh"
+
+#if !defined(TMAGEMM_AB_TYPE) || !defined(TMAGEMM_OUT_TYPE) || !defined(TMAGEMM_B_KMAJOR) || \
+    !defined(TMAGEMM_BLOCK_N) || !defined(TMAGEMM_STAGES)
+#error "gemm_sm90.cuh needs TMAGEMM_AB_TYPE, TMAGEMM_OUT_TYPE, TMAGEMM_B_KMAJOR, TMAGEMM_BLOCK_N, TMAGEMM_STAGES"
+#endif
+
+namespace tmagemm {
+namespace gemm {
+
+using u32 = unsigned int;
+using u64 = unsigned long long;
+using i64 = long long;
+
+// ---------------------------------------------------------------------------------------------
+// Static problem description
+// ---------------------------------------------------------------------------------------------
+constexpr int kAbType = TMAGEMM_AB_TYPE;
+constexpr int kOutType = TMAGEMM_OUT_TYPE;
+constexpr bool kBKMajor = TMAGEMM_B_KMAJOR != 0;
+constexpr int kBlockN = TMAGEMM_BLOCK_N;
+constexpr int kStages = TMAGEMM_STAGES;
+
+constexpr int kBlockM = 128;
+constexpr int kAbBytes = kAbType == wgmma::kE4M3 ? 1 : 2;
+constexpr int kOutBytes = kOutType == wgmma::kOutF32 ? 4 : 2;
+// One k-block is one 128-byte swizzle row: 64 elements of 16-bit types, 128 of e4m3. Every
+// wgmma consumes 32 bytes of K (k16 x 2 B or k32 x 1 B), so a stage is always 4 instructions.
+constexpr int kRowBytes = 128;
+constexpr int kBlockK = kRowBytes / kAbBytes;
+constexpr int kMmaPerStage = kRowBytes / 32;
+constexpr int kStageBytesA = kBlockM * kRowBytes;
+constexpr int kStageBytesB = kBlockN * kRowBytes;
+constexpr int kStageBytes = kStageBytesA + kStageBytesB;
+// Epilogue tiles are staged as 64-row chunks one 128-byte swizzle row wide, which is also the
+// TMA store box: 64 columns of 16-bit output or 32 of fp32.
+constexpr int kEpiCols = kRowBytes / kOutBytes;
+constexpr int kEpiChunkBytes = 64 * kRowBytes;
+
+static_assert(kAbType == wgmma::kF16 || kAbType == wgmma::kBF16 || kAbType == wgmma::kE4M3, "AB type");
+static_assert(kOutType == wgmma::kOutF16 || kOutType == wgmma::kOutBF16 || kOutType == wgmma::kOutF32, "out type");
+static_assert(kBKMajor || kAbBytes == 2, "FP8 wgmma needs K-major B");
+static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "BLOCK_N: multiple of 64, at most 256 (TMA box limit)");
+static_assert(kStages >= 2, "at least two stages to overlap TMA with wgmma");
+
+// Kernel parameters after the three tensor maps. Mirrored by a ctypes.Structure in gemm.py:
+// keep the field order and types in step.
+struct Params {
+  int m, n, k;
+  int group_m;            // rows of tiles per L2 group in the grouped order
+  float alpha, beta;      // D = alpha * (sa * sb) * A @ B + bias + beta * C
+  const void* c;          // beta source, output dtype, row stride ldc; null when beta == 0
+  i64 ldc;
+  const float* scale_a;   // null, (1,) or (M,)
+  const float* scale_b;   // null, (1,) or (N,)
+  const void* bias;       // null or (N,)
+  int scale_a_rowwise;    // 1: scale_a has M entries
+  int scale_b_colwise;    // 1: scale_b has N entries
+  int bias_type;          // 0 f16, 1 bf16, 2 f32 (ignored when bias is null)
+  int pad_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Pipeline stage/phase helper: the one place a stage index wraps and the parity flips.
+// ---------------------------------------------------------------------------------------------
+struct PipelineState {
+  int index = 0;
+  u32 phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++index == kStages) {
+      index = 0;
+      phase ^= 1;
+    }
+  }
+};
+
+// bar.sync on a named barrier: syncs `count` threads (a warpgroup or the consumers) without
+// stalling the rest of the CTA. Id 0 is __syncthreads.
+__device__ __forceinline__ void named_barrier_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Grouped tile order: consecutive tile ids walk `group_m` rows of tiles column by column, so
+// CTAs running together share A rows and B columns in L2.
+// ---------------------------------------------------------------------------------------------
+struct TileCoord {
+  int m0, n0;  // first output row and column of the tile
+};
+
+__device__ __forceinline__ TileCoord grouped_tile(int tile, int tiles_m, int tiles_n, int group_m) {
+  const int group_size = group_m * tiles_n;
+  const int first_m = (tile / group_size) * group_m;
+  const int rows = min(tiles_m - first_m, group_m);
+  const int in_group = tile % group_size;
+  return {(first_m + in_group % rows) * kBlockM, (in_group / rows) * kBlockN};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Producer step: one thread loads k-block `k_tile` of the A and B tiles into a stage.
+// Boxes past M, N or K are zero-filled by TMA, so ragged edges need no code here, and the
+// expected byte count is always the full box.
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ void load_stage(unsigned char* stage, u64* full, const CUtensorMap* map_a,
+                                           const CUtensorMap* map_b, int k_tile, int m0, int n0) {
+  const int k0 = k_tile * kBlockK;
+  ptx::mbarrier_arrive_expect_tx(full, kStageBytes);
+  ptx::tma_load_2d(stage, map_a, full, k0, m0);
+  unsigned char* b = stage + kStageBytesA;
+  if constexpr (kBKMajor) {
+    ptx::tma_load_2d(b, map_b, full, k0, n0);
+  } else {
+    // Row-major (K, N) B: a box is 64 N-columns (128 B) by 64 K-rows; boxes sit 8 KB apart,
+    // the layout desc_mn_major describes.
+#pragma unroll
+    for (int j = 0; j < kBlockN / 64; ++j) ptx::tma_load_2d(b + j * 8192, map_b, full, n0 + 64 * j, k0);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Consumer step: acc(64 x kN) += A(64 rows at a_addr) * B(kN columns at b_addr) over one stage.
+// ---------------------------------------------------------------------------------------------
+template <int kN>
+__device__ __forceinline__ void mma_stage(float (&acc)[kN / 2], u32 a_addr, u32 b_addr) {
+  const u64 desc_a = wgmma::desc_k_major(a_addr);
+  const u64 desc_b = kBKMajor ? wgmma::desc_k_major(b_addr) : wgmma::desc_mn_major(b_addr);
+#pragma unroll
+  for (int kk = 0; kk < kMmaPerStage; ++kk) {
+    // K-major: the next 32 bytes of each 128-byte row (the hardware applies the swizzle to the
+    // advanced address). MN-major: the next 16 K-rows of 128 bytes.
+    const u32 b_step = kBKMajor ? 32 : 16 * kRowBytes;
+    wgmma::Mma<kN, kAbType>::template run<kBKMajor ? 0 : 1>(acc, wgmma::desc_advance(desc_a, kk * 32),
+                                                            wgmma::desc_advance(desc_b, kk * b_step));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Epilogue. A warpgroup owns a 64 x kN fp32 fragment in the wgmma layout: thread t (warp w,
+// lane l) holds rows 16w + l/4 (+8) and columns 8j + 2(l%4) (+1); register 4j + 2h + e is
+// (row + 8h, column + e).
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ float load_as_float(const void* ptr, i64 index, int type) {
+  if (type == wgmma::kOutF32) return static_cast<const float*>(ptr)[index];
+  const unsigned short bits = static_cast<const unsigned short*>(ptr)[index];
+  if (type == wgmma::kOutBF16) return __uint_as_float(static_cast<u32>(bits) << 16);
+  float out;
+  asm("cvt.f32.f16 %0, %1;\n" : "=f"(out) : "h"(bits));
+  return out;
+}
+
+// alpha, scales, bias and beta * C, in fp32 on the accumulators. Index loads are clamped
+// to the problem; rows/columns past the edge are computed but never stored.
+template <int kN>
+__device__ __forceinline__ void epilogue_apply(float (&acc)[kN / 2], int row0, int col0, const Params& p) {
+  const bool identity = p.alpha == 1.0f && p.scale_a == nullptr && p.scale_b == nullptr &&
+                        p.bias == nullptr && p.beta == 0.0f;
+  if (identity) return;  // uniform branch: the plain GEMM pays nothing
+  const int t = threadIdx.x % 128;
+  const int lane = t % 32;
+  int rows[2];
+  rows[0] = row0 + (t / 32) * 16 + lane / 4;
+  rows[1] = rows[0] + 8;
+  float row_scale[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = min(rows[h], p.m - 1);
+    row_scale[h] = p.alpha * (p.scale_a ? p.scale_a[p.scale_a_rowwise ? r : 0] : 1.0f);
+  }
+  const bool use_c = p.beta != 0.0f && p.c != nullptr;
+#pragma unroll
+  for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int col = col0 + 8 * j + 2 * (lane % 4) + e;
+      const int cc = min(col, p.n - 1);
+      const float col_scale = p.scale_b ? p.scale_b[p.scale_b_colwise ? cc : 0] : 1.0f;
+      const float bias = p.bias ? load_as_float(p.bias, cc, p.bias_type) : 0.0f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float v = acc[4 * j + 2 * h + e] * (row_scale[h] * col_scale) + bias;
+        if (use_c && rows[h] < p.m && col < p.n)
+          v += p.beta * load_as_float(p.c, static_cast<i64>(rows[h]) * p.ldc + col, kOutType);
+        acc[4 * j + 2 * h + e] = v;
+      }
+    }
+  }
+}
+
+// Registers -> shared memory in the TMA store box layout: 64-row chunks of 128-byte rows with
+// the 128-byte swizzle (16-byte unit index XOR row % 8), which also makes every warp's writes
+// bank-conflict free. `smem` is 1 KB aligned and holds kN / kEpiCols chunks.
+template <int kN>
+__device__ __forceinline__ void epilogue_to_smem(const float (&acc)[kN / 2], u32 smem) {
+  const int t = threadIdx.x % 128;
+  const int warp = t / 32, lane = t % 32;
+  if constexpr (kOutBytes == 2) {
+    // stmatrix x4 stores columns 8j..8j+15 of the warp's 16 rows: matrices (rows 0-7, j),
+    // (rows 8-15, j), (rows 0-7, j+1), (rows 8-15, j+1); lane l addresses row l % 8 of matrix l / 8.
+    const int row = warp * 16 + ((lane / 8) & 1) * 8 + lane % 8;
+#pragma unroll
+    for (int j = 0; j < kN / 8; j += 2) {
+      const int unit = j + lane / 16;  // 16-byte column unit across the whole fragment
+      const u32 addr = smem + (unit / 8) * kEpiChunkBytes + row * kRowBytes + (((unit % 8) ^ (row % 8)) << 4);
+      wgmma::stmatrix_x4(addr, wgmma::pack2<kOutType>(acc[4 * j + 0], acc[4 * j + 1]),
+                         wgmma::pack2<kOutType>(acc[4 * j + 2], acc[4 * j + 3]),
+                         wgmma::pack2<kOutType>(acc[4 * j + 4], acc[4 * j + 5]),
+                         wgmma::pack2<kOutType>(acc[4 * j + 6], acc[4 * j + 7]));
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = warp * 16 + lane / 4 + 8 * h;
+        const int col = 8 * j + 2 * (lane % 4);
+        const u32 byte = (col % kEpiCols) * 4;
+        const u32 addr = smem + (col / kEpiCols) * kEpiChunkBytes + row * kRowBytes + (byte ^ ((row % 8) << 4));
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(acc[4 * j + 2 * h]),
+                     "f"(acc[4 * j + 2 * h + 1])
+                     : "memory");
+      }
+    }
+  }
+}
+
+// One thread sends the staged fragment to global memory; TMA drops what lies past M or N.
+template <int kN>
+__device__ __forceinline__ void epilogue_issue_store(const CUtensorMap* map_d, const unsigned char* smem, int row0,
+                                                     int col0) {
+#pragma unroll
+  for (int q = 0; q < kN / kEpiCols; ++q) ptx::tma_store_2d(map_d, smem + q * kEpiChunkBytes, col0 + q * kEpiCols, row0);
+  ptx::tma_store_commit_group();
+}
+
+// The whole epilogue of one warpgroup fragment. `bar_id` is a named barrier private to the
+// warpgroup; `leader` is one of its threads, the only one that issues (and waits on) stores.
+template <int kN>
+__device__ __forceinline__ void epilogue_fragment(float (&acc)[kN / 2], unsigned char* smem, const CUtensorMap* map_d,
+                                                  int row0, int col0, const Params& p, int bar_id, bool leader) {
+  epilogue_apply<kN>(acc, row0, col0, p);
+  // The staging buffer may still be read by this warpgroup's previous store (persistent
+  // kernels): the leader waits for it, the barrier tells everyone.
+  if (leader) ptx::tma_store_wait_group_read<0>();
+  named_barrier_sync(bar_id, 128);
+  epilogue_to_smem<kN>(acc, ptx::smem_u32(smem));
+  // Generic-proxy writes must be ordered before the async-proxy (TMA) read of the same bytes.
+  ptx::fence_proxy_async_shared();
+  named_barrier_sync(bar_id, 128);
+  if (leader) epilogue_issue_store<kN>(map_d, smem, row0, col0);
+}
+
+__device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// Dynamic shared memory rounded up to 1 KB: 128-byte swizzled TMA boxes and wgmma atoms need
+// 1 KB alignment, which the dynamic window does not promise (the host asks for 1 KB extra).
+__device__ __forceinline__ unsigned char* aligned_smem(unsigned char* raw) {
+  const u32 addr = ptx::smem_u32(raw);
+  return raw + (((addr + 1023) & ~1023u) - addr);
+}
+
+}  // namespace gemm
+}  // namespace tmagemm
