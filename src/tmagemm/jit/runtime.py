@@ -1,0 +1,200 @@
+"""Loading cubins and launching kernels with the driver API on torch's current stream.
+
+Launch arguments are typed: torch tensors (passed as 64-bit device pointers), TensorMaps (their
+128 bytes by value, for ``const __grid_constant__ CUtensorMap`` parameters) and ctypes scalars or
+structures. The argument array points straight at those objects, so nothing is serialised; the
+driver copies the bytes during the launch call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Sequence
+
+import torch
+
+from tmagemm.tma import TensorMap
+
+# cudaFuncAttributeMaxDynamicSharedMemorySize: above 48 KB a kernel must opt in.
+_DEFAULT_SMEM_LIMIT = 48 * 1024
+
+
+class LaunchError(RuntimeError):
+    """The driver refused to load or launch a kernel."""
+
+
+def _driver():
+    from cuda.bindings import driver
+
+    return driver
+
+
+def _check(result, what: str) -> None:
+    driver = _driver()
+    if result != driver.CUresult.CUDA_SUCCESS:
+        _, text = driver.cuGetErrorString(result)
+        detail = text.decode() if isinstance(text, bytes) else text
+        raise LaunchError(f"{what} failed with {result.name}: {detail}")
+
+
+def ensure_context(device_index: int) -> None:
+    """Make the primary context of ``device_index`` (the one torch uses) current on this thread."""
+    driver = _driver()
+    if not torch.cuda.is_initialized():
+        torch.cuda.init()
+    result, ctx = driver.cuCtxGetCurrent()
+    _check(result, "cuCtxGetCurrent")
+    if int(ctx) != 0:
+        result, current = driver.cuCtxGetDevice()
+        if result == driver.CUresult.CUDA_SUCCESS and int(current) == device_index:
+            return
+    result, device = driver.cuDeviceGet(device_index)
+    _check(result, "cuDeviceGet")
+    result, primary = driver.cuDevicePrimaryCtxRetain(device)
+    _check(result, "cuDevicePrimaryCtxRetain")
+    _check(driver.cuCtxSetCurrent(primary)[0], "cuCtxSetCurrent")
+
+
+class Kernel:
+    """One ``extern "C" __global__`` function loaded on one device."""
+
+    def __init__(self, name: str, function, device_index: int):
+        self.name = name
+        self.device_index = device_index
+        self._function = function
+        self._smem_opt_in = _DEFAULT_SMEM_LIMIT
+        self._lock = threading.Lock()
+
+    def attribute(self, attribute: str) -> int:
+        """A CUfunction attribute by short name, e.g. "NUM_REGS", "MAX_THREADS_PER_BLOCK"."""
+        driver = _driver()
+        enum = getattr(driver.CUfunction_attribute, f"CU_FUNC_ATTRIBUTE_{attribute}")
+        result, value = driver.cuFuncGetAttribute(enum, self._function)
+        _check(result, f"cuFuncGetAttribute({attribute})")
+        return int(value)
+
+    def _opt_in_smem(self, smem_bytes: int) -> None:
+        with self._lock:
+            if smem_bytes <= self._smem_opt_in:
+                return
+            driver = _driver()
+            attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            _check(
+                driver.cuFuncSetAttribute(self._function, attribute, smem_bytes)[0],
+                f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES={smem_bytes}) for {self.name}",
+            )
+            self._smem_opt_in = smem_bytes
+
+    def launch(
+        self,
+        grid: Sequence[int] | int,
+        block: Sequence[int] | int,
+        args: Sequence,
+        *,
+        smem_bytes: int = 0,
+        cluster: Sequence[int] = (1, 1, 1),
+        stream: torch.cuda.Stream | int | None = None,
+    ) -> None:
+        """Launch on ``stream`` (default: torch's current stream of the kernel's device).
+
+        args: torch tensors (device pointers), TensorMaps (by value), ctypes scalars/structures.
+        Plain Python numbers are refused: the kernel's parameter width must be explicit.
+        """
+        gx, gy, gz = _dim3(grid, "grid")
+        bx, by, bz = _dim3(block, "block")
+        if smem_bytes < 0:
+            raise ValueError(f"smem_bytes must be >= 0, got {smem_bytes}")
+        if smem_bytes > self._smem_opt_in:
+            self._opt_in_smem(smem_bytes)
+
+        keep = []  # ctypes holders that must outlive the launch call
+        pointers = (ctypes.c_void_p * max(len(args), 1))()
+        for i, arg in enumerate(args):
+            if isinstance(arg, torch.Tensor):
+                if arg.device.type != "cuda" or arg.device.index != self.device_index:
+                    raise ValueError(
+                        f"{self.name}: argument {i} is on {arg.device}, kernel is loaded on cuda:{self.device_index}"
+                    )
+                holder = ctypes.c_uint64(arg.data_ptr())
+                keep.append(holder)
+                pointers[i] = ctypes.addressof(holder)
+            elif isinstance(arg, TensorMap):
+                pointers[i] = arg.address
+            elif isinstance(arg, (ctypes._SimpleCData, ctypes.Structure)):
+                pointers[i] = ctypes.addressof(arg)
+            else:
+                raise TypeError(
+                    f"{self.name}: argument {i} has type {type(arg).__name__}; pass a torch tensor, a "
+                    "TensorMap or a ctypes value (e.g. ctypes.c_int32(n))"
+                )
+
+        if stream is None:
+            handle = torch.cuda.current_stream(self.device_index).cuda_stream
+        elif isinstance(stream, torch.cuda.Stream):
+            handle = stream.cuda_stream
+        else:
+            handle = int(stream)
+
+        driver = _driver()
+        cx, cy, cz = _dim3(cluster, "cluster")
+        if cx * cy * cz == 1:
+            (result,) = driver.cuLaunchKernel(
+                self._function, gx, gy, gz, bx, by, bz, smem_bytes, handle, ctypes.addressof(pointers), 0
+            )
+        else:
+            if gx % cx or gy % cy or gz % cz:
+                raise ValueError(f"{self.name}: grid {(gx, gy, gz)} is not a multiple of cluster {(cx, cy, cz)}")
+            result = self._launch_cluster((gx, gy, gz), (bx, by, bz), (cx, cy, cz), smem_bytes, handle, pointers)
+        if result != driver.CUresult.CUDA_SUCCESS:
+            _check(
+                result,
+                f"launch of {self.name} grid={(gx, gy, gz)} block={(bx, by, bz)} cluster={(cx, cy, cz)} smem={smem_bytes}",
+            )
+
+    def _launch_cluster(self, grid, block, cluster, smem_bytes, handle, pointers):
+        driver = _driver()
+        config = driver.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = grid
+        config.blockDimX, config.blockDimY, config.blockDimZ = block
+        config.sharedMemBytes = smem_bytes
+        config.hStream = driver.CUstream(handle)
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
+        config.attrs = [attr]
+        config.numAttrs = 1
+        (result,) = driver.cuLaunchKernelEx(config, self._function, ctypes.addressof(pointers), 0)
+        return result
+
+
+def _dim3(value: Sequence[int] | int, what: str) -> tuple[int, int, int]:
+    dims = (value,) if isinstance(value, int) else tuple(value)
+    if not 1 <= len(dims) <= 3 or any(not isinstance(d, int) or d < 1 for d in dims):
+        raise ValueError(f"{what} must be 1-3 positive ints, got {value!r}")
+    return dims + (1,) * (3 - len(dims))  # type: ignore[return-value]
+
+
+def load_function(module, name: str) -> Kernel:
+    """``module.function(name)`` for torch's current device; loads the cubin once per device."""
+    device_index = torch.cuda.current_device()
+    key = (device_index, name)
+    kernel = module._functions.get(key)
+    if kernel is not None:
+        return kernel
+    with module._lock:
+        kernel = module._functions.get(key)
+        if kernel is not None:
+            return kernel
+        driver = _driver()
+        ensure_context(device_index)
+        handle = module._functions.get((device_index, None))
+        if handle is None:
+            result, handle = driver.cuModuleLoadData(module.cubin)
+            _check(result, f"cuModuleLoadData({module.source})")
+            module._functions[(device_index, None)] = handle
+        result, function = driver.cuModuleGetFunction(handle, name.encode())
+        _check(result, f"cuModuleGetFunction({name!r}) in {module.source} (is it declared extern \"C\"?)")
+        kernel = Kernel(name, function, device_index)
+        module._functions[key] = kernel
+        return kernel
