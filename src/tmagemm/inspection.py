@@ -64,7 +64,8 @@ class KernelSpec:
 class Artifacts:
     """What compiling a kernel produced, plus the resource numbers read from the cubin.
 
-    registers: per thread; shared: bytes of shared memory the launch needs (dynamic + static);
+    registers: per thread; shared: bytes of shared memory the launch needs (dynamic + static),
+        or only the static part when ``static_shared_only`` (native kernels size it at launch);
     spills: SASS local-memory stores + loads (STL/LDL), 0 for a kernel that fits in registers;
     local_bytes: the per-thread local-memory frame reported by cuobjdump.
     """
@@ -77,6 +78,7 @@ class Artifacts:
     shared: int | None
     spills: int | None
     local_bytes: int | None = None
+    static_shared_only: bool = False  # native kernels: dynamic shared memory is a launch setting
 
     def summary(self) -> dict[str, Any]:
         return summarize(self)
@@ -242,6 +244,7 @@ def _artifacts(name: str, ptx: str, cubin: bytes, dynamic_shared: int | None) ->
         shared=shared,
         spills=(counts["STL"] + counts["LDL"]) if sass else None,
         local_bytes=usage["local"] if usage else None,
+        static_shared_only=dynamic_shared is None,
     )
 
 
@@ -310,7 +313,7 @@ def summarize(art: Artifacts) -> dict[str, Any]:
         "load path": "TMA" if tma else ("cp.async" if cp_async else "ld.global"),
         "math": "wgmma" if ptx["wgmma.mma_async"] else ("mma.sync" if ptx["mma.sync"] else "none"),
         "registers": art.registers,
-        "shared bytes": art.shared,
+        ("static shared bytes" if art.static_shared_only else "shared bytes"): art.shared,
         "local bytes": art.local_bytes,
         "spill instrs (STL+LDL)": art.spills,
         **{f"ptx {k}": v for k, v in ptx.items()},
@@ -328,6 +331,92 @@ def write_dumps(art: Artifacts, directory: str | os.PathLike) -> dict[str, Path]
     paths["cubin"].write_bytes(art.cubin)
     paths["sass"].write_text(art.sass)
     return paths
+
+
+# --------------------------------------------------------------------------------------------
+# Finding what to compile: a registered variant, or a native source file
+# --------------------------------------------------------------------------------------------
+
+# dtype name -> (A dtype, output dtype) as the benchmark and the public API use them.
+_DTYPES = {"fp8": ("float8_e4m3fn", "bfloat16"), "bf16": ("bfloat16", "bfloat16"), "fp16": ("float16", "float16")}
+
+
+def _variant_module(name: str):
+    from . import dispatch
+
+    variant = dispatch.get(name)  # ValueError listing the known names
+    return variant, importlib.import_module(variant.run.__module__)
+
+
+def triton_spec(name: str, dtype: str = "fp8", config: Mapping[str, Any] | None = None) -> KernelSpec:
+    """The :class:`KernelSpec` of Triton variant ``name`` via its module's ``aot_spec``.
+
+    ``config`` overrides fields of ``tmagemm.configs.TritonGemmConfig`` (unnamed fields keep the
+    dataclass defaults); None keeps the module's own default config.
+    """
+    import inspect as pyinspect
+
+    import torch
+
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    variant, module = _variant_module(name)
+    if variant.backend != "triton":
+        raise ValueError(f"{name} is a {variant.backend} variant; inspect it with inspect_native / --cu")
+    aot_spec = getattr(module, "aot_spec", None)
+    if aot_spec is None:
+        raise ValueError(f"{module.__name__} has no aot_spec(); {name} cannot be compiled ahead of time")
+    kwargs: dict[str, Any] = {
+        "a_dtype": getattr(torch, _DTYPES[dtype][0]),
+        "out_dtype": getattr(torch, _DTYPES[dtype][1]),
+    }
+    if config:
+        from .configs import TritonGemmConfig
+
+        unknown = sorted(set(config) - set(TritonGemmConfig.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"unknown config fields {unknown}; TritonGemmConfig has {list(TritonGemmConfig.__dataclass_fields__)}")
+        kwargs["config"] = TritonGemmConfig(**config)
+    params = pyinspect.signature(aot_spec).parameters
+    if "variant" in params:
+        kwargs["variant"] = name
+    elif "warp_specialize" in params:  # one module, two variants (persistent and its WS form)
+        kwargs["warp_specialize"] = name.endswith(".ws")
+    return aot_spec(**kwargs)
+
+
+def compile_native(source: str, defines: Mapping[str, int | str] | None = None, name: str | None = None) -> Artifacts:
+    """Compile a native source under ``tmagemm/cuda`` with ``tmagemm.jit`` (NVRTC, sm_90a)."""
+    try:
+        from . import jit
+    except ImportError as exc:
+        raise RuntimeError(f"native kernels need tmagemm.jit and cuda-bindings: {exc}") from exc
+    module = jit.compile(source, defines=dict(defines or {}))
+    return artifacts_from_binary(name or Path(source).stem, module.ptx, module.cubin)
+
+
+def native_source(name: str, dtype: str = "fp8") -> tuple[str, dict[str, Any]]:
+    """(source file, defines) of native variant ``name`` via its module's ``aot_source``."""
+    variant, module = _variant_module(name)
+    if variant.backend != "cuda":
+        raise ValueError(f"{name} is a {variant.backend} variant; inspect it with triton_spec")
+    aot_source = getattr(module, "aot_source", None)
+    if aot_source is None:
+        raise ValueError(f"{module.__name__} has no aot_source(name, dtype); inspect the .cu file with --cu")
+    source, defines = aot_source(name, dtype=dtype)
+    return source, dict(defines)
+
+
+def inspect_variant(name: str, dtype: str = "fp8", config: Mapping[str, Any] | None = None) -> Artifacts:
+    """Compile registered variant ``name`` (Triton or native) for sm_90a."""
+    from . import dispatch
+
+    if dispatch.get(name).backend == "cuda":
+        if config:
+            raise ValueError("config overrides apply to Triton variants; pass defines for native sources")
+        source, defines = native_source(name, dtype)
+        return compile_native(source, defines, name)
+    return compile_triton(triton_spec(name, dtype, config))
 
 
 if __name__ == "__main__":  # the child process of _compile_in_child
