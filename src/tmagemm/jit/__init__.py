@@ -5,7 +5,7 @@
 kernel into torch's current CUDA context and ``Kernel.launch`` runs it on torch's current stream.
 """
 
-from tmagemm.jit.compiler import CompileError, Module, clear_memory_cache, compile, nvrtc_version
+from tmagemm.jit.compiler import CompileError, Module, clear_memory_cache, compile, compile_string, nvrtc_version
 from tmagemm.jit.runtime import Kernel, LaunchError, ensure_context
 from tmagemm.jit.tools import ResourceUsage, resource_usage, sass
 
@@ -17,6 +17,7 @@ __all__ = [
     "ResourceUsage",
     "clear_memory_cache",
     "compile",
+    "compile_string",
     "ensure_context",
     "nvrtc_version",
     "resource_usage",

@@ -160,10 +160,10 @@ def _atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
-def _nvrtc_compile(source_path: Path, options: tuple[str, ...]) -> tuple[bytes, str, str]:
+def _nvrtc_compile(name: str, code: bytes, options: tuple[str, ...]) -> tuple[bytes, str, str]:
     from cuda.bindings import nvrtc
 
-    result, program = nvrtc.nvrtcCreateProgram(source_path.read_bytes(), source_path.name.encode(), 0, [], [])
+    result, program = nvrtc.nvrtcCreateProgram(code, name.encode(), 0, [], [])
     _check(result, "nvrtcCreateProgram")
     try:
         encoded = [o.encode() for o in options]
@@ -175,7 +175,7 @@ def _nvrtc_compile(source_path: Path, options: tuple[str, ...]) -> tuple[bytes, 
         log_text = log.rstrip(b"\0 ").decode(errors="replace")
         if compiled != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise CompileError(
-                f"NVRTC failed to compile {source_path.name} ({compiled.name}) with options {list(options)}:\n{log_text}"
+                f"NVRTC failed to compile {name} ({compiled.name}) with options {list(options)}:\n{log_text}"
             )
         result, size = nvrtc.nvrtcGetCUBINSize(program)
         _check(result, "nvrtcGetCUBINSize")
@@ -203,12 +203,32 @@ def compile(
     variants are selected this way); ``flags`` are extra NVRTC options. Kernels must be declared
     ``extern "C" __global__``. Results are cached in memory and on disk.
     """
+    path = _source_path(source)
+    return _compile(source, path.read_bytes(), defines, arch, flags)
+
+
+def compile_string(
+    code: str,
+    *,
+    name: str = "kernel.cu",
+    defines: Mapping[str, int | str] | None = None,
+    arch: str = "sm_90a",
+    flags: Sequence[str] = (),
+) -> Module:
+    """Like :func:`compile` for CUDA C++ given as text (``#include <tmagemm/ptx.cuh>`` works)."""
+    if not re.match(r"^[A-Za-z0-9_.-]+$", name):
+        raise ValueError(f"name must be a plain file name, got {name!r}")
+    return _compile(name, code.encode(), defines, arch, flags)
+
+
+def _compile(
+    source: str, code: bytes, defines: Mapping[str, int | str] | None, arch: str, flags: Sequence[str]
+) -> Module:
     if not re.match(r"^sm_\d+[a-z]?$", arch):
         raise ValueError(f"arch must look like 'sm_90a', got {arch!r}")
     request = _Request(source, _normalise(defines or {}), arch, tuple(flags))
-    path = _source_path(source)
     start = time.perf_counter()
-    key = _cache_key(request, path.read_bytes())
+    key = _cache_key(request, code)
     with _memory_lock:
         module = _memory.get(key)
     if module is not None:
@@ -223,7 +243,7 @@ def compile(
         ptx, log = ptx_path.read_text(), log_path.read_text()
         hit = True
     except OSError:
-        cubin, ptx, log = _nvrtc_compile(path, options)
+        cubin, ptx, log = _nvrtc_compile(source, code, options)
         hit = False
         try:
             _atomic_write(ptx_path, ptx.encode())
