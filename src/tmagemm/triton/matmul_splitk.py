@@ -143,8 +143,9 @@ def choose_config(m: int, n: int, k: int, a_dtype: torch.dtype, sm_count: int) -
 # ----------------------------------------------------------------------------------------------
 
 
-# M changes every decode step: not specialising on it keeps one binary per config.
-@triton.jit(do_not_specialize=["M"])
+# M changes every decode step and the split is picked per shape: not specialising on them keeps
+# one binary per config (the reduction branch is a uniform scalar test).
+@triton.jit(do_not_specialize=["M", "split_k", "iters_per_split"])
 def _splitk_kernel(
     a_ptr,
     a_desc,
