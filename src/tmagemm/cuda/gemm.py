@@ -1,0 +1,307 @@
+"""Launchers of the native sm_90a GEMM ladder and its dispatch variants.
+
+Rungs (device code in ``gemm_sm90_*.cu``, shared pieces in ``include/tmagemm/gemm_sm90.cuh``;
+docs/native-gemm.md explains each and records what it is worth):
+
+=========================  =====================================================================
+cuda.seed                  1 warpgroup, 128x128x64 tile, thread 0 also issues TMA (seeds/004)
+cuda.ws                    producer + 2 consumer warpgroups, 128x256 tile, setmaxnreg
+cuda.persistent_coop       persistent ws, grouped static scheduler, both consumers per tile
+cuda.persistent_pingpong   persistent ws, consumers alternate 128x128 tiles (epilogue hidden)
+=========================  =====================================================================
+
+Layouts: A (M, K) row-major; B (K, N) either N-major (row-major, the torch default) or K-major
+(``w.t()`` of an (N, K) weight) for bf16/fp16, K-major only for e4m3 (wgmma reads FP8 K-major);
+out (M, N) row-major in bf16/fp16/fp32. Every operand goes through a TMA tensor map, so ragged
+M/N/K are handled by TMA (zero fill on loads, clipping on stores); layouts TMA cannot describe
+are refused by ``supports`` and the dispatcher picks another backend.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass, replace
+
+import torch
+
+from .. import device as _device
+from ..dispatch import GemmArgs, Variant
+
+_ALIGN = 16  # bytes: TMA base address and row strides
+_SMEM_LIMIT = 232448  # opt-in dynamic shared memory per block on sm_90 (227 KB)
+_AB_TYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
+_OUT_TYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+_ROW_BYTES = 128  # one k-block is one 128-byte swizzle row of A and B
+
+
+@dataclass(frozen=True)
+class NativeGemmConfig:
+    """One rung's launch shape. ``kernel``: "seed" | "ws" | "persistent"; ``pingpong`` picks the
+    persistent consumer schedule; ``stages``: depth of the TMA ring; ``group_m``: rows of tiles
+    per L2 group of the grouped order. Block M is always 128 and block K one 128-byte row."""
+
+    kernel: str
+    block_n: int
+    stages: int
+    group_m: int = 8
+    pingpong: bool = False
+
+    @property
+    def threads(self) -> int:
+        return 128 if self.kernel == "seed" else 384
+
+    def stage_bytes(self) -> int:
+        return (128 + self.block_n) * _ROW_BYTES
+
+    def epilogue_bytes(self, out_itemsize: int) -> int:
+        """Dedicated output staging (persistent only; the others reuse the idle ring): one
+        128 x block_n tile shared by the cooperative consumers, one each in ping-pong."""
+        if self.kernel != "persistent":
+            return 0
+        return (2 if self.pingpong else 1) * 128 * self.block_n * out_itemsize
+
+    def smem_bytes(self, out_itemsize: int) -> int:
+        ring = self.stages * self.stage_bytes()
+        return ring + self.epilogue_bytes(out_itemsize) + 1024  # + alignment slack
+
+    def is_valid(self, out_itemsize: int) -> bool:
+        """The one rule the launcher, defaults and tests use to accept a config."""
+        tile_ok = {
+            "seed": self.block_n in (128,),
+            "ws": self.block_n in (128, 256),
+            "persistent": self.block_n in ((128,) if self.pingpong else (128, 256)),
+        }.get(self.kernel, False)
+        reuse_ok = self.kernel == "persistent" or self.stages * self.stage_bytes() >= 128 * self.block_n * out_itemsize
+        return (
+            tile_ok
+            and reuse_ok
+            and self.stages >= 2
+            and self.group_m >= 1
+            and (self.kernel == "persistent" or not self.pingpong)
+            and self.smem_bytes(out_itemsize) + 256 <= _SMEM_LIMIT
+        )
+
+    def fitted(self, out_itemsize: int) -> "NativeGemmConfig":
+        """The same config with ``stages`` lowered until shared memory fits (fp32 output)."""
+        config = self
+        while not config.is_valid(out_itemsize) and config.stages > 2:
+            config = replace(config, stages=config.stages - 1)
+        return config
+
+
+# The ladder's default configs; stages are the most that fit with 16-bit output.
+RUNGS: dict[str, NativeGemmConfig] = {
+    "cuda.seed": NativeGemmConfig("seed", block_n=128, stages=3),
+    "cuda.ws": NativeGemmConfig("ws", block_n=256, stages=4),
+    "cuda.persistent_coop": NativeGemmConfig("persistent", block_n=256, stages=3),
+    "cuda.persistent_pingpong": NativeGemmConfig("persistent", block_n=128, stages=5, pingpong=True),
+}
+
+_SOURCES = {"seed": "gemm_sm90_seed.cu", "ws": "gemm_sm90_ws.cu", "persistent": "gemm_sm90_persistent.cu"}
+
+
+class _Params(ctypes.Structure):
+    """Mirror of ``tmagemm::gemm::Params`` (gemm_sm90.cuh): same field order and C types."""
+
+    _fields_ = [
+        ("m", ctypes.c_int32),
+        ("n", ctypes.c_int32),
+        ("k", ctypes.c_int32),
+        ("group_m", ctypes.c_int32),
+        ("alpha", ctypes.c_float),
+        ("beta", ctypes.c_float),
+        ("c", ctypes.c_void_p),
+        ("ldc", ctypes.c_int64),
+        ("scale_a", ctypes.c_void_p),
+        ("scale_b", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("scale_a_rowwise", ctypes.c_int32),
+        ("scale_b_colwise", ctypes.c_int32),
+        ("bias_type", ctypes.c_int32),
+        ("pad_", ctypes.c_int32),
+    ]
+
+
+# ------------------------------------------------------------------------------------ checks
+
+
+def _b_k_major(b: torch.Tensor) -> bool:
+    """B (K, N) stored as an (N, K) row-major weight (``w.t()``). A single column or row is
+    both layouts; pick the one whose tensor map has a real row stride."""
+    k, n = b.shape
+    if n == 1:
+        return True
+    if k == 1:
+        return False
+    return b.stride(0) == 1
+
+
+def _row_major_reason(t: torch.Tensor, name: str) -> str | None:
+    rows, cols = t.shape
+    if cols > 1 and t.stride(1) != 1:
+        return f"{name} {tuple(t.shape)} stride {tuple(t.stride())} is not row-major"
+    if t.data_ptr() % _ALIGN:
+        return f"{name}.data_ptr() is not {_ALIGN}-byte aligned"
+    if rows > 1 and (t.stride(0) * t.element_size()) % _ALIGN:
+        return f"{name} row stride of {t.stride(0) * t.element_size()} bytes is not a multiple of {_ALIGN} (TMA)"
+    return None
+
+
+def unsupported_reason(args: GemmArgs, config: NativeGemmConfig) -> str | None:
+    """None when ``config`` can compute ``args``, else why not (names the tensor at fault)."""
+    if args.a.device.type != "cuda":
+        return "native kernels need CUDA tensors"
+    hopper = _device.hopper_available()
+    if hopper is not None:
+        return hopper
+    if args.a.dtype not in _AB_TYPES or args.b.dtype != args.a.dtype:
+        return f"a/b dtypes {args.a.dtype}/{args.b.dtype} not supported (fp16, bf16 or float8_e4m3fn, both equal)"
+    if args.out.dtype not in _OUT_TYPES:
+        return f"out dtype {args.out.dtype} not supported (bf16, fp16, fp32)"
+    if args.k == 0 or args.m == 0 or args.n == 0:
+        return "zero-size problems are handled before dispatch"
+    if max(args.m, args.n, args.k) >= 2**31:
+        return "dimensions must fit in int32"
+    if args.bias is not None and args.bias.dtype not in _OUT_TYPES:
+        return f"bias dtype {args.bias.dtype} not supported (bf16, fp16, fp32)"
+    if (args.scale_a is not None or args.scale_b is not None) and not args.is_fp8:
+        return "scales are only applied to fp8 problems"
+    reason = _row_major_reason(args.a, "a")
+    if reason:
+        return reason
+    if _b_k_major(args.b):
+        reason = _row_major_reason(args.b.t(), "b.t()")
+    elif args.is_fp8:
+        return "fp8 needs B K-major (column-major (K, N), the torch._scaled_mm layout): FP8 wgmma reads K-major B"
+    else:
+        reason = _row_major_reason(args.b, "b")
+    if reason:
+        return reason
+    reason = _row_major_reason(args.out, "out")
+    if reason:
+        return reason
+    if not config.fitted(args.out.element_size()).is_valid(args.out.element_size()):
+        return f"config {config} does not fit shared memory with {args.out.dtype} output"
+    return None
+
+
+# ------------------------------------------------------------------------------------ launch
+
+
+def compile_module(config: NativeGemmConfig, ab_dtype: torch.dtype, out_dtype: torch.dtype, b_k_major: bool):
+    """The NVRTC module of one rung variant (no GPU needed; tests inspect its SASS)."""
+    from .. import jit
+
+    config = config.fitted(out_dtype.itemsize)
+    defines = {
+        "TMAGEMM_AB_TYPE": _AB_TYPES[ab_dtype],
+        "TMAGEMM_OUT_TYPE": _OUT_TYPES[out_dtype],
+        "TMAGEMM_B_KMAJOR": int(b_k_major),
+        "TMAGEMM_BLOCK_N": config.block_n,
+        "TMAGEMM_STAGES": config.stages,
+    }
+    if config.kernel == "persistent":
+        defines["TMAGEMM_PINGPONG"] = int(config.pingpong)
+    return jit.compile(_SOURCES[config.kernel], defines=defines)
+
+
+def kernel_name(config: NativeGemmConfig) -> str:
+    return f"tmagemm_gemm_sm90_{config.kernel}"
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(config: NativeGemmConfig, ab_dtype: torch.dtype, out_dtype: torch.dtype, b_k_major: bool, device_index: int):
+    module = compile_module(config, ab_dtype, out_dtype, b_k_major)
+    with torch.cuda.device(device_index):
+        return module.function(kernel_name(config))
+
+
+_maps = None
+
+
+def _map_cache():
+    global _maps
+    if _maps is None:
+        from ..tma import TensorMapCache
+
+        _maps = TensorMapCache()
+    return _maps
+
+
+def run(
+    args: GemmArgs,
+    config: NativeGemmConfig | None = None,
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    c: torch.Tensor | None = None,
+) -> None:
+    """``out = alpha * (scale_a * scale_b) * (a @ b) + bias + beta * c`` with one native rung.
+
+    c: (M, N) row-major in the output dtype (needed when beta != 0; may alias ``out``, since each
+    element of c is read before the tile holding it is written).
+    """
+    config = config or RUNGS["cuda.ws"]
+    reason = unsupported_reason(args, config)
+    if reason is not None:
+        raise ValueError(f"native GEMM {config}: {reason}")
+    out_size = args.out.element_size()
+    config = config.fitted(out_size)
+    if beta != 0.0:
+        if c is None:
+            raise ValueError("beta != 0 needs c")
+        if tuple(c.shape) != (args.m, args.n) or c.dtype != args.out.dtype or c.device != args.out.device:
+            raise ValueError(
+                f"c must be ({args.m}, {args.n}) {args.out.dtype} on {args.out.device}, got {tuple(c.shape)} {c.dtype} on {c.device}"
+            )
+        if args.n > 1 and c.stride(1) != 1:
+            raise ValueError(f"c must be row-major, got stride {tuple(c.stride())}")
+
+    b_k_major = _b_k_major(args.b)
+    a_bytes = args.a.element_size()
+    block_k = _ROW_BYTES // a_bytes
+    maps = _map_cache()
+    map_a = maps.get(args.a, (128, block_k))
+    if b_k_major:
+        map_b = maps.get(args.b.t(), (config.block_n, block_k))
+    else:
+        map_b = maps.get(args.b, (block_k, 64))
+    map_d = maps.get(args.out, (64, _ROW_BYTES // out_size))
+
+    params = _Params()
+    params.m, params.n, params.k, params.group_m = args.m, args.n, args.k, config.group_m
+    params.alpha, params.beta = float(alpha), float(beta)
+    params.c = c.data_ptr() if beta != 0.0 else None
+    params.ldc = c.stride(0) if beta != 0.0 else 0
+    params.scale_a = args.scale_a.data_ptr() if args.scale_a is not None else None
+    params.scale_b = args.scale_b.data_ptr() if args.scale_b is not None else None
+    params.scale_a_rowwise = int(args.scale_a is not None and args.scale_a.numel() != 1)
+    params.scale_b_colwise = int(args.scale_b is not None and args.scale_b.numel() != 1)
+    params.bias = args.bias.data_ptr() if args.bias is not None else None
+    params.bias_type = _OUT_TYPES[args.bias.dtype] if args.bias is not None else 0
+
+    device_index = args.out.device.index if args.out.device.index is not None else torch.cuda.current_device()
+    kernel = _kernel(config, args.a.dtype, args.out.dtype, b_k_major, device_index)
+    tiles = -(-args.m // 128) * -(-args.n // config.block_n)
+    grid = min(tiles, _device.sm_count(device_index)) if config.kernel == "persistent" else tiles
+    kernel.launch(grid, config.threads, [map_a, map_b, map_d, params], smem_bytes=config.smem_bytes(out_size))
+
+
+def _variant(name: str, description: str) -> Variant:
+    config = RUNGS[name]
+    return Variant(
+        name=name,
+        backend="cuda",
+        description=description,
+        supports=lambda args, config=config: unsupported_reason(args, config),
+        run=lambda args, config=config: run(args, config),
+    )
+
+
+# Best first: the dispatcher takes the first that accepts a problem when asked for "cuda".
+VARIANTS = [
+    _variant("cuda.persistent_pingpong", "native persistent WS, ping-pong consumers, 128x128 tiles (rung 3)"),
+    _variant("cuda.persistent_coop", "native persistent WS, cooperative consumers, 128x256 tiles (rung 3)"),
+    _variant("cuda.ws", "native warp-specialized TMA + wgmma, 128x256 tiles, setmaxnreg (rung 2)"),
+    _variant("cuda.seed", "native seed TMA + wgmma, one warpgroup, 128x128 tiles, 3 stages (rung 1)"),
+]

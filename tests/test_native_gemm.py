@@ -1,0 +1,261 @@
+"""Native sm_90a GEMM ladder (tmagemm.cuda.gemm).
+
+CPU: every rung builds through NVRTC for sm_90a for each dtype/layout family, and its SASS has
+the tensor-core op (HGMMA / QGMMA), TMA loads and stores, no local memory, and, for the
+warp-specialized rungs, the setmaxnreg register split. GPU: results vs a float64 reference on
+ragged shapes, outputs poisoned with NaN (inside and around the output), alpha/beta, fp8 scales
+and bias.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import re
+
+import pytest
+import torch
+
+from tmagemm.cuda import gemm as native
+from tmagemm.dispatch import GemmArgs
+
+FP8 = torch.float8_e4m3fn
+
+# (a/b dtype, out dtype, B K-major): the families the launcher can build.
+FAMILIES = [
+    (torch.bfloat16, torch.bfloat16, True),
+    (torch.float16, torch.float16, False),
+    (torch.bfloat16, torch.float32, False),
+    (FP8, torch.bfloat16, True),
+]
+
+
+def _family_id(family) -> str:
+    ab, out, k_major = family
+    return f"{str(ab).split('.')[-1]}-{str(out).split('.')[-1]}-{'kmajor' if k_major else 'nmajor'}"
+
+
+def _nvrtc_reason() -> str | None:
+    try:
+        from cuda.bindings import nvrtc  # noqa: F401
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+
+        load_nvidia_dynamic_lib("nvrtc")
+    except Exception as exc:  # missing wheel or library: the build tests cannot run here
+        return f"NVRTC unavailable: {exc}"
+    return None
+
+
+needs_nvrtc = pytest.mark.skipif(_nvrtc_reason() is not None, reason=str(_nvrtc_reason()))
+
+
+# ------------------------------------------------------------------------------- CPU: configs
+
+
+def test_params_struct_matches_device_layout():
+    # gemm_sm90.cuh: 4 int + 2 float, 6 x 8-byte fields, 4 int = 80 bytes, pointers 8-aligned.
+    assert ctypes.sizeof(native._Params) == 80
+    assert native._Params.c.offset == 24
+    assert native._Params.bias.offset == 56
+    assert native._Params.scale_a_rowwise.offset == 64
+
+
+@pytest.mark.parametrize("name", sorted(native.RUNGS))
+@pytest.mark.parametrize("out_size", [2, 4])
+def test_rung_configs_fit_shared_memory(name, out_size):
+    config = native.RUNGS[name]
+    fitted = config.fitted(out_size)
+    assert fitted.is_valid(out_size), f"{name} does not fit with {out_size}-byte output: {fitted}"
+    assert fitted.smem_bytes(out_size) <= 232448
+    if out_size == 2:
+        assert fitted == config, "default stages are chosen for 16-bit output"
+
+
+def test_invalid_configs_are_refused():
+    assert not native.NativeGemmConfig("seed", block_n=256, stages=3).is_valid(2)  # 256 acc regs
+    assert not native.NativeGemmConfig("ws", block_n=256, stages=5).is_valid(2)  # 240 KB ring
+    assert not native.NativeGemmConfig("ws", block_n=128, stages=4, pingpong=True).is_valid(2)
+    assert not native.NativeGemmConfig("persistent", block_n=256, stages=2, pingpong=True).is_valid(2)
+    assert not native.NativeGemmConfig("seed", block_n=128, stages=1).is_valid(2)
+
+
+def test_cpu_tensors_are_refused_with_a_reason():
+    a = torch.randn(17, 64, dtype=torch.bfloat16)
+    b = torch.randn(64, 72, dtype=torch.bfloat16)
+    args = GemmArgs(a, b, torch.empty(17, 72, dtype=torch.bfloat16))
+    for variant in native.VARIANTS:
+        assert variant.backend == "cuda"
+        assert "CUDA" in variant.supports(args)
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        native.run(args, native.RUNGS["cuda.seed"])
+
+
+def test_b_layout_detection():
+    w = torch.randn(72, 64)  # (N, K) weight
+    assert native._b_k_major(w.t())
+    assert not native._b_k_major(torch.randn(64, 72))
+    assert native._b_k_major(torch.randn(64, 1))  # one column: describe it as a (1, K) row
+    assert not native._b_k_major(torch.randn(1, 72))
+
+
+# ------------------------------------------------------------------------------- CPU: builds
+
+
+def _count(sass: str, op: str) -> int:
+    return len(re.findall(r"\b" + re.escape(op) + r"\b", sass))
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("family", FAMILIES, ids=_family_id)
+@pytest.mark.parametrize("name", sorted(native.RUNGS))
+def test_rung_builds_for_sm90a(name, family):
+    from tmagemm import jit
+
+    ab, out, k_major = family
+    config = native.RUNGS[name]
+    module = native.compile_module(config, ab, out, k_major)
+    sass = jit.sass(module.cubin)
+    usage = jit.resource_usage(module.cubin, native.kernel_name(config))
+
+    mma = "QGMMA" if ab == FP8 else "HGMMA"
+    other = "HGMMA" if ab == FP8 else "QGMMA"
+    # Two 64-row fragments x 4 K-steps per stage (seed, ping-pong) or one fragment (ws, coop).
+    per_stage = 8 if config.kernel == "seed" or config.pingpong else 4
+    assert _count(sass, mma) == per_stage, f"{mma} count in {name}"
+    assert _count(sass, other) == 0
+    n_width = 128 if per_stage == 8 else config.block_n
+    assert f"64x{n_width}x{32 if ab == FP8 else 16}" in sass, "wgmma shape"
+    assert _count(sass, "UTMALDG") >= 2 and _count(sass, "UTMASTG") >= 1
+    assert _count(sass, "LDL") == 0 and _count(sass, "STL") == 0, "local memory (spills) in the kernel"
+    assert usage.local_bytes == 0 and usage.stack_bytes == 0
+    if config.kernel == "seed":
+        assert "USETMAXREG" not in sass
+    else:
+        # launch_bounds(384, 1) caps the kernel at 168 registers; the producer gives back to 40
+        # (0x28) and the consumers ask for 232 (0xe8).
+        assert usage.registers == 168
+        assert re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", sass)
+        assert re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, 0xe8\b", sass)
+
+
+# ------------------------------------------------------------------------------- GPU
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor, rtol: float, atol: float, what: str) -> None:
+    got = out.double()
+    bad = ~((got - ref).abs() <= atol + rtol * ref.abs())  # NaN counts as bad
+    if bad.any():
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        err = ((got - ref).abs() - rtol * ref.abs()).nan_to_num(float("inf"))
+        worst = tuple(int(i) for i in torch.unravel_index(err.argmax(), err.shape))
+        pytest.fail(
+            f"{what}: {int(bad.sum())} of {bad.numel()} elements off (rtol={rtol}, atol={atol}); first at {idx}: "
+            f"got {got[idx].item()} want {ref[idx].item()}; worst at {worst}: got {got[worst].item()} "
+            f"want {ref[worst].item()}"
+        )
+
+
+# Output rounding (bf16 8 bits, fp16 11 bits) with a factor 2 for fp32 accumulation order.
+_OUT_TOL = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 2**-13}
+
+
+def _poisoned_out(m: int, n: int, dtype: torch.dtype):
+    """out = a view inside a larger NaN-filled buffer, so writes past M or N are detected."""
+    pad = 16 // torch.empty((), dtype=dtype).element_size()
+    big = torch.full((m + 3, n + pad), float("nan"), dtype=dtype, device="cuda")
+    return big, big[1 : m + 1, :n]
+
+
+def _check_untouched(big: torch.Tensor, m: int, n: int) -> None:
+    mask = torch.ones(big.shape, dtype=torch.bool, device=big.device)
+    mask[1 : m + 1, :n] = False
+    assert big[mask].isnan().all(), "the kernel wrote outside the (M, N) output"
+
+
+def _operands(m, n, k, ab, k_major):
+    if ab == FP8:
+        a = (torch.randn(m, k, device="cuda") * 2).to(FP8)
+        w = (torch.randn(n, k, device="cuda") * 2).to(FP8)
+    else:
+        a = torch.randn(m, k, device="cuda", dtype=ab)
+        w = torch.randn(n, k, device="cuda", dtype=ab)
+    b = w.t() if k_major else w.t().contiguous()
+    return a, b
+
+
+# K stays a multiple of 16 (fp8 rows must be 16-byte aligned for TMA) but off the 64/128 k-block.
+SHAPES = [(1, 264, 144), (17, 72, 336), (727, 520, 208), (300, 1000, 1104)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("family", FAMILIES, ids=_family_id)
+@pytest.mark.parametrize("name", sorted(native.RUNGS))
+def test_rung_matches_float64(name, family, shape, seeded):
+    ab, out_dtype, k_major = family
+    m, n, k = shape
+    a, b = _operands(m, n, k, ab, k_major)
+    big, out = _poisoned_out(m, n, out_dtype)
+    scale_a = scale_b = bias = None
+    ref = a.double() @ b.double()
+    if ab == FP8:  # row-wise scales and a bias: the scaled_mm epilogue
+        scale_a = torch.rand(m, device="cuda") + 0.5
+        scale_b = torch.rand(n, device="cuda") + 0.5
+        bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        ref = ref * scale_a.double()[:, None] * scale_b.double()[None, :] + bias.double()
+    args = GemmArgs(a, b, out, scale_a, scale_b, bias)
+    variant = next(v for v in native.VARIANTS if v.name == name)
+    assert variant.supports(args) is None
+    variant.run(args)
+    torch.cuda.synchronize()
+    tol = _OUT_TOL[out_dtype]
+    _assert_close(out, ref, rtol=tol, atol=tol * math.sqrt(k) * 2, what=f"{name} {_family_id(family)} {shape}")
+    _check_untouched(big, m, n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(native.RUNGS))
+def test_alpha_beta(name, seeded):
+    m, n, k = 727, 520, 208
+    a, b = _operands(m, n, k, torch.bfloat16, False)
+    c = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    big, out = _poisoned_out(m, n, torch.bfloat16)
+    alpha, beta = 0.75, -1.5
+    native.run(GemmArgs(a, b, out), native.RUNGS[name], alpha=alpha, beta=beta, c=c)
+    torch.cuda.synchronize()
+    ref = alpha * (a.double() @ b.double()) + beta * c.double()
+    tol = _OUT_TOL[torch.bfloat16]
+    _assert_close(out, ref, rtol=tol, atol=tol * math.sqrt(k) * 2, what=f"{name} alpha/beta")
+    _check_untouched(big, m, n)
+
+
+@pytest.mark.gpu
+def test_beta_in_place_and_tensorwise_fp8(seeded):
+    # c aliasing out (D = A@B + D) and tensor-wise fp8 scales on the persistent kernel.
+    m, n, k = 300, 1000, 1104
+    a, b = _operands(m, n, k, FP8, True)
+    out = torch.randn(m, n, device="cuda", dtype=torch.float32)
+    before = out.double().clone()
+    sa = torch.tensor([0.25], device="cuda")
+    sb = torch.tensor([3.0], device="cuda")
+    native.run(GemmArgs(a, b, out, sa, sb), native.RUNGS["cuda.persistent_coop"], beta=1.0, c=out)
+    torch.cuda.synchronize()
+    ref = (a.double() @ b.double()) * 0.75 + before
+    _assert_close(out, ref, rtol=1e-4, atol=1e-2, what="fp8 tensor-wise, in-place beta")
+
+
+@pytest.mark.gpu
+def test_fp8_n_major_b_is_refused():
+    a = torch.randn(64, 128, device="cuda").to(FP8)
+    b = torch.randn(128, 64, device="cuda").to(FP8)  # row-major (K, N): not K-major
+    args = GemmArgs(a, b, torch.empty(64, 64, device="cuda", dtype=torch.bfloat16))
+    for variant in native.VARIANTS:
+        assert "K-major" in variant.supports(args)
+
+
+@pytest.mark.gpu
+def test_unaligned_stride_is_refused():
+    a = torch.randn(64, 70, device="cuda", dtype=torch.bfloat16)  # 140-byte rows
+    b = torch.randn(70, 64, device="cuda", dtype=torch.bfloat16)
+    args = GemmArgs(a, b, torch.empty(64, 64, device="cuda", dtype=torch.bfloat16))
+    assert "multiple of 16" in native.VARIANTS[0].supports(args)
