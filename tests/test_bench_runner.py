@@ -1,0 +1,119 @@
+"""Shapes, providers and the check loop of the benchmark, on the CPU (Triton interpreter)."""
+
+import io
+
+import pytest
+import torch
+
+from tmagemm.bench import providers as prov, runner, shapes
+from tmagemm.bench.results import ABSENT, CHECKED, FAILED, UNSUPPORTED, WRONG
+from tmagemm.bench.shapes import Shape
+
+
+def test_presets():
+    sweep = shapes.preset_shapes("sweep")
+    assert [s.m for s in sweep] == list(shapes.SWEEP_M) and {(s.n, s.k) for s in sweep} == {(4096, 4096)}
+    assert [s.m for s in shapes.preset_shapes("sweep", [3, 5])] == [3, 5]
+    llm = shapes.preset_shapes("llm")
+    assert len(llm) == len(shapes.LLM_M) * len(shapes.LLM_LAYERS)
+    assert len({(s.label, s.m) for s in llm}) == len(llm)
+    assert Shape(4, 6144, 4096, "llama3-8b.qkv") in llm or Shape(64, 6144, 4096, "llama3-8b.qkv") in llm
+    assert [s.m for s in shapes.preset_shapes("square")] == list(shapes.SQUARE_SIZES)
+    with pytest.raises(ValueError, match="unknown preset"):
+        shapes.preset_shapes("huge")
+    with pytest.raises(ValueError, match="square"):
+        shapes.preset_shapes("square", [5])
+
+
+def test_custom_shapes():
+    got = shapes.custom_shapes([1, 17], [80], [96, 0])
+    assert got == [Shape(1, 80, 96), Shape(1, 80, 0), Shape(17, 80, 96), Shape(17, 80, 0)]
+    with pytest.raises(ValueError, match="--n"):
+        shapes.custom_shapes([1], [], [2])
+    with pytest.raises(ValueError, match=">= 0"):
+        shapes.custom_shapes([1], [-2], [2])
+
+
+@pytest.mark.parametrize("dtype, rowwise", [("fp16", False), ("fp8", False), ("fp8", True)])
+def test_case_reference_and_error(seeded, dtype, rowwise):
+    case = prov.make_case(Shape(17, 40, 48), dtype, "cpu", rowwise=rowwise)
+    assert case.a.float().abs().sum() > 0 and case.b.float().abs().sum() > 0
+    if dtype == "fp8":
+        assert case.b.stride() == (1, 48)  # (K, N) view of a row-major (N, K) weight
+        assert case.scale_a.shape == ((17,) if rowwise else (1,))
+        manual = (case.a.double() * case.scale_a.double().reshape(-1, 1)) @ (case.b.double() * case.scale_b.double().reshape(1, -1))
+    else:
+        manual = case.a.double() @ case.b.double()
+    torch.testing.assert_close(case.reference, manual, rtol=1e-12, atol=1e-12)
+    assert prov.relative_error(case.reference.to(case.out_dtype), case) <= prov.TOLERANCE[dtype] / 2
+    poisoned = case.empty_out()
+    assert poisoned.isnan().all()
+    assert prov.relative_error(poisoned, case) == float("inf")
+    off = case.reference.clone()
+    off[3, 5] += 0.05 * case.reference.abs().max()
+    assert prov.relative_error(off.to(case.out_dtype), case) > prov.TOLERANCE[dtype]
+
+
+def test_select_by_glob():
+    everything = prov.peer_providers()
+    assert [p.name for p in prov.select(everything, "fp8", ["cublas.fp8*"])] == ["cublas.fp8", "cublas.fp8.exact"]
+    assert [p.name for p in prov.select(everything, "bf16", None)] == ["cublas"]
+    with pytest.raises(ValueError, match="matches none"):
+        prov.select(everything, "fp8", ["cublsa"])
+
+
+def _fake(name, prepare=None, absent=None):
+    return prov.Provider(name, "tmagemm", "triton", "test double", prov.DTYPES, prepare, absent)
+
+
+def test_run_one_classifies_every_outcome(seeded):
+    case = prov.make_case(Shape(5, 24, 32), "fp16", "cpu")
+
+    def exact(c):
+        out = c.empty_out()
+        return prov.Prepared(lambda: out.copy_(c.reference))
+
+    def skips_a_tile(c):
+        out = c.empty_out()
+
+        def call():
+            out[:, :16] = c.reference[:, :16].to(out.dtype)
+            return out
+
+        return prov.Prepared(call)
+
+    def refuses(c):
+        raise prov.Unsupported("K not a multiple of 64")
+
+    def crashes(c):
+        return prov.Prepared(lambda: 1 / 0)
+
+    got = {p.name: runner._run_one(p, case, None, False) for p in [
+        _fake("exact", exact), _fake("skips", skips_a_tile), _fake("refuses", refuses),
+        _fake("crashes", crashes), _fake("missing", absent="No module named x")]}
+    assert got["exact"]["status"] == CHECKED and got["exact"]["max_rel_err"] <= prov.TOLERANCE["fp16"]
+    assert got["skips"]["status"] == WRONG and got["skips"]["max_rel_err"] == float("inf")
+    assert (got["refuses"]["status"], got["refuses"]["reason"]) == (UNSUPPORTED, "K not a multiple of 64")
+    assert got["crashes"]["status"] == FAILED and "ZeroDivisionError" in got["crashes"]["reason"]
+    assert (got["missing"]["status"], got["missing"]["reason"]) == (ABSENT, "No module named x")
+
+
+def test_interpreter_check_runs_the_triton_variants(seeded):
+    stream = io.StringIO()
+    result = runner.check(("fp16", "fp8"), (Shape(17, 80, 96), Shape(1, 64, 128)), ("triton.tma", "tmagemm.auto"), stream=stream)
+    assert {r["provider"] for r in result.records} == {"triton.tma", "tmagemm.auto"}
+    assert len(result.records) == 2 * 2 * 2
+    for r in result.records:
+        assert r["status"] == CHECKED, r
+        assert r["median_us"] is None  # no timing without a GPU
+    assert stream.getvalue().count("\n") == len(result.records)  # one progress line per step off a terminal
+
+
+def test_interpreter_check_zero_size_through_the_api(seeded):
+    result = runner.check(("fp8",), (Shape(0, 80, 96), Shape(3, 80, 0)), ("tmagemm.auto",), stream=io.StringIO())
+    assert [r["status"] for r in result.records] == [CHECKED, CHECKED]
+
+
+def test_check_refuses_bf16():
+    with pytest.raises(ValueError, match="bf16"):
+        runner.check(("bf16",))
