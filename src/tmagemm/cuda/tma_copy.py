@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from tmagemm import jit, tma
+from tmagemm import device, jit, tma
 
 SOURCE = "tma_copy.cu"
 # Opt-in shared-memory ceiling per block on sm_90 (227 KB); kernels add 1 KB for alignment.
@@ -41,6 +41,27 @@ class ElementwiseConfig:
         return (span or 128) // element_size
 
 
+def elementwise_defines(dtype: torch.dtype, config: ElementwiseConfig) -> dict[str, int]:
+    """The -D macros selecting the elementwise variant for ``dtype`` and ``config``."""
+    kinds = _elem_types()
+    if dtype not in kinds:
+        raise TypeError(f"elementwise_2d supports {sorted(str(d) for d in kinds)}, got {dtype}")
+    if config.swizzle not in tma.SWIZZLES:
+        raise ValueError(f"swizzle must be one of {list(tma.SWIZZLES)}, got {config.swizzle!r}")
+    size = torch.empty((), dtype=dtype).element_size()
+    return {
+        "ELEM_TYPE": kinds[dtype],
+        "BOX_ROWS": config.box_rows,
+        "BOX_COLS": config.resolved_cols(size),
+        "SWIZZLE_SPAN": tma.SWIZZLES[config.swizzle][1],
+    }
+
+
+def copy_defines(element_size: int, config: "CopyConfig") -> dict[str, int]:
+    """The -D macros selecting the pipelined-copy variant."""
+    return {"BOX_ROWS": config.box_rows, "BOX_COLS": config.box_cols, "ELEM_BYTES": element_size, "STAGES": config.stages}
+
+
 def _check_2d(x: torch.Tensor, what: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
@@ -57,9 +78,7 @@ def elementwise_2d(x: torch.Tensor, out: torch.Tensor | None = None, config: Ele
     out: same shape and dtype (may have padded strides); elements outside it are never written.
     """
     _check_2d(x, "x")
-    kinds = _elem_types()
-    if x.dtype not in kinds:
-        raise TypeError(f"elementwise_2d supports {sorted(str(d) for d in kinds)}, got {x.dtype}")
+    defines = elementwise_defines(x.dtype, config)
     if out is None:
         out = torch.empty_like(x)
     _check_2d(out, "out")
@@ -74,10 +93,7 @@ def elementwise_2d(x: torch.Tensor, out: torch.Tensor | None = None, config: Ele
         raise ValueError(f"box {rows}x{cols} of {x.dtype} needs {tile_bytes} B of shared memory, over {MAX_SMEM_BYTES - _ALIGN_SLACK}")
     in_map = tma.make_tensor_map(x, (rows, cols), swizzle=config.swizzle)
     out_map = tma.make_tensor_map(out, (rows, cols), swizzle=config.swizzle)
-    span = tma.SWIZZLES[config.swizzle][1]
-    module = jit.compile(
-        SOURCE, defines={"ELEM_TYPE": kinds[x.dtype], "BOX_ROWS": rows, "BOX_COLS": cols, "SWIZZLE_SPAN": span}
-    )
+    module = jit.compile(SOURCE, defines=defines)
     grid = (-(-x.shape[1] // cols), -(-x.shape[0] // rows))
     if grid[1] > 65535:
         raise ValueError(f"{x.shape[0]} rows need {grid[1]} row tiles; the grid's y limit is 65535")
@@ -162,15 +178,10 @@ def copy_2d(x: torch.Tensor, out: torch.Tensor, config: CopyConfig = CopyConfig(
     out_map = tma.make_tensor_map(out, box, swizzle=config.swizzle)
     tiles_cols = -(-x.shape[1] // config.box_cols)
     num_tiles = tiles_cols * -(-x.shape[0] // config.box_rows)
-    from tmagemm import device
-
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     per_sm = config.ctas_per_sm or max(1, min(8, (MAX_SMEM_BYTES + _ALIGN_SLACK) // (smem + _ALIGN_SLACK)))
     grid = min(num_tiles, device.sm_count(index) * per_sm)
-    module = jit.compile(
-        SOURCE,
-        defines={"BOX_ROWS": config.box_rows, "BOX_COLS": config.box_cols, "ELEM_BYTES": size, "STAGES": config.stages},
-    )
+    module = jit.compile(SOURCE, defines=copy_defines(size, config))
     with torch.cuda.device(x.device):
         module.function("tma_copy_2d").launch(
             grid, 32, (in_map, out_map, ctypes.c_int32(tiles_cols), ctypes.c_int32(num_tiles)), smem_bytes=smem
