@@ -25,7 +25,7 @@ print("cuobjdump:", cuobjdump_path())
 PY
 
 echo "== GPU tests"
-timeout 170 python -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_tma.py tests/test_jit.py tests/test_tma_copy.py \
+timeout 130 python -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_tma.py tests/test_jit.py tests/test_tma_copy.py \
   > "$OUT/pytest_gpu.txt" 2>&1
 echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_gpu.txt" | tail -25
 
@@ -45,12 +45,12 @@ for swizzle, cols in [("128B", 16), ("128B", 8), ("64B", 8), ("128B", 32)]:
 PY
 
 echo "== benchmark"
-timeout 150 python -m tmagemm.bench.tma_copy --json "$OUT/tma_bench.json" 2>&1 | tee "$OUT/bench.txt" | tail -40
+timeout 100 python -m tmagemm.bench.tma_copy --json "$OUT/tma_bench.json" 2>&1 | tee "$OUT/bench.txt" | tail -40
 
 echo "== compute-sanitizer"
 SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 if [ -n "$SAN" ]; then
-  timeout 60 "$SAN" --tool memcheck python - > "$OUT/memcheck.txt" 2>&1 <<'PY'
+  timeout 40 "$SAN" --tool memcheck python - > "$OUT/memcheck.txt" 2>&1 <<'PY'
 import torch
 from tmagemm.cuda import tma_copy
 from tmagemm.cuda.tma_copy import CopyConfig, ElementwiseConfig
