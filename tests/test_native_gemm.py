@@ -77,6 +77,7 @@ def test_invalid_configs_are_refused():
     assert not native.NativeGemmConfig("ws", block_n=128, stages=4, pingpong=True).is_valid(2)
     assert not native.NativeGemmConfig("persistent", block_n=256, stages=2, pingpong=True).is_valid(2)
     assert not native.NativeGemmConfig("seed", block_n=128, stages=1).is_valid(2)
+    assert not native.NativeGemmConfig("ws", block_n=256, stages=4, ctas=8).is_valid(2)  # not persistent
 
 
 def test_cpu_tensors_are_refused_with_a_reason():
@@ -210,6 +211,25 @@ def test_rung_matches_float64(name, family, shape, seeded):
     torch.cuda.synchronize()
     tol = _OUT_TOL[out_dtype]
     _assert_close(out, ref, rtol=tol, atol=tol * math.sqrt(k) * 2, what=f"{name} {_family_id(family)} {shape}")
+    _check_untouched(big, m, n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES, ids=_family_id)
+@pytest.mark.parametrize("name", ["cuda.persistent_coop", "cuda.persistent_pingpong"])
+def test_persistent_ctas_walk_many_tiles(name, family, seeded):
+    # 3 CTAs for 24 (coop) / 48 (ping-pong) tiles: the ring's phases carry across tiles, the
+    # ping-pong turn barriers alternate, and the last CTA gets a different tile count.
+    from dataclasses import replace
+
+    ab, out_dtype, k_major = family
+    m, n, k = 727, 1000, 336
+    a, b = _operands(m, n, k, ab, k_major)
+    big, out = _poisoned_out(m, n, out_dtype)
+    native.run(GemmArgs(a, b, out), replace(native.RUNGS[name], ctas=3, group_m=2))
+    torch.cuda.synchronize()
+    tol = _OUT_TOL[out_dtype]
+    _assert_close(out, a.double() @ b.double(), rtol=tol, atol=tol * math.sqrt(k) * 2, what=f"{name} 3 CTAs")
     _check_untouched(big, m, n)
 
 

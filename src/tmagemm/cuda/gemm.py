@@ -39,13 +39,16 @@ _ROW_BYTES = 128  # one k-block is one 128-byte swizzle row of A and B
 class NativeGemmConfig:
     """One rung's launch shape. ``kernel``: "seed" | "ws" | "persistent"; ``pingpong`` picks the
     persistent consumer schedule; ``stages``: depth of the TMA ring; ``group_m``: rows of tiles
-    per L2 group of the grouped order. Block M is always 128 and block K one 128-byte row."""
+    per L2 group of the grouped order; ``ctas``: persistent grid size (0 = one CTA per SM; tests
+    use a few to make every CTA walk several tiles). Block M is always 128 and block K one
+    128-byte row."""
 
     kernel: str
     block_n: int
     stages: int
     group_m: int = 8
     pingpong: bool = False
+    ctas: int = 0
 
     @property
     def threads(self) -> int:
@@ -78,7 +81,8 @@ class NativeGemmConfig:
             and reuse_ok
             and self.stages >= 2
             and self.group_m >= 1
-            and (self.kernel == "persistent" or not self.pingpong)
+            and (self.kernel == "persistent" or not (self.pingpong or self.ctas))
+            and self.ctas >= 0
             and self.smem_bytes(out_itemsize) + 256 <= _SMEM_LIMIT
         )
 
@@ -193,7 +197,7 @@ def compile_module(config: NativeGemmConfig, ab_dtype: torch.dtype, out_dtype: t
     """The NVRTC module of one rung variant (no GPU needed; tests inspect its SASS)."""
     from .. import jit
 
-    config = config.fitted(out_dtype.itemsize)
+    config = replace(config.fitted(out_dtype.itemsize), group_m=1, ctas=0)  # launch-time only
     defines = {
         "TMAGEMM_AB_TYPE": _AB_TYPES[ab_dtype],
         "TMAGEMM_OUT_TYPE": _OUT_TYPES[out_dtype],
@@ -217,15 +221,17 @@ def _kernel(config: NativeGemmConfig, ab_dtype: torch.dtype, out_dtype: torch.dt
         return module.function(kernel_name(config))
 
 
-_maps = None
+_maps: dict | None = None
 
 
-def _map_cache():
+def _map_caches() -> dict:
+    """One tensor-map cache per operand role: a cache hands out one shared map per key, and A
+    and a K-major B of equal shape would otherwise share (and retarget) the same map."""
     global _maps
     if _maps is None:
         from ..tma import TensorMapCache
 
-        _maps = TensorMapCache()
+        _maps = {role: TensorMapCache() for role in ("a", "b", "d")}
     return _maps
 
 
@@ -260,13 +266,13 @@ def run(
     b_k_major = _b_k_major(args.b)
     a_bytes = args.a.element_size()
     block_k = _ROW_BYTES // a_bytes
-    maps = _map_cache()
-    map_a = maps.get(args.a, (128, block_k))
+    maps = _map_caches()
+    map_a = maps["a"].get(args.a, (128, block_k))
     if b_k_major:
-        map_b = maps.get(args.b.t(), (config.block_n, block_k))
+        map_b = maps["b"].get(args.b.t(), (config.block_n, block_k))
     else:
-        map_b = maps.get(args.b, (block_k, 64))
-    map_d = maps.get(args.out, (64, _ROW_BYTES // out_size))
+        map_b = maps["b"].get(args.b, (block_k, 64))
+    map_d = maps["d"].get(args.out, (64, _ROW_BYTES // out_size))
 
     params = _Params()
     params.m, params.n, params.k, params.group_m = args.m, args.n, args.k, config.group_m
@@ -283,7 +289,10 @@ def run(
     device_index = args.out.device.index if args.out.device.index is not None else torch.cuda.current_device()
     kernel = _kernel(config, args.a.dtype, args.out.dtype, b_k_major, device_index)
     tiles = -(-args.m // 128) * -(-args.n // config.block_n)
-    grid = min(tiles, _device.sm_count(device_index)) if config.kernel == "persistent" else tiles
+    if config.kernel == "persistent":
+        grid = min(tiles, config.ctas or _device.sm_count(device_index))
+    else:
+        grid = tiles
     kernel.launch(grid, config.threads, [map_a, map_b, map_d, params], smem_bytes=config.smem_bytes(out_size))
 
 
