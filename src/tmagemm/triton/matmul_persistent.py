@@ -3,8 +3,12 @@
 Launching exactly as many programs as SMs removes the per-tile launch tail and lets the
 compiler overlap one tile's epilogue with the next tile's first TMA loads. The epilogue can be
 split into two half-width subtiles, halving the registers and shared memory it needs so the
-operand ring can be deeper. The same kernel with ``warp_specialize=True`` on the tile loop is the
-warp-specialized variant: Triton splits it into a TMA producer partition and MMA consumers.
+operand ring can be deeper.
+
+No warp-specialized Triton variant: Triton's automatic warp specialization for Hopper
+(``tl.range(..., warp_specialize=True)``) aborts in its WSDataPartition pass on this kernel with
+Triton 3.6 and 3.9 at 4 warps, and leaves the kernel unchanged (no setmaxnreg) at 8 warps.
+Warp specialization lives in the native kernels (``tmagemm/cuda``), which control it directly.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ def persistent_gemm_kernel(
     a_desc, b_desc, c_desc, c_ptr, scale_a_ptr, scale_b_ptr, bias_ptr,
     M, N, K, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_SMS: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    NUM_SMS: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr,
     A_ROW_MAJOR: tl.constexpr, B_ROW_MAJOR: tl.constexpr, TMA_STORE: tl.constexpr,
     SCALE_A: tl.constexpr, SCALE_B: tl.constexpr, HAS_BIAS: tl.constexpr, FAST_ACCUM: tl.constexpr,
 ):
@@ -50,7 +54,7 @@ def persistent_gemm_kernel(
         off_n = pid_n * BLOCK_N
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in tl.range(0, k_tiles, warp_specialize=WARP_SPECIALIZE):
+        for k in range(k_tiles):
             a = load_a_tile(a_desc, off_m, k * BLOCK_K, A_ROW_MAJOR)
             b = load_b_tile(b_desc, k * BLOCK_K, off_n, B_ROW_MAJOR)
             acc = mma(a, b, acc, FAST_ACCUM, BLOCK_K)
@@ -97,7 +101,7 @@ def _num_sms(args: GemmArgs) -> int:
     return device.sm_count(args.out.device.index)
 
 
-def launch(args: GemmArgs, config: TritonGemmConfig, layout: Layout, warp_specialize: bool) -> None:
+def launch(args: GemmArgs, config: TritonGemmConfig, layout: Layout) -> None:
     out_block_n = config.block_n // 2 if config.epilogue_subtile else config.block_n
     a_desc, b_desc, c_desc = operand_descriptors(args, layout, config.block_m, config.block_n, config.block_k, out_block_n)
     num_sms = _num_sms(args)
@@ -106,7 +110,7 @@ def launch(args: GemmArgs, config: TritonGemmConfig, layout: Layout, warp_specia
         a_desc, b_desc, c_desc, args.out, args.scale_a, args.scale_b, args.bias,
         args.m, args.n, args.k, args.out.stride(0), args.out.stride(1),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        NUM_SMS=num_sms, EPILOGUE_SUBTILE=config.epilogue_subtile, WARP_SPECIALIZE=warp_specialize,
+        NUM_SMS=num_sms, EPILOGUE_SUBTILE=config.epilogue_subtile,
         A_ROW_MAJOR=layout.a_row_major, B_ROW_MAJOR=layout.b_row_major, TMA_STORE=layout.tma_store,
         SCALE_A=layout.scale_a, SCALE_B=layout.scale_b, HAS_BIAS=layout.has_bias, FAST_ACCUM=args.fast_accum,
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -118,16 +122,13 @@ def _supports(args: GemmArgs) -> str | None:
     return layout if isinstance(layout, str) else None
 
 
-def _runner(name: str, warp_specialize: bool):
-    def run(args: GemmArgs, config: TritonGemmConfig | None = None) -> None:
-        layout = tma_layout(args)
-        if isinstance(layout, str):
-            raise ValueError(f"{name} cannot run this problem: {layout}")
-        if config is None:
-            config = tuning.select(name, args, CONFIGS, heuristic, lambda c: launch(args, c, layout, warp_specialize))
-        launch(args, config, layout, warp_specialize)
-
-    return run
+def run(args: GemmArgs, config: TritonGemmConfig | None = None) -> None:
+    layout = tma_layout(args)
+    if isinstance(layout, str):
+        raise ValueError(f"triton.persistent cannot run this problem: {layout}")
+    if config is None:
+        config = tuning.select("triton.persistent", args, CONFIGS, heuristic, lambda c: launch(args, c, layout))
+    launch(args, config, layout)
 
 
 VARIANTS = [
@@ -136,19 +137,12 @@ VARIANTS = [
         backend="triton",
         description="Triton, persistent (one program per SM), TMA loads/stores, epilogue subtiling",
         supports=_supports,
-        run=_runner("triton.persistent", False),
-    ),
-    Variant(
-        name="triton.ws",
-        backend="triton",
-        description="Triton, persistent + warp-specialized (TMA producer / MMA consumer partitions)",
-        supports=_supports,
-        run=_runner("triton.ws", True),
+        run=run,
     ),
 ]
 
 
-def aot_spec(config: TritonGemmConfig | None = None, a_dtype=None, out_dtype=None, warp_specialize: bool = False):
+def aot_spec(config: TritonGemmConfig | None = None, a_dtype=None, out_dtype=None):
     """A compilable instance for ``tmagemm inspect`` (fp8 by default: A row-major, B K-major)."""
     import torch
 
@@ -165,8 +159,7 @@ def aot_spec(config: TritonGemmConfig | None = None, a_dtype=None, out_dtype=Non
         config.block_m, config.block_n, config.block_k, out_block_n, b_row_major=not fp8, scaled=fp8,
     )
     consts.update(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-                  NUM_SMS=132, EPILOGUE_SUBTILE=config.epilogue_subtile, WARP_SPECIALIZE=warp_specialize)
+                  NUM_SMS=132, EPILOGUE_SUBTILE=config.epilogue_subtile)
     consts.update(aot_layout_constexprs(b_row_major=not fp8, scaled=fp8))
     sig.update({name: "constexpr" for name in consts if name.isupper()})
-    name = "triton.ws" if warp_specialize else "triton.persistent"
-    return KernelSpec(persistent_gemm_kernel, sig, consts, config.num_warps, config.num_stages, name, attrs)
+    return KernelSpec(persistent_gemm_kernel, sig, consts, config.num_warps, config.num_stages, "triton.persistent", attrs)
