@@ -1,0 +1,231 @@
+"""Public API: every validation error, zero-size dims, quantize_fp8, the torch ops.
+
+CPU tensors are accepted only under the Triton interpreter, which conftest turns on without a GPU;
+on a GPU machine the same tests run on CUDA tensors.
+"""
+
+import pytest
+import torch
+from gemm_ref import FP8, assert_close, fp8_operands, poisoned, reference
+
+import tmagemm
+from tmagemm import api
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+def _fp8(m=32, n=48, k=64):
+    a, b = fp8_operands(m, n, k, DEVICE)
+    return a, b, torch.tensor([0.5], device=DEVICE), torch.tensor([2.0], device=DEVICE)
+
+
+# ------------------------------------------------------------------------------ validation
+
+@pytest.mark.parametrize(
+    "mutate, exc, words",
+    [
+        (lambda a, b, sa, sb: (a.float(), b, sa, sb), TypeError, "a must be float8"),
+        (lambda a, b, sa, sb: (a, b.to(torch.float8_e5m2), sa, sb), TypeError, "b must be float8_e4m3fn"),
+        (lambda a, b, sa, sb: (a[:, :32], b, sa, sb), ValueError, "a.shape[1] (32) must equal b.shape[0] (64)"),
+        (lambda a, b, sa, sb: (a[None], b, sa, sb), ValueError, "must be 2-D"),
+        (lambda a, b, sa, sb: (a.t().contiguous().t(), b, sa, sb), ValueError, "a must be row-major"),
+        (lambda a, b, sa, sb: (a, b.contiguous(), sa, sb), ValueError, "b must be column-major"),
+        (lambda a, b, sa, sb: (a, b, sa.half(), sb), TypeError, "scale_a must be float32"),
+        (lambda a, b, sa, sb: (a, b, torch.ones(5, device=sa.device), sb), ValueError, "scale_a has shape (5,)"),
+        (lambda a, b, sa, sb: (a, b, sa, torch.ones(48, 1, device=sb.device)), ValueError, "scale_b has shape (48, 1)"),
+        (lambda a, b, sa, sb: (a, b, sa, [2.0]), TypeError, "scale_b must be a torch.Tensor"),
+        (lambda a, b, sa, sb: ("a", b, sa, sb), TypeError, "a must be a torch.Tensor"),
+    ],
+)
+def test_scaled_mm_rejects(mutate, exc, words):
+    args = mutate(*_fp8())
+    with pytest.raises(exc) as info:
+        tmagemm.scaled_mm(*args)
+    assert words in str(info.value)
+
+
+def test_scaled_mm_rejects_bias_out_and_options():
+    a, b, sa, sb = _fp8()
+    with pytest.raises(ValueError, match=r"bias has shape \(47,\); expected \(48,\)"):
+        tmagemm.scaled_mm(a, b, sa, sb, bias=torch.zeros(47, device=DEVICE))
+    with pytest.raises(TypeError, match="bias must be"):
+        tmagemm.scaled_mm(a, b, sa, sb, bias=torch.zeros(48, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match=r"out has shape \(32, 47\) but the result is \(32, 48\)"):
+        tmagemm.scaled_mm(a, b, sa, sb, out=torch.empty(32, 47, dtype=torch.bfloat16, device=DEVICE))
+    with pytest.raises(TypeError, match="out has dtype torch.float16 but out_dtype is torch.bfloat16"):
+        tmagemm.scaled_mm(a, b, sa, sb, out=torch.empty(32, 48, dtype=torch.float16, device=DEVICE))
+    with pytest.raises(TypeError, match="out_dtype must be"):
+        tmagemm.scaled_mm(a, b, sa, sb, out_dtype=torch.int8)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        tmagemm.scaled_mm(a, b, sa, sb, backend="cublas")
+
+
+def test_matmul_rejects():
+    a = torch.randn(8, 16, device=DEVICE).half()
+    b = torch.randn(16, 4, device=DEVICE).half()
+    with pytest.raises(TypeError, match="must both be bfloat16 or both float16"):
+        tmagemm.matmul(a, b.bfloat16())
+    with pytest.raises(TypeError, match="use tmagemm.scaled_mm for fp8"):
+        tmagemm.matmul(a.to(FP8), b.to(FP8))
+    with pytest.raises(TypeError, match="must both be bfloat16 or both float16"):
+        tmagemm.matmul(a.float(), b.float())
+    with pytest.raises(ValueError, match=r"a.shape\[1\] \(16\) must equal b.shape\[0\] \(15\)"):
+        tmagemm.matmul(a, b[:15])
+    with pytest.raises(ValueError, match="out has shape"):
+        tmagemm.matmul(a, b, out=torch.empty(8, 5, dtype=torch.float16, device=DEVICE))
+    with pytest.raises(TypeError, match="out_dtype must be"):
+        tmagemm.matmul(a, b, out_dtype=torch.float64)
+
+
+def test_rejects_cpu_tensors_outside_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    a = torch.randn(8, 16).half()
+    b = torch.randn(16, 4).half()
+    with pytest.raises(ValueError, match="tmagemm needs CUDA tensors on a Hopper GPU"):
+        tmagemm.matmul(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs two devices to disagree")
+def test_rejects_mixed_devices():
+    a = torch.randn(8, 16, device="cuda").half()
+    with pytest.raises(ValueError, match="b is on cpu but a is on cuda"):
+        tmagemm.matmul(a, torch.randn(16, 4).half())
+
+
+def test_non_hopper_gpu_message(monkeypatch):
+    """The capability check names the device and what is needed (simulated sm_80)."""
+    monkeypatch.setattr(api.device, "capability", lambda index: (8, 0))
+    monkeypatch.setattr(api.device, "name", lambda index: "NVIDIA A100")
+    with pytest.raises(ValueError, match="sm_80.*need a Hopper GPU"):
+        api._check_runtime_device(torch.device("cuda", 0))
+
+
+# ------------------------------------------------------------------------------ zero sizes
+
+@pytest.mark.parametrize("m,n", [(0, 48), (32, 0), (0, 0)])
+def test_zero_m_or_n(m, n):
+    a, b = fp8_operands(m, n, 64, DEVICE)
+    out = tmagemm.scaled_mm(a, b, torch.ones(1, device=DEVICE), torch.ones(1, device=DEVICE))
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    h = tmagemm.matmul(torch.randn(m, 16, device=DEVICE).half(), torch.randn(16, n, device=DEVICE).half())
+    assert h.shape == (m, n)
+
+
+def test_k_zero_gives_bias():
+    a, b = fp8_operands(5, 7, 0, DEVICE)
+    bias = torch.randn(7, device=DEVICE).to(torch.bfloat16)
+    out = poisoned((5, 7), torch.bfloat16, DEVICE)
+    tmagemm.scaled_mm(a, b, torch.ones(1, device=DEVICE), torch.ones(1, device=DEVICE), bias=bias, out=out)
+    assert torch.equal(out.cpu(), bias.cpu().expand(5, 7))
+    h = tmagemm.matmul(torch.empty(5, 0, device=DEVICE).half(), torch.empty(0, 7, device=DEVICE).half())
+    assert torch.equal(h.cpu(), torch.zeros(5, 7, dtype=torch.float16))
+
+
+# ------------------------------------------------------------------------------ results
+
+@pytest.mark.parametrize("scale_shapes", [((1,), (1,)), ((), ()), ((1, 1), (1, 1)), ("M1", "1N"), ("M", "N")])
+def test_scaled_mm_scale_forms(scale_shapes, seeded):
+    m, n, k = 19, 40, 96
+    a, b = fp8_operands(m, n, k, DEVICE)
+    dims = {"M1": (m, 1), "1N": (1, n), "M": (m,), "N": (n,)}
+    sa = torch.rand(dims.get(scale_shapes[0], scale_shapes[0]), device=DEVICE) + 0.5
+    sb = torch.rand(dims.get(scale_shapes[1], scale_shapes[1]), device=DEVICE) + 0.5
+    out = tmagemm.scaled_mm(a, b, sa, sb, out_dtype=torch.float32)
+    assert_close(out, reference(a, b, sa, sb), 2e-4, f"scales {scale_shapes}")
+
+
+def test_scaled_mm_unaligned_k_takes_pointer_kernel(seeded):
+    m, n, k = 150, 40, 100  # K bytes % 16 != 0
+    a, b = fp8_operands(m, n, k, DEVICE)
+    sa, sb = torch.tensor([0.25], device=DEVICE), torch.tensor([4.0], device=DEVICE)
+    out = tmagemm.scaled_mm(a, b, sa, sb, out_dtype=torch.float32)
+    assert_close(out, reference(a, b, sa, sb), 2e-4, "K=100")
+
+
+def test_matmul_out_and_dtype(seeded):
+    a = torch.randn(33, 64, device=DEVICE).half()
+    b = torch.randn(64, 40, device=DEVICE).half()
+    out = poisoned((33, 40), torch.float32, DEVICE)
+    got = tmagemm.matmul(a, b, out_dtype=torch.float32, out=out)
+    assert got is out
+    assert_close(out, reference(a, b), 2e-4, "matmul out=")
+    assert tmagemm.matmul(a, b).dtype == torch.float16
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_backend_choice(backend, seeded):
+    a = torch.randn(33, 64, device=DEVICE).half()
+    b = torch.randn(64, 40, device=DEVICE).half()
+    assert_close(tmagemm.matmul(a, b, out_dtype=torch.float32, backend=backend), reference(a, b), 2e-4, backend)
+
+
+def test_backend_env_knob(monkeypatch):
+    monkeypatch.setenv("TMAGEMM_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="TMAGEMM_BACKEND='bogus'"):
+        tmagemm.matmul(torch.randn(8, 16, device=DEVICE).half(), torch.randn(16, 8, device=DEVICE).half())
+
+
+# ------------------------------------------------------------------------------ quantize_fp8
+
+@pytest.mark.parametrize("granularity", ["tensor", "row"])
+def test_quantize_fp8_round_trip(granularity, seeded):
+    x = torch.randn(37, 80, device=DEVICE) * 3
+    q, scale = tmagemm.quantize_fp8(x, granularity)
+    assert q.dtype == FP8 and scale.dtype == torch.float32
+    assert scale.shape == ((1, 1) if granularity == "tensor" else (37, 1))
+    err = ((q.float() * scale - x).norm() / x.norm()).item()
+    assert err < 0.05, err  # e4m3 has 3 mantissa bits: ~2-3% relative
+    assert (q.float().abs().amax(dim=1 if granularity == "row" else None) > 400).all()  # range is used
+
+
+def test_quantize_fp8_zero_rows_and_errors():
+    x = torch.randn(4, 16, device=DEVICE)
+    x[2] = 0
+    q, scale = tmagemm.quantize_fp8(x, "row")
+    assert torch.isfinite(scale).all() and (scale > 0).all() and (q[2].float() == 0).all()
+    with pytest.raises(ValueError, match="granularity"):
+        tmagemm.quantize_fp8(x, "col")
+    with pytest.raises(TypeError, match="float16/bfloat16/float32"):
+        tmagemm.quantize_fp8(x.to(FP8))
+    with pytest.raises(ValueError, match="2-D"):
+        tmagemm.quantize_fp8(x[0])
+
+
+def test_quantize_then_scaled_mm(seeded):
+    x = torch.randn(24, 64, device=DEVICE)
+    w = torch.randn(40, 64, device=DEVICE)
+    xq, xs = tmagemm.quantize_fp8(x, "row")
+    wq, ws = tmagemm.quantize_fp8(w, "row")
+    out = tmagemm.scaled_mm(xq, wq.t(), xs, ws.t(), out_dtype=torch.float32)
+    assert_close(out, reference(xq, wq.t(), xs, ws.t()), 2e-4, "quantized")
+    assert_close(out, x.double().cpu() @ w.double().cpu().t(), 0.08, "vs unquantized")
+
+
+# ------------------------------------------------------------------------------ torch ops
+
+def test_fake_implementations():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        a = torch.empty(16, 32, dtype=FP8, device=DEVICE)
+        b = torch.empty(64, 32, dtype=FP8, device=DEVICE).t()
+        s = torch.empty(1, device=DEVICE)
+        out = torch.ops.tmagemm.scaled_mm(a, b, s, s, None, torch.float16, True, "auto")
+        assert out.shape == (16, 64) and out.dtype == torch.float16
+        h = torch.ops.tmagemm.matmul(torch.empty(16, 32, dtype=torch.half, device=DEVICE),
+                                     torch.empty(32, 8, dtype=torch.half, device=DEVICE), torch.float32, "auto")
+        assert h.shape == (16, 8) and h.dtype == torch.float32
+
+
+def test_opcheck(seeded):
+    a, b = fp8_operands(16, 32, 64, DEVICE)
+    s = torch.tensor([0.5], device=DEVICE)
+    # On CPU, opcheck's schema test multiplies fp8 tensors, which torch's CPU backend lacks.
+    utils = "ALL" if DEVICE == "cuda" else ("test_faketensor", "test_autograd_registration")
+    torch.library.opcheck(
+        torch.ops.tmagemm.scaled_mm.default, (a, b, s, s, None, torch.float32, True, "auto"), test_utils=utils
+    )
+    x = torch.randn(16, 32, device=DEVICE).half()
+    y = torch.randn(32, 24, device=DEVICE).half()
+    torch.library.opcheck(torch.ops.tmagemm.matmul.default, (x, y, torch.float32, "auto"))
+    out = torch.empty(16, 24, dtype=torch.float16, device=DEVICE)
+    torch.library.opcheck(torch.ops.tmagemm.matmul_out.default, (x, y, "auto", out))
