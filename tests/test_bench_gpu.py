@@ -21,7 +21,11 @@ def test_tiny_bench_end_to_end(dtype, tmp_path):
         if r["status"] == results.OK:
             assert r["max_rel_err"] <= r["tolerance"]
             assert 0 < r["p20_us"] <= r["median_us"] <= r["p80_us"]
-            assert r["tflops"] > 0 and r["graph_median_us"] is not None
+            assert r["tflops"] > 0
+            # Graph capture may be refused by a provider, but then the reason is recorded.
+            assert r["graph_median_us"] is not None or "graph:" in (r["reason"] or ""), r
+            if r["family"] == "peer":
+                assert r["graph_median_us"] is not None, r
     peer_rows = [r for r in result.records if r["provider"] == peer]
     assert [r["status"] for r in peer_rows] == [results.OK, results.OK]
     ours = [r for r in result.records if r["family"] == "tmagemm" and r["status"] == results.OK]

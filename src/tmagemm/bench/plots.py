@@ -13,6 +13,13 @@ from .results import OK, BenchResult, shape_key
 _PEER_STYLE = {"linestyle": "--", "alpha": 0.8}
 
 
+def _colors(names) -> dict[str, tuple]:
+    """One distinct colour per provider (tab20: a dozen providers stay tellable apart)."""
+    palette = _pyplot().get_cmap("tab20").colors
+    ordered = list(dict.fromkeys(names))
+    return {name: palette[(2 * i) % 20 + (2 * i) // 20 % 2] for i, name in enumerate(ordered)}
+
+
 def _pyplot():
     import matplotlib
 
@@ -59,10 +66,12 @@ def _line_plot(result: BenchResult, series: dict[str, dict[tuple, float]], ylabe
     families = _families(result)
     fig, ax = plt.subplots(figsize=(10, 5.5) if kind != "category" else (max(10, 0.45 * len(keys)), 6))
     xs = list(range(len(keys)))
+    colors = _colors(result.providers)
     for name, points in series.items():
         idx = [i for i, key in enumerate(keys) if key in points]
         style = _PEER_STYLE if families.get(name) == "peer" else {}
-        ax.plot([xs[i] for i in idx], [points[keys[i]] for i in idx], marker="o", markersize=3, label=name, **style)
+        ax.plot([xs[i] for i in idx], [points[keys[i]] for i in idx], marker="o", markersize=3, label=name,
+                color=colors[name], **style)  # fmt: skip
     if hline is not None:
         ax.axhline(hline, color="black", linewidth=0.8)
     ax.set_xticks(xs)
@@ -119,10 +128,12 @@ def plot_roofline(result: BenchResult, path: Path) -> Path | None:
         ax.plot(grid, [min(peak, x * copy_gbs / 1e3) for x in grid], color="black", linewidth=1)
         ax.annotate(f"{dtype} cuBLAS peak {peak:.0f}", (hi, peak), ha="right", va="bottom", fontsize=8)
     families = _families(result)
+    colors = _colors(result.providers)
     for name in dict.fromkeys(r["provider"] for r in ok):
         mine = [r for r in ok if r["provider"] == name]
         marker = "x" if families.get(name) == "peer" else "o"
-        ax.scatter([r["flops"] / r["bytes"] for r in mine], [r["tflops"] for r in mine], s=14, marker=marker, label=name)
+        ax.scatter([r["flops"] / r["bytes"] for r in mine], [r["tflops"] for r in mine], s=14, marker=marker,
+                   label=name, color=colors[name])  # fmt: skip
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity (FLOP per compulsory byte)")

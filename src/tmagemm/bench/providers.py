@@ -20,9 +20,10 @@ from .shapes import Shape
 DTYPES = ("fp8", "bf16", "fp16")
 
 # Largest accepted max|out - ref| / max|ref| per input dtype. The output is rounded once to
-# bf16 (fp8 and bf16 runs, 2^-9 relative) or fp16 (2^-11); fp32 accumulation over K <= 32k adds
-# well under that. A kernel that drops a tile or mis-applies a scale misses by O(1).
-TOLERANCE = {"fp8": 1e-2, "bf16": 1e-2, "fp16": 2e-3}
+# bf16 (up to 2^-8 relative) or fp16 (2^-11); fp8 fast accumulation (wgmma's reduced-precision
+# partial sums, cuBLAS's too) adds more: cuBLAS measured 7e-3 at K=4096 on H100, so fp8 allows
+# 2e-2 for long K. A kernel that drops a tile or mis-applies a scale misses by O(1).
+TOLERANCE = {"fp8": 2e-2, "bf16": 1e-2, "fp16": 2e-3}
 
 FP8 = torch.float8_e4m3fn
 

@@ -119,6 +119,8 @@ def _run_one(provider: prov.Provider, case: prov.Case, timer: Timer | None, grap
     try:
         t = timer.eager(prepared.call)
         rec.update(median_us=t.median_us, p20_us=t.p20_us, p80_us=t.p80_us, reps=t.reps)
+        if t.host_bound:
+            rec["reason"] = "; ".join(filter(None, [rec["reason"], "timing: host fell behind the GPU; times may include launch work"]))
     except Exception as exc:
         rec.update(status=FAILED, reason=f"timing: {_error_text(exc)}")
         return rec

@@ -4,6 +4,12 @@ Every kernel time is the median (with p20/p80) of many runs, each preceded by ze
 buffer so that no operand is still in the 50 MB L2 from the previous run; only the call itself
 sits between its two CUDA events. Callers warm up first so compilation and autotuning are
 outside timing.
+
+A call whose Python side (checks, descriptor creation, launch) takes longer than the GPU work
+queued before it would leave the GPU idle between the start event and the kernel, and the
+"kernel time" would be host time. So the GPU is first held in a spin kernel long enough for the
+host to enqueue every timed run; the runs then execute back to back, and a run where the host
+still fell behind is flagged (``Timing.host_bound``).
 """
 
 from __future__ import annotations
@@ -24,43 +30,71 @@ class Timing:
     p20_us: float
     p80_us: float
     reps: int
+    host_bound: bool = False  # the host enqueued slower than the GPU hold: times may include launch work
+
+MAX_HOLD_US = 2e6  # never spin the GPU longer than this per measurement
 
 
 class Timer:
     """Owns the flush buffer of one device; ``budget_ms`` bounds the timed runs per call."""
 
-    def __init__(self, device: torch.device, budget_ms: float = 200.0, min_reps: int = 10, max_reps: int = 300):
+    def __init__(self, device: torch.device, budget_ms: float = 200.0, min_reps: int = 10, max_reps: int = 200):
         self.device = device
         self.budget_ms = budget_ms
         self.min_reps = min_reps
         self.max_reps = max_reps
         self._flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+        self._cycles_per_us = self._calibrate_spin()
 
-    def _reps_for(self, run_once: Callable[[], None]) -> int:
-        """Estimate the time of one flushed run from a few, and fit the rep count to the budget."""
+    @staticmethod
+    def _calibrate_spin() -> float:
+        """GPU clock cycles per microsecond of ``torch.cuda._sleep`` (the spin kernel)."""
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1000)  # load the kernel outside the measurement
+        start.record()
+        torch.cuda._sleep(2_000_000)
+        end.record()
+        end.synchronize()
+        return 2_000_000 / (start.elapsed_time(end) * 1e3)
+
+    def _estimate(self, run_once: Callable[[], None]) -> tuple[int, float]:
+        """(reps that fit the budget, host microseconds to enqueue one flushed run)."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
         start.record()
         for _ in range(3):
             self._flush.zero_()
             run_once()
         end.record()
+        host_us = (time.perf_counter() - t0) / 3 * 1e6
         end.synchronize()
         per_run_ms = start.elapsed_time(end) / 3
-        return int(min(self.max_reps, max(self.min_reps, self.budget_ms / max(per_run_ms, 1e-3))))
+        reps = int(min(self.max_reps, max(self.min_reps, self.budget_ms / max(per_run_ms, 1e-3))))
+        return reps, host_us
 
     def _timed(self, run_once: Callable[[], None]) -> Timing:
-        reps = self._reps_for(run_once)
+        reps, host_us = self._estimate(run_once)
+        hold_us = min(MAX_HOLD_US, 1.5 * reps * (host_us + 10.0) + 200.0)
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        hold_start, hold_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        hold_start.record()
+        torch.cuda._sleep(int(hold_us * self._cycles_per_us))
+        hold_end.record()
+        t0 = time.perf_counter()
         for i in range(reps):
             self._flush.zero_()
             starts[i].record()
             run_once()
             ends[i].record()
+        enqueue_us = (time.perf_counter() - t0) * 1e6
         torch.cuda.synchronize(self.device)
         times_us = np.array([s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)])
         p20, p50, p80 = np.percentile(times_us, [20, 50, 80])
-        return Timing(float(p50), float(p20), float(p80), reps)
+        # The GPU left the spin before the host had queued every run: later runs may have waited on the host.
+        host_bound = enqueue_us > hold_start.elapsed_time(hold_end) * 1e3
+        return Timing(float(p50), float(p20), float(p80), reps, host_bound)
 
     def eager(self, fn: Callable[[], object]) -> Timing:
         """Kernel time of ``fn`` launched from Python (includes its host-side launch work only
