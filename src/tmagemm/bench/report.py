@@ -129,7 +129,12 @@ def render(result: BenchResult) -> str:
     if host:
         parts += ["", "End-to-end per call (Python loop incl. checks and descriptor creation):", host]
     for name, value in result.extras.items():
-        parts += ["", f"{name}:", value if isinstance(value, str) else json.dumps(value, indent=1, default=str)]
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            headers = list(dict.fromkeys(k for v in value for k in v))
+            text = table(headers, [[_fmt(v.get(h)) for h in headers] for v in value])
+        else:
+            text = value if isinstance(value, str) else json.dumps(value, indent=1, default=str)
+        parts += ["", f"{name}:", text]
     if result.metadata.get("mode"):
         parts += ["", f"Note: {result.metadata['mode']}."]
     return "\n".join(parts)
