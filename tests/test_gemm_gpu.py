@@ -164,6 +164,7 @@ def test_tuning_persists_to_disk(monkeypatch, tmp_path, seeded):
     monkeypatch.setenv("TMAGEMM_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(tuning, "_memory", {})
     monkeypatch.setattr(tuning, "_disk_loaded", set())
+    dispatch.clear_plans()
     m, n, k = 1024, 1024, 1024
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
@@ -176,5 +177,6 @@ def test_tuning_persists_to_disk(monkeypatch, tmp_path, seeded):
     # A fresh process (empty memory) reads the stored choice instead of tuning again.
     monkeypatch.setattr(tuning, "_memory", {})
     monkeypatch.setattr(tuning, "_disk_loaded", set())
+    dispatch.clear_plans()
     monkeypatch.setattr(tuning.triton.testing, "do_bench", lambda *a, **k: pytest.fail("re-tuned"))
     tmagemm.matmul(a, b, backend="triton", out=out)

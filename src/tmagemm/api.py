@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import device, envs
-from .dispatch import BACKENDS, GemmArgs, choose
+from .dispatch import BACKENDS, GemmArgs, plan
 
 _FP8_A = (torch.float8_e4m3fn, torch.float8_e5m2)
 _FP8_B = (torch.float8_e4m3fn,)
@@ -193,7 +193,7 @@ def run_gemm(
         bias=None if bias is None else bias.contiguous(),
         fast_accum=fast_accum,
     )
-    choose(args, backend).run(args)
+    plan(args, backend)(args)
     return out
 
 

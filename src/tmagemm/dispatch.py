@@ -15,6 +15,8 @@ from typing import Callable
 
 import torch
 
+from .envs import autotune_enabled
+
 # Modules that define VARIANTS, in order of preference when several accept a problem.
 _BACKEND_MODULES = (
     "tmagemm.triton.matmul_tma",
@@ -69,6 +71,9 @@ class Variant:
     ``supports(args)`` returns None when the variant can compute ``args`` correctly, or a short
     reason why not (e.g. "K*itemsize not 16-byte aligned for TMA"). ``run(args)`` writes
     ``args.out`` and never allocates on the host hot path beyond what its cache holds.
+    ``prepare(args)``, when given, resolves everything that depends only on the problem's
+    shapes, strides, dtypes and alignment (layout flags, config) and returns a launcher for any
+    problem with the same signature; :func:`plan` caches it so repeated calls skip that work.
     """
 
     name: str
@@ -76,6 +81,7 @@ class Variant:
     description: str
     supports: Callable[[GemmArgs], str | None]
     run: Callable[[GemmArgs], None]
+    prepare: Callable[[GemmArgs], Callable[[GemmArgs], None]] | None = None
 
 
 _registry: dict[str, Variant] | None = None
@@ -156,6 +162,44 @@ def choose(args: GemmArgs, backend: str = "auto") -> Variant:
         f"refusals: {reasons or 'none'}; modules not importable: {missing or 'none'}. "
         "Use backend='auto' to fall back to the pointer kernel."
     )
+
+
+_plans: dict[tuple, Callable[[GemmArgs], None]] = {}
+
+
+def _signature(args: GemmArgs, backend: str) -> tuple:
+    """Everything the choice of variant, layout flags and config can depend on."""
+    a, b, out = args.a, args.b, args.out
+    sa, sb, bias = args.scale_a, args.scale_b, args.bias
+    return (
+        backend, _env_backend(), autotune_enabled(), out.device,
+        a.shape, a.stride(), a.dtype, b.shape, b.stride(), b.dtype, out.stride(), out.dtype,
+        a.data_ptr() % 16, b.data_ptr() % 16, out.data_ptr() % 16,
+        None if sa is None else sa.numel(), None if sb is None else sb.numel(),
+        None if bias is None else bias.dtype, args.fast_accum,
+    )
+
+
+def plan(args: GemmArgs, backend: str = "auto") -> Callable[[GemmArgs], None]:
+    """A launcher for ``args``, cached per problem signature (host overhead is a measured goal).
+
+    A plan made while a CUDA graph is being captured is not kept: its config may be the
+    untuned heuristic, and a later eager call should get the chance to tune.
+    """
+    key = _signature(args, backend)
+    found = _plans.get(key)
+    if found is not None:
+        return found
+    variant = choose(args, backend)
+    launcher = variant.prepare(args) if variant.prepare is not None else variant.run
+    if not (args.out.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _plans[key] = launcher
+    return launcher
+
+
+def clear_plans() -> None:
+    """Forget cached plans (after changing tuning state in tests or benchmarks)."""
+    _plans.clear()
 
 
 def _env_backend() -> str:

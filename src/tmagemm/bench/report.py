@@ -119,7 +119,7 @@ def host_table(result: BenchResult) -> str:
 
 def render(result: BenchResult) -> str:
     """The full terminal report."""
-    parts = [header(result), "", detail_table(result)]
+    parts = [header(result)] + (["", detail_table(result)] if result.records else [])
     if any(r.get("median_us") is not None for r in result.records):
         parts += ["", "Geometric means over shapes that ran correctly:", summary_table(result)]
     issues = issues_table(result)

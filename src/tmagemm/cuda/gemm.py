@@ -7,6 +7,7 @@ docs/native-gemm.md explains each and records what it is worth):
 cuda.seed                  1 warpgroup, 128x128x64 tile, thread 0 also issues TMA (seeds/004)
 cuda.ws                    producer + 2 consumer warpgroups, 128x256 tile, setmaxnreg
 cuda.persistent_coop       persistent ws, grouped static scheduler, both consumers per tile
+cuda.persistent_coop_mc    the same on 2x1 clusters, B multicast by TMA to both CTAs
 cuda.persistent_pingpong   persistent ws, consumers alternate 128x128 tiles (epilogue hidden)
 =========================  =====================================================================
 
@@ -40,8 +41,8 @@ class NativeGemmConfig:
     """One rung's launch shape. ``kernel``: "seed" | "ws" | "persistent"; ``pingpong`` picks the
     persistent consumer schedule; ``stages``: depth of the TMA ring; ``group_m``: rows of tiles
     per L2 group of the grouped order; ``ctas``: persistent grid size (0 = one CTA per SM; tests
-    use a few to make every CTA walk several tiles). Block M is always 128 and block K one
-    128-byte row."""
+    use a few to make every CTA walk several tiles); ``cluster_m``: 2 = persistent cooperative
+    CTA pairs multicasting B. Block M is always 128 and block K one 128-byte row."""
 
     kernel: str
     block_n: int
@@ -49,6 +50,7 @@ class NativeGemmConfig:
     group_m: int = 8
     pingpong: bool = False
     ctas: int = 0
+    cluster_m: int = 1
 
     @property
     def threads(self) -> int:
@@ -83,6 +85,7 @@ class NativeGemmConfig:
             and self.group_m >= 1
             and (self.kernel == "persistent" or not (self.pingpong or self.ctas))
             and self.ctas >= 0
+            and (self.cluster_m == 1 or (self.cluster_m == 2 and self.kernel == "persistent" and not self.pingpong))
             and self.smem_bytes(out_itemsize) + 256 <= _SMEM_LIMIT
         )
 
@@ -99,6 +102,7 @@ RUNGS: dict[str, NativeGemmConfig] = {
     "cuda.seed": NativeGemmConfig("seed", block_n=128, stages=3),
     "cuda.ws": NativeGemmConfig("ws", block_n=256, stages=4),
     "cuda.persistent_coop": NativeGemmConfig("persistent", block_n=256, stages=3),
+    "cuda.persistent_coop_mc": NativeGemmConfig("persistent", block_n=256, stages=3, cluster_m=2),
     "cuda.persistent_pingpong": NativeGemmConfig("persistent", block_n=128, stages=5, pingpong=True),
 }
 
@@ -207,6 +211,7 @@ def compile_module(config: NativeGemmConfig, ab_dtype: torch.dtype, out_dtype: t
     }
     if config.kernel == "persistent":
         defines["TMAGEMM_PINGPONG"] = int(config.pingpong)
+        defines["TMAGEMM_CLUSTER_M"] = config.cluster_m
     return jit.compile(_SOURCES[config.kernel], defines=defines)
 
 
@@ -269,7 +274,7 @@ def run(
     maps = _map_caches()
     map_a = maps["a"].get(args.a, (128, block_k))
     if b_k_major:
-        map_b = maps["b"].get(args.b.t(), (config.block_n, block_k))
+        map_b = maps["b"].get(args.b.t(), (config.block_n // config.cluster_m, block_k))
     else:
         map_b = maps["b"].get(args.b, (block_k, 64))
     map_d = maps["d"].get(args.out, (64, _ROW_BYTES // out_size))
@@ -288,12 +293,15 @@ def run(
 
     device_index = args.out.device.index if args.out.device.index is not None else torch.cuda.current_device()
     kernel = _kernel(config, args.a.dtype, args.out.dtype, b_k_major, device_index)
-    tiles = -(-args.m // 128) * -(-args.n // config.block_n)
+    cm = config.cluster_m
+    tiles = -(-args.m // (128 * cm)) * -(-args.n // config.block_n)  # cluster tiles
     if config.kernel == "persistent":
-        grid = min(tiles, config.ctas or _device.sm_count(device_index))
+        grid = cm * min(tiles, (config.ctas or _device.sm_count(device_index)) // cm)
     else:
         grid = tiles
-    kernel.launch(grid, config.threads, [map_a, map_b, map_d, params], smem_bytes=config.smem_bytes(out_size))
+    kernel.launch(
+        grid, config.threads, [map_a, map_b, map_d, params], smem_bytes=config.smem_bytes(out_size), cluster=(cm, 1, 1)
+    )
 
 
 def _variant(name: str, description: str) -> Variant:
@@ -310,6 +318,7 @@ def _variant(name: str, description: str) -> Variant:
 # Best first: the dispatcher takes the first that accepts a problem when asked for "cuda".
 VARIANTS = [
     _variant("cuda.persistent_pingpong", "native persistent WS, ping-pong consumers, 128x128 tiles (rung 3)"),
+    _variant("cuda.persistent_coop_mc", "native persistent WS, cooperative, 2x1 clusters with B multicast (rung 3)"),
     _variant("cuda.persistent_coop", "native persistent WS, cooperative consumers, 128x256 tiles (rung 3)"),
     _variant("cuda.ws", "native warp-specialized TMA + wgmma, 128x256 tiles, setmaxnreg (rung 2)"),
     _variant("cuda.seed", "native seed TMA + wgmma, one warpgroup, 128x128 tiles, 3 stages (rung 1)"),

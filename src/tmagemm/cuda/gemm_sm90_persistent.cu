@@ -9,10 +9,16 @@
 //                  fragments); an ordering barrier hands the tensor cores from one to the other,
 //                  so one warpgroup's epilogue hides behind the other's mainloop.
 // Each consumer stages its output in a dedicated buffer (the ring keeps streaming meanwhile).
+//
+// TMAGEMM_CLUSTER_M = 2 (cooperative only): CTA pairs of a 2x1 cluster take vertically adjacent
+// tiles with the same columns and multicast halves of the shared B tile to each other, halving
+// B's L2 -> SM traffic. A stage is then overwritten by the peer's TMA too, so each consumer
+// warpgroup releases it in both CTAs, and a producer only exits once every arrival, local or
+// remote, has landed on its barriers.
 #include "tmagemm/gemm_sm90.cuh"
 
-#ifndef TMAGEMM_PINGPONG
-#error "gemm_sm90_persistent.cu needs TMAGEMM_PINGPONG (0 cooperative, 1 ping-pong)"
+#if !defined(TMAGEMM_PINGPONG) || !defined(TMAGEMM_CLUSTER_M)
+#error "gemm_sm90_persistent.cu needs TMAGEMM_PINGPONG (0 cooperative, 1 ping-pong) and TMAGEMM_CLUSTER_M (1, 2)"
 #endif
 
 using namespace tmagemm;
@@ -20,6 +26,8 @@ using namespace tmagemm::gemm;
 
 namespace {
 constexpr bool kPingPong = TMAGEMM_PINGPONG != 0;
+constexpr int kCluster = TMAGEMM_CLUSTER_M;
+static_assert(kCluster == 1 || (kCluster == 2 && !kPingPong), "2-CTA clusters with the cooperative schedule only");
 constexpr int kConsumers = 2;
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kFrags = kPingPong ? 2 : 1;  // 64-row fragments per consumer
@@ -30,9 +38,28 @@ constexpr int kConsumerRegs = 232;
 static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= 65536, "register file");
 constexpr int kFragBytes = 64 * kBlockN * kOutBytes;
 constexpr int kEpiBytesPerConsumer = kFrags * kFragBytes;
-// Arrivals that free a stage: both consumers read every stage in the cooperative schedule,
-// only the owner of the tile in ping-pong.
-constexpr int kStageReaders = kPingPong ? 128 : 128 * kConsumers;
+// Arrivals that free a stage. Single CTA: every thread that read it (both consumers in the
+// cooperative schedule, the tile's owner in ping-pong). Cluster: one arrival per consumer
+// warpgroup of every CTA whose TMA writes into the stage, sent after its wgmma wait.
+constexpr int kStageReaders = kCluster > 1 ? kCluster * kConsumers : (kPingPong ? 128 : 128 * kConsumers);
+
+__device__ __forceinline__ void release_stage(u64* empty) {
+  if constexpr (kCluster == 1) {
+    ptx::mbarrier_arrive(empty);
+  } else {
+    const int t = threadIdx.x % 128;
+    if (t < kCluster) ptx::mbarrier_arrive_cluster(empty, t);  // thread t signals CTA t
+  }
+}
+
+__device__ __forceinline__ void wait_empty(u64* empty, u32 phase) {
+  // Cluster: the arrivals come from other CTAs, so acquire at cluster scope.
+  if constexpr (kCluster == 1) {
+    ptx::mbarrier_wait(empty, phase);
+  } else {
+    ptx::mbarrier_wait_cluster(empty, phase);
+  }
+}
 // Named barriers: 0 is __syncthreads; 1 + i private to consumer i; 3 and 4 order the mainloops
 // of consumer 0 -> 1 and 1 -> 0 (ping-pong only).
 constexpr int kBarConsumer0 = 1;
@@ -50,14 +77,23 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   __shared__ alignas(8) u64 full[kStages];
   __shared__ alignas(8) u64 empty[kStages];
 
-  // ---- scheduler: a static stride over the grouped tile order -------------------------------
-  const int tiles_m = ceil_div(params.m, kBlockM);
+  // ---- scheduler: a static stride over the grouped order of cluster tiles --------------------
+  // A cluster tile is kCluster vertically adjacent CTA tiles; CTA `rank` takes row `rank` of it.
+  // Both CTAs of a cluster walk the same sequence, so their pipelines stay in step.
+  const int rank = kCluster > 1 ? static_cast<int>(ptx::cluster_ctarank()) : 0;
+  const int cluster = blockIdx.x / kCluster;
+  const int clusters = gridDim.x / kCluster;
+  const int tiles_m = ceil_div(params.m, kBlockM * kCluster);
   const int tiles_n = ceil_div(params.n, kBlockN);
   const int tiles = tiles_m * tiles_n;
   const int k_tiles = ceil_div(params.k, kBlockK);
-  // Tiles this CTA runs: local tile i is global tile blockIdx.x + i * gridDim.x.
-  const int my_tiles = blockIdx.x < tiles ? (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+  // Tiles this cluster runs: local tile i is cluster tile cluster + i * clusters.
+  const int my_tiles = cluster < tiles ? (tiles - cluster + clusters - 1) / clusters : 0;
   const int warpgroup = threadIdx.x / 128;
+  auto tile_coord = [&](int i) {
+    const TileIndex index = grouped_tile(cluster + i * clusters, tiles_m, tiles_n, params.group_m);
+    return TileCoord{(index.m * kCluster + rank) * kBlockM, index.n * kBlockN};
+  };
 
   // ---- descriptor prefetch, barrier init + fence + sync ------------------------------------
   if (threadIdx.x == 0) {
@@ -71,7 +107,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     }
     ptx::fence_barrier_init();
   }
-  __syncthreads();
+  if constexpr (kCluster > 1) {
+    // The peer's barriers must be initialised before our multicasts and remote arrivals.
+    ptx::cluster_arrive();
+    ptx::cluster_wait();
+  } else {
+    __syncthreads();
+  }
 
   if (warpgroup == 0) {
     // ---- producer: every k-block of every tile, in the order the consumers read them ----------
@@ -79,10 +121,19 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x == 0) {
       PipelineState write;
       for (int i = 0; i < my_tiles; ++i) {
-        const TileCoord tile = grouped_tile(blockIdx.x + i * gridDim.x, tiles_m, tiles_n, params.group_m);
+        const TileCoord tile = tile_coord(i);
         for (int kt = 0; kt < k_tiles; ++kt) {
-          ptx::mbarrier_wait(&empty[write.index], write.phase ^ 1);
-          load_stage(smem + write.index * kStageBytes, &full[write.index], &map_a, &map_b, kt, tile.m0, tile.n0);
+          wait_empty(&empty[write.index], write.phase ^ 1);
+          load_stage<kCluster>(smem + write.index * kStageBytes, &full[write.index], &map_a, &map_b, kt, tile.m0,
+                               tile.n0, rank);
+          write.advance();
+        }
+      }
+      if constexpr (kCluster > 1) {
+        // Producer tail: wait until every stage was released by both CTAs, i.e. no remote
+        // arrival can still target this CTA's barriers, before it may exit.
+        for (int s = 0; s < kStages; ++s) {
+          wait_empty(&empty[write.index], write.phase ^ 1);
           write.advance();
         }
       }
@@ -105,7 +156,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     for (int kt = 0; kt < k_tiles; ++kt) read.advance();
 
   for (int i = first; i < my_tiles; i += step) {
-    const TileCoord tile = grouped_tile(blockIdx.x + i * gridDim.x, tiles_m, tiles_n, params.group_m);
+    const TileCoord tile = tile_coord(i);
 #pragma unroll
     for (int f = 0; f < kFrags; ++f)
 #pragma unroll
@@ -131,7 +182,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int f = 0; f < kFrags; ++f) wgmma::fence_operand(acc[f]);
       if (kt > 0) {
-        ptx::mbarrier_arrive(&empty[release.index]);
+        release_stage(&empty[release.index]);
         release.advance();
       }
       read.advance();
@@ -143,7 +194,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     wgmma::wait_group<0>();
 #pragma unroll
     for (int f = 0; f < kFrags; ++f) wgmma::fence_operand(acc[f]);
-    if (k_tiles > 0) ptx::mbarrier_arrive(&empty[release.index]);
+    if (k_tiles > 0) release_stage(&empty[release.index]);
     if (kPingPong)
       for (int kt = 0; kt < k_tiles; ++kt) read.advance();
 

@@ -122,13 +122,18 @@ def _supports(args: GemmArgs) -> str | None:
     return layout if isinstance(layout, str) else None
 
 
-def run(args: GemmArgs, config: TritonGemmConfig | None = None) -> None:
+def prepare(args: GemmArgs, config: TritonGemmConfig | None = None):
+    """Resolve layout flags and config once; the launcher serves every same-signature problem."""
     layout = tma_layout(args)
     if isinstance(layout, str):
         raise ValueError(f"triton.persistent cannot run this problem: {layout}")
     if config is None:
         config = tuning.select("triton.persistent", args, CONFIGS, heuristic, lambda c: launch(args, c, layout))
-    launch(args, config, layout)
+    return lambda problem: launch(problem, config, layout)
+
+
+def run(args: GemmArgs, config: TritonGemmConfig | None = None) -> None:
+    prepare(args, config)(args)
 
 
 VARIANTS = [
@@ -138,6 +143,7 @@ VARIANTS = [
         description="Triton, persistent (one program per SM), TMA loads/stores, epilogue subtiling",
         supports=_supports,
         run=run,
+        prepare=prepare,
     ),
 ]
 

@@ -81,10 +81,14 @@ def launch(args: GemmArgs, config: TritonGemmConfig) -> None:
     )
 
 
-def run(args: GemmArgs, config: TritonGemmConfig | None = None) -> None:
+def prepare(args: GemmArgs, config: TritonGemmConfig | None = None):
     if config is None:
         config = tuning.select("triton.ptr", args, CONFIGS, heuristic, lambda c: launch(args, c))
-    launch(args, config)
+    return lambda problem: launch(problem, config)
+
+
+def run(args: GemmArgs, config: TritonGemmConfig | None = None) -> None:
+    prepare(args, config)(args)
 
 
 VARIANTS = [
@@ -94,6 +98,7 @@ VARIANTS = [
         description="Triton, pointer loads (no TMA): the pre-Hopper baseline and the fallback for any strides",
         supports=lambda args: None,
         run=run,
+        prepare=prepare,
     )
 ]
 

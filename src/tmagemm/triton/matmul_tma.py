@@ -134,13 +134,18 @@ def _supports(args: GemmArgs) -> str | None:
     return layout if isinstance(layout, str) else None
 
 
-def run(args: GemmArgs, config: TritonGemmConfig | None = None) -> None:
+def prepare(args: GemmArgs, config: TritonGemmConfig | None = None):
+    """Resolve layout flags and config once; the launcher serves every same-signature problem."""
     layout = tma_layout(args)
     if isinstance(layout, str):
         raise ValueError(f"triton.tma cannot run this problem: {layout}")
     if config is None:
         config = tuning.select("triton.tma", args, CONFIGS, heuristic, lambda c: launch(args, c, layout))
-    launch(args, config, layout)
+    return lambda problem: launch(problem, config, layout)
+
+
+def run(args: GemmArgs, config: TritonGemmConfig | None = None) -> None:
+    prepare(args, config)(args)
 
 
 VARIANTS = [
@@ -150,6 +155,7 @@ VARIANTS = [
         description="Triton, non-persistent, TMA loads/stores via host TensorDescriptor (the seed kernel)",
         supports=_supports,
         run=run,
+        prepare=prepare,
     )
 ]
 

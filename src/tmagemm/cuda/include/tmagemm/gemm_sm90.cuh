@@ -95,38 +95,62 @@ __device__ __forceinline__ void named_barrier_sync(int id, int count) {
 
 // ---------------------------------------------------------------------------------------------
 // Grouped tile order: consecutive tile ids walk `group_m` rows of tiles column by column, so
-// CTAs running together share A rows and B columns in L2.
+// CTAs running together share A rows and B columns in L2. Returns tile indices (row, column).
 // ---------------------------------------------------------------------------------------------
-struct TileCoord {
-  int m0, n0;  // first output row and column of the tile
+struct TileIndex {
+  int m, n;
 };
 
-__device__ __forceinline__ TileCoord grouped_tile(int tile, int tiles_m, int tiles_n, int group_m) {
+struct TileCoord {
+  int m0, n0;  // first output row and column of a tile
+};
+
+__device__ __forceinline__ TileIndex grouped_tile(int tile, int tiles_m, int tiles_n, int group_m) {
   const int group_size = group_m * tiles_n;
   const int first_m = (tile / group_size) * group_m;
   const int rows = min(tiles_m - first_m, group_m);
   const int in_group = tile % group_size;
-  return {(first_m + in_group % rows) * kBlockM, (in_group / rows) * kBlockN};
+  return {first_m + in_group % rows, in_group / rows};
 }
 
 // ---------------------------------------------------------------------------------------------
 // Producer step: one thread loads k-block `k_tile` of the A and B tiles into a stage.
 // Boxes past M, N or K are zero-filled by TMA, so ragged edges need no code here, and the
 // expected byte count is always the full box.
+//
+// kCluster > 1: the CTAs of a cluster own vertically adjacent tiles with the same columns, so
+// they need the same B tile. CTA `rank` loads its 1/kCluster share of B once from L2 and
+// multicasts it to the same offset (and the same full barrier) in every CTA of the cluster;
+// each CTA still expects the whole stage, because the shares of its peers land on it too.
 // ---------------------------------------------------------------------------------------------
+template <int kCluster = 1>
 __device__ __forceinline__ void load_stage(unsigned char* stage, u64* full, const CUtensorMap* map_a,
-                                           const CUtensorMap* map_b, int k_tile, int m0, int n0) {
+                                           const CUtensorMap* map_b, int k_tile, int m0, int n0, int rank = 0) {
   const int k0 = k_tile * kBlockK;
   ptx::mbarrier_arrive_expect_tx(full, kStageBytes);
   ptx::tma_load_2d(stage, map_a, full, k0, m0);
   unsigned char* b = stage + kStageBytesA;
-  if constexpr (kBKMajor) {
-    ptx::tma_load_2d(b, map_b, full, k0, n0);
-  } else {
-    // Row-major (K, N) B: a box is 64 N-columns (128 B) by 64 K-rows; boxes sit 8 KB apart,
-    // the layout desc_mn_major describes.
+  if constexpr (kCluster == 1) {
+    if constexpr (kBKMajor) {
+      ptx::tma_load_2d(b, map_b, full, k0, n0);
+    } else {
+      // Row-major (K, N) B: a box is 64 N-columns (128 B) by 64 K-rows; boxes sit 8 KB apart,
+      // the layout desc_mn_major describes.
 #pragma unroll
-    for (int j = 0; j < kBlockN / 64; ++j) ptx::tma_load_2d(b + j * 8192, map_b, full, n0 + 64 * j, k0);
+      for (int j = 0; j < kBlockN / 64; ++j) ptx::tma_load_2d(b + j * 8192, map_b, full, n0 + 64 * j, k0);
+    }
+  } else {
+    constexpr unsigned short kMask = (1u << kCluster) - 1;
+    if constexpr (kBKMajor) {
+      // The host encodes this map with a box of BLOCK_N / kCluster rows.
+      constexpr int kRows = kBlockN / kCluster;
+      ptx::tma_load_2d_multicast(b + rank * kRows * kRowBytes, map_b, full, k0, n0 + rank * kRows, kMask);
+    } else {
+      constexpr int kBoxes = kBlockN / 64 / kCluster;
+#pragma unroll
+      for (int j = rank * kBoxes; j < (rank + 1) * kBoxes; ++j)
+        ptx::tma_load_2d_multicast(b + j * 8192, map_b, full, n0 + 64 * j, k0, kMask);
+    }
   }
 }
 
@@ -168,6 +192,13 @@ __device__ __forceinline__ void epilogue_apply(float (&acc)[kN / 2], int row0, i
   const bool identity = p.alpha == 1.0f && p.scale_a == nullptr && p.scale_b == nullptr &&
                         p.bias == nullptr && p.beta == 0.0f;
   if (identity) return;  // uniform branch: the plain GEMM pays nothing
+  if (!p.scale_a_rowwise && !p.scale_b_colwise && p.bias == nullptr && p.beta == 0.0f) {
+    // Tensor-wise scales (the usual fp8 case): one multiply per element.
+    const float s = p.alpha * (p.scale_a ? p.scale_a[0] : 1.0f) * (p.scale_b ? p.scale_b[0] : 1.0f);
+#pragma unroll
+    for (int i = 0; i < kN / 2; ++i) acc[i] *= s;
+    return;
+  }
   const int t = threadIdx.x % 128;
   const int lane = t % 32;
   int rows[2];
