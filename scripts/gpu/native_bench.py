@@ -17,6 +17,7 @@ import json
 import multiprocessing as mp
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
@@ -26,6 +27,19 @@ from tmagemm.dispatch import GemmArgs
 F8, BF16, F16 = torch.float8_e4m3fn, torch.bfloat16, torch.float16
 CUBES = [2048, 4096, 6144, 8192]
 FP8_M = [1024, 2048, 4096, 8192]
+
+# Config variants measured next to the default rungs (name -> config), to pick defaults from data.
+EXTRA = {
+    "coop.g16": replace(native.RUNGS["cuda.persistent_coop"], group_m=16),
+    "mc.g16": replace(native.RUNGS["cuda.persistent_coop_mc"], group_m=16),
+    "mc.c128": replace(native.RUNGS["cuda.persistent_coop_mc"], ctas=128),
+    "ws.g16": replace(native.RUNGS["cuda.ws"], group_m=16),
+}
+
+
+def config_of(name: str):
+    return native.RUNGS[name] if name in native.RUNGS else EXTRA[name]
+
 
 # (label, a/b dtype, out dtype, B K-major)
 FAMILIES = [
@@ -112,7 +126,7 @@ def bench(out_dir: str, rungs: list[str], budget_s: float) -> None:
         t_peer = timer.eager(fn).median_us
         row = {"family": label, "m": m, "n": n, "k": k, "peer_us": t_peer, "peer_tflops": flops / t_peer / 1e6}
         for name in rungs:
-            config = native.RUNGS[name]
+            config = config_of(name)
             try:
                 call = lambda: native.run(args, config)  # noqa: E731
                 args.out.fill_(float("nan"))
@@ -143,19 +157,20 @@ def bench(out_dir: str, rungs: list[str], budget_s: float) -> None:
     with open(f"{out_dir}/native_bench.json", "w") as handle:
         json.dump({"meta": meta, "rows": rows}, handle, indent=1)
 
-    short = {"cuda.seed": "seed", "cuda.ws": "ws", "cuda.persistent_coop": "coop", "cuda.persistent_pingpong": "pingpong"}
+    short = {"cuda.seed": "seed", "cuda.ws": "ws", "cuda.persistent_coop": "coop", "cuda.persistent_coop_mc": "coop_mc",
+             "cuda.persistent_pingpong": "pingpong"}
     print("\n" + json.dumps(meta))
-    print(f"{'family':8} {'M':>5} {'N':>5} {'K':>5} {'peer TF':>8} " + " ".join(f"{short.get(r, r):>14}" for r in rungs))
+    print(f"{'family':7} {'M':>5} {'N':>5} {'K':>5} {'peerTF':>6} " + " ".join(f"{short.get(r, r):>12}" for r in rungs))
     for row in rows:
         cols = []
         for name in rungs:
             cell = row.get(name, {})
             if "error" in cell:
-                cols.append(f"{'ERR':>14}")
+                cols.append(f"{'ERR':>12}")
             else:
-                flag = "!" if cell["rel_err"] > 2e-2 else " "
-                cols.append(f"{cell['tflops']:6.0f} {cell['vs_peer']:5.2f}x{flag}")
-        print(f"{row['family']:8} {row['m']:5} {row['n']:5} {row['k']:5} {row['peer_tflops']:8.0f} " + " ".join(cols))
+                flag = " " if cell["rel_err"] <= 2e-2 else "!"  # NaN (unwritten output) flags too
+                cols.append(f"{cell['tflops']:5.0f} {cell['vs_peer']:4.2f}x{flag}")
+        print(f"{row['family']:7} {row['m']:5} {row['n']:5} {row['k']:5} {row['peer_tflops']:6.0f} " + " ".join(cols))
     print("(cells: TFLOP/s and speed vs peer; ! = max rel err vs peer > 2e-2)")
 
 
@@ -163,6 +178,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir", nargs="?", default=".")
     parser.add_argument("--rungs", default=",".join(native.RUNGS))
+    parser.add_argument("--extra", default=",".join(EXTRA), help="config variants from EXTRA to add")
     parser.add_argument("--budget-s", type=float, default=200.0)
     parser.add_argument("--precompile", action="store_true")
     parser.add_argument("--smoke")
@@ -172,7 +188,8 @@ def main() -> None:
     elif opts.smoke:
         smoke(opts.smoke)
     else:
-        bench(opts.out_dir, [r for r in opts.rungs.split(",") if r], opts.budget_s)
+        names = [r for r in opts.rungs.split(",") + opts.extra.split(",") if r]
+        bench(opts.out_dir, names, opts.budget_s)
 
 
 if __name__ == "__main__":
