@@ -138,6 +138,49 @@ def overhead(rows):
                                                       sa1, sb1)).name))
 
 
+def overhead_breakdown(rows):
+    """Where the per-call host time goes (M=16, N=K=4096 fp8 through triton.tma)."""
+    from tmagemm import api
+    from tmagemm.triton import matmul_tma
+    from tmagemm.triton.host import operand_descriptors, tma_layout
+
+    m, n, k = 16, 4096, 4096
+    a, b, sa, sb = fp8_problem(m, n, k)
+    sa1, sb1 = sa.reshape(1), sb.reshape(1)
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    args = GemmArgs(a, b, out, sa1, sb1)
+    layout = tma_layout(args)
+    config = matmul_tma.heuristic(args)
+    descs = operand_descriptors(args, layout, config.block_m, config.block_n, config.block_k, config.block_n)
+    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+    consts = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+                  A_ROW_MAJOR=True, B_ROW_MAJOR=False, TMA_STORE=True, SCALE_A=1, SCALE_B=1, HAS_BIAS=False,
+                  FAST_ACCUM=True)
+
+    def jit_launch():
+        matmul_tma.tma_gemm_kernel[grid](*descs, out, sa1, sb1, None, m, n, k, out.stride(0), out.stride(1),
+                                         **consts, num_warps=config.num_warps, num_stages=config.num_stages)
+
+    compiled = matmul_tma.tma_gemm_kernel.warmup(*descs, out, sa1, sb1, None, m, n, k, out.stride(0),
+                                                 out.stride(1), **consts, num_warps=config.num_warps,
+                                                 num_stages=config.num_stages, grid=grid)
+    positional = [*descs, out, sa1, sb1, None, m, n, k, out.stride(0), out.stride(1), *consts.values()]
+    runner = compiled[grid]
+    parts = dict(
+        check=host_us(lambda: api.check_scaled_mm(a, b, sa1, sb1, None, torch.bfloat16, None, "auto"), 2000),
+        plan=host_us(lambda: dispatch.plan(args), 2000),
+        descriptors=host_us(lambda: operand_descriptors(args, layout, config.block_m, config.block_n,
+                                                        config.block_k, config.block_n), 2000),
+        empty=host_us(lambda: torch.empty(m, n, device="cuda", dtype=torch.bfloat16), 2000),
+        jit_launch=host_us(jit_launch),
+        compiled_launch=host_us(lambda: runner(*positional)),
+        full_api=host_us(lambda: tmagemm.scaled_mm(a, b, sa1, sb1)),
+        torch_scaled_mm=host_us(lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=True)),
+    )
+    rows.append(dict(kind="host_breakdown", **parts))
+    print("host breakdown (us/call):", {k: round(v, 1) for k, v in parts.items()}, flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
@@ -153,6 +196,10 @@ def main():
         os.environ["TMAGEMM_AUTOTUNE"] = "1"
         print(f"correctness done {time.time() - t:.0f}s", flush=True)
     overhead(rows)
+    try:
+        overhead_breakdown(rows)
+    except Exception as e:  # keep the speed table even if a measurement path breaks
+        print("host breakdown failed:", type(e).__name__, str(e)[:300], flush=True)
     speed(rows, opts.quick)
     print(f"speed done {time.time() - t:.0f}s", flush=True)
     out = os.environ.get("OUT")
