@@ -9,6 +9,7 @@ driver copies the bytes during the launch call.
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 from typing import Sequence
 
@@ -109,10 +110,10 @@ class Kernel:
             self._opt_in_smem(smem_bytes)
 
         keep = []  # ctypes holders that must outlive the launch call
-        pointers = (ctypes.c_void_p * max(len(args), 1))()
+        pointers = _pointer_array(len(args))()
         for i, arg in enumerate(args):
             if isinstance(arg, torch.Tensor):
-                if arg.device.type != "cuda" or arg.device.index != self.device_index:
+                if arg.get_device() != self.device_index:  # -1 for CPU tensors
                     raise ValueError(
                         f"{self.name}: argument {i} is on {arg.device}, kernel is loaded on cuda:{self.device_index}"
                     )
@@ -166,6 +167,11 @@ class Kernel:
         config.numAttrs = 1
         (result,) = driver.cuLaunchKernelEx(config, self._function, ctypes.addressof(pointers), 0)
         return result
+
+
+@functools.lru_cache(maxsize=None)
+def _pointer_array(n: int):
+    return ctypes.c_void_p * max(n, 1)
 
 
 def _dim3(value: Sequence[int] | int, what: str) -> tuple[int, int, int]:
