@@ -89,6 +89,8 @@ class Layout:
 
 def tma_layout(args: GemmArgs) -> Layout | str:
     """Layout flags for the TMA kernels, or the reason TMA cannot describe the operands."""
+    if args.m == 0 or args.n == 0 or args.k == 0:
+        return "a zero-size dimension (tmagemm.matmul / scaled_mm return those without a kernel)"
     a_row = is_row_major(args.a)
     b_row = is_row_major(args.b) and not (args.is_fp8 and is_col_major(args.b))
     if args.is_fp8 and not (a_row and not b_row):
