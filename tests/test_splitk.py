@@ -8,6 +8,7 @@ CUDA-graph capture.
 import pytest
 import torch
 
+from tmagemm import envs
 from tmagemm.dispatch import GemmArgs
 from tmagemm.triton import matmul_splitk as sk
 
@@ -50,6 +51,10 @@ def _assert_close(out, ref, rtol, atol):
         )
 
 
+# Interpreter-sized tiles (16..32) are outside what the launcher accepts on a GPU.
+interpreter_only = pytest.mark.skipif(not envs.interpret(), reason="interpreter-sized tiles; GPU tests cover real ones")
+
+
 def _run(args, config=None):
     assert sk.supports(args) is None, sk.supports(args)
     args.out.fill_(float("nan"))  # poison: any element the kernel skips fails the check
@@ -72,6 +77,7 @@ CONFIGS = [
 ]
 
 
+@interpreter_only
 @pytest.mark.parametrize("dtype", [torch.float16, F8], ids=["fp16", "fp8"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"bm{c[0]}bn{c[1]}bk{c[2]}s{c[3]}{'swap' if c[4] else ''}{'tma' if c[5] else ''}")
@@ -88,6 +94,7 @@ def test_exact_on_integers(dtype, shape, cfg, seeded):
     _assert_close(out, ref, rtol=0.0, atol=0.0)
 
 
+@interpreter_only
 @pytest.mark.parametrize("scales", ["none", "tensor", "row"])
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32])
 def test_random_fp8_scales_bias(scales, out_dtype, seeded):
@@ -109,6 +116,7 @@ def test_random_fp8_scales_bias(scales, out_dtype, seeded):
     _assert_close(out, ref, rtol=rtol, atol=1e-3)
 
 
+@interpreter_only
 def test_row_major_fp16_weight_and_strided_operands(seeded):
     """16-bit b may be N-major; a and out may have padded rows (pointer loads / stores)."""
     m, n, k = 9, 48, 160
@@ -123,6 +131,7 @@ def test_row_major_fp16_weight_and_strided_operands(seeded):
     _assert_close(out, _reference(a, b), rtol=0.0, atol=0.0)
 
 
+@interpreter_only
 def test_split_is_bitwise_deterministic_and_rearms_counters(seeded):
     m, n, k = 17, 72, 200
     a, b = _operands(m, n, k, torch.float16)
@@ -252,7 +261,13 @@ def test_gpu_deterministic(dtype, seeded):
     for _ in range(20):
         _run(args, config)
         assert torch.equal(out, first), "split-K result changed between runs"
-    _assert_close(out, _reference(a, b), rtol=1e-5, atol=1e-3)
+    ref = _reference(a, b)
+    if dtype == F8:
+        # WGMMA's fp8 accumulator is below fp32 precision inside each 128-wide K block (the kernel
+        # promotes to fp32 between blocks); without the promotion errors reach ~2^-10 relative.
+        _assert_close(out, ref, rtol=2.0**-12, atol=2.0**-12 * float(ref.abs().max()))
+    else:
+        _assert_close(out, ref, rtol=1e-5, atol=1e-3)
 
 
 @pytest.mark.gpu
@@ -276,7 +291,8 @@ def test_gpu_cuda_graph(seeded):
     replayed = out.clone()
     _run(args)
     assert torch.equal(replayed, out)
-    _assert_close(out, _reference(a, b, scale_a), rtol=2.0**-7, atol=1e-2)
+    ref = _reference(a, b, scale_a)
+    _assert_close(out, ref, rtol=2.0**-7, atol=2.0**-10 * float(ref.abs().max()))
 
 
 @pytest.mark.gpu
@@ -290,3 +306,11 @@ def test_gpu_capture_without_workspace_raises():
     with pytest.raises(RuntimeError, match="eager call"):
         with torch.cuda.graph(graph, stream=stream):
             sk.run(args)
+
+
+def test_gpu_refuses_untested_tiles():
+    a, b = _operands(4, 64, 64, torch.float16)
+    args = GemmArgs(a, b, torch.empty(4, 64, device=DEV))
+    if a.device.type == "cuda":
+        with pytest.raises(ValueError, match="block_n"):
+            sk.run(args, sk.SplitKConfig(16, 32, 64, 1, True, False, 2))

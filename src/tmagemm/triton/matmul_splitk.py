@@ -62,6 +62,8 @@ class SplitKConfig:
     block_m tiles the tokens (M), block_n the weight rows (N), block_k the reduction. With
     ``swap_ab`` the kernel computes ``[block_n, block_m]`` tiles of out^T. ``a_tma`` loads the
     activation through a TMA descriptor too (otherwise pointer loads, any strides).
+    Without ``fast_accum`` an fp8 tile promotes WGMMA's reduced-precision accumulator into fp32
+    once per block_k (like DeepGEMM); the kernel is bound by HBM, so the extra adds are free.
     """
 
     block_m: int
@@ -72,6 +74,7 @@ class SplitKConfig:
     a_tma: bool
     num_stages: int
     num_warps: int = 4
+    fast_accum: bool = False  # fp8: let WGMMA accumulate the whole K range imprecisely
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -174,6 +177,7 @@ def _splitk_kernel(
     SCALE_A: tl.constexpr,
     SCALE_B: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    PROMOTE_EVERY: tl.constexpr,
 ):
     # -- scheduler: axis 0 is the K slice, so the slices of one tile are launched side by side
     # and the last one does not wait long for the others; consecutive tiles walk N, so CTAs in
@@ -214,15 +218,15 @@ def _splitk_kernel(
         if W_KMAJOR:
             w = w_desc.load([off_n, k0])  # [BLOCK_N, BLOCK_K], K contiguous (fp8 needs this)
             if SWAP_AB:
-                acc = tl.dot(w, a.T, acc)
+                acc = tl.dot(w, a.T, acc, max_num_imprecise_acc=PROMOTE_EVERY)
             else:
-                acc = tl.dot(a, w.T, acc)
+                acc = tl.dot(a, w.T, acc, max_num_imprecise_acc=PROMOTE_EVERY)
         else:
             w = w_desc.load([k0, off_n])  # [BLOCK_K, BLOCK_N], N contiguous (16-bit only)
             if SWAP_AB:
-                acc = tl.dot(w.T, a.T, acc)
+                acc = tl.dot(w.T, a.T, acc, max_num_imprecise_acc=PROMOTE_EVERY)
             else:
-                acc = tl.dot(a, w, acc)
+                acc = tl.dot(a, w, acc, max_num_imprecise_acc=PROMOTE_EVERY)
 
     # -- split-K reduction, deterministic: every slice parks its partial in the workspace, then
     # bumps the tile's arrival counter; the last to arrive sums the slices in slice order.
@@ -390,9 +394,24 @@ def supports(args: GemmArgs) -> str | None:
     return None
 
 
+def _check_gpu_config(config: SplitKConfig, itemsize: int) -> None:
+    """On a GPU, only the tile family the heuristic uses and the GPU tests cover may launch.
+
+    Smaller tiles (block_n < 64, block_k rows under 128 B) run under the interpreter only: a GPU
+    job of ours stalled on them once and the cause is not pinned down yet.
+    """
+    if config.block_n < 64 or config.block_k * itemsize != 128:
+        raise ValueError(
+            f"SplitKConfig block_n={config.block_n}, block_k={config.block_k}: on a GPU this kernel "
+            f"takes block_n >= 64 and block_k spanning 128 B ({128 // itemsize} elements)"
+        )
+
+
 def _launch(args: GemmArgs, config: SplitKConfig) -> None:
     a, b, out = args.a, args.b, args.out
     m, n, k = args.m, args.n, args.k
+    if a.device.type == "cuda":
+        _check_gpu_config(config, a.element_size())
     kmajor = _weight_kmajor(b)
     w_desc = _weight_desc(b, kmajor, config.block_n, config.block_k)
     if config.a_tma:
@@ -434,6 +453,8 @@ def _launch(args: GemmArgs, config: SplitKConfig) -> None:
         SCALE_A=scale_mode(args.scale_a),
         SCALE_B=scale_mode(args.scale_b),
         HAS_BIAS=args.bias is not None,
+        # None keeps Triton's default (fp8 on sm_90: accumulate imprecisely over all of K).
+        PROMOTE_EVERY=config.block_k if args.is_fp8 and not config.fast_accum else None,
         num_stages=config.num_stages,
         num_warps=config.num_warps,
     )
