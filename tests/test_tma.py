@@ -261,6 +261,25 @@ def test_swizzle_tile_agrees_with_offsets(mode):
         assert image[tma.swizzle_offset(i, mode)] == dense[i]
 
 
+@pytest.mark.parametrize("mode, row_bytes, pitch", [("none", 48, 48), ("32B", 32, 32), ("64B", 32, 64), ("128B", 64, 128), ("128B", 128, 128)])
+def test_smem_image_pads_rows_to_the_span(mode, row_bytes, pitch):
+    rows = 9
+    dense = torch.randint(0, 256, (rows * row_bytes,), dtype=torch.uint8)
+    image = tma.smem_image(dense, row_bytes, mode, fill=0xA5)
+    assert image.numel() == -(-(rows * pitch) // 128) * 128
+    for r in range(rows):
+        for b in range(0, row_bytes, 5):
+            assert image[tma.swizzle_offset(r * pitch + b, mode)] == dense[r * row_bytes + b]
+    assert (image == 0xA5).sum() >= image.numel() - dense.numel()  # padding keeps the fill
+
+
+def test_smem_footprint_of_params():
+    p = params(dtype="float32", box_dims=(16, 9), swizzle="128B")  # 64-byte rows in a 128-byte span
+    assert p.box_bytes == 16 * 9 * 4 and p.smem_row_bytes == 128 and p.smem_bytes == 9 * 128
+    q = params(dtype="float32", box_dims=(16, 9), swizzle="none")
+    assert q.smem_bytes == q.box_bytes == 16 * 9 * 4
+
+
 def test_swizzle_reference_rejects_bad_input():
     with pytest.raises(ValueError):
         tma.swizzle_offset(0, 48)

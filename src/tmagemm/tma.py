@@ -198,6 +198,22 @@ class TiledParams:
             total *= count
         return total
 
+    @property
+    def smem_row_bytes(self) -> int:
+        """Shared-memory pitch of one inner row of the box: with a swizzle, rows are padded to
+        the span (measured on H100: a 64-byte row under 128B swizzle occupies 128 bytes)."""
+        inner = self.box_elements[0] * self.element_size
+        span = self.swizzle_span
+        return max(inner, span) if span and self.interleave == "none" else inner
+
+    @property
+    def smem_bytes(self) -> int:
+        """Shared-memory footprint of one box (allocate this much; expect-tx stays box_bytes)."""
+        total = self.smem_row_bytes
+        for count in self.box_elements[1:]:
+            total *= count
+        return total
+
     def describe(self) -> str:
         return (
             f"dtype={self.dtype} rank={self.rank} address=0x{self.global_address:x} "
@@ -515,29 +531,29 @@ class TensorMapCache:
         self.replacements = 0
 
     def get(self, tensor: torch.Tensor, box_shape: Sequence[int], **options) -> TensorMap:
+        # The key is built from cheap attributes only: this runs on every GEMM call.
         key = (
-            tensor.device.index,
+            tensor.get_device(),
             tensor.dtype,
-            tuple(tensor.shape),
-            tuple(tensor.stride()),
+            tensor.shape,
+            tensor.stride(),
             tuple(box_shape),
-            tuple(sorted((k, tuple(v) if isinstance(v, (list, tuple)) else v) for k, v in options.items())),
+            tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(options.items())) if options else (),
         )
         address = tensor.data_ptr()
-        with self._lock:
-            cached = self._maps.get(key)
-            if cached is not None:
-                self._maps.move_to_end(key)
-                if cached.global_address != address:
+        cached = self._maps.get(key)
+        if cached is not None:
+            if cached.global_address != address:
+                with self._lock:
                     cached.replace_address(address)
                     self.replacements += 1
-                return cached
+            return cached
         fresh = make_tensor_map(tensor, box_shape, **options)
         with self._lock:
             self.encodes += 1
             self._maps[key] = fresh
             while len(self._maps) > self._maxsize:
-                self._maps.popitem(last=False)
+                self._maps.popitem(last=False)  # oldest first
         return fresh
 
     def clear(self) -> None:
@@ -573,6 +589,32 @@ def swizzle_offset(byte_offset: int, mode: str | int) -> int:
         return byte_offset
     mask = span // 16 - 1
     return byte_offset ^ (((byte_offset >> 7) & mask) << 4)
+
+
+def smem_image(
+    dense: torch.Tensor, row_bytes: int, mode: str | int, *, size: int | None = None, fill: int = 0
+) -> torch.Tensor:
+    """Shared-memory bytes after a TMA load of a box whose dense bytes are ``dense``.
+
+    ``row_bytes`` is the box's inner extent in bytes. Under a swizzle each inner row starts at a
+    multiple of the span (rows shorter than the span are padded), then 16-byte chunks are
+    permuted by :func:`swizzle_offset`. Bytes TMA does not write hold ``fill``; ``size`` (a
+    multiple of 128, default: the footprint rounded up to 128) is the length of the image.
+    """
+    if dense.dtype != torch.uint8 or dense.dim() != 1:
+        raise TypeError(f"expected a 1-D uint8 tensor, got {dense.dtype} with shape {list(dense.shape)}")
+    if row_bytes <= 0 or dense.numel() % row_bytes:
+        raise ValueError(f"{dense.numel()} bytes are not whole rows of {row_bytes} bytes")
+    span = _span(mode)
+    pitch = max(row_bytes, span) if span else row_bytes
+    rows = dense.numel() // row_bytes
+    footprint = -(-(rows * pitch) // 128) * 128
+    size = footprint if size is None else size
+    if size < footprint or size % 128:
+        raise ValueError(f"size must be a multiple of 128 and >= {footprint}, got {size}")
+    padded = torch.full((size,), fill, dtype=torch.uint8)
+    padded[: rows * pitch].view(rows, pitch)[:, :row_bytes] = dense.view(rows, row_bytes)
+    return swizzle_tile(padded, mode)
 
 
 def swizzle_tile(dense: torch.Tensor, mode: str | int) -> torch.Tensor:

@@ -5,7 +5,11 @@
 //   tma_elementwise_2d: ELEM_TYPE (0 int32, 1 float32, 2 bfloat16, 3 fp8 e4m3), BOX_ROWS,
 //                       BOX_COLS (elements), SWIZZLE_SPAN (0/32/64/128 bytes).
 //   tma_probe:          PROBE_RANK (1..5).
-//   tma_copy_2d:        BOX_ROWS, BOX_COLS, ELEM_BYTES, STAGES.
+//   tma_copy_2d:        BOX_ROWS, BOX_COLS, ELEM_BYTES, ROW_PITCH (smem bytes per box row), STAGES.
+//
+// Shared-memory layout of a box: inner rows one after another; under a swizzle each row takes
+// the full span even when it is shorter (e.g. 64 B of data in a 128 B row under 128B swizzle),
+// then the 16-byte chunks of every 128-byte line are XOR-permuted (ptx::swizzle_offset).
 #include <tmagemm/ptx.cuh>
 
 namespace ptx = tmagemm::ptx;
@@ -66,7 +70,9 @@ __device__ __forceinline__ elem_t twice_minus_one(elem_t x) {
 
 extern "C" __global__ void __launch_bounds__(128) tma_elementwise_2d(const __grid_constant__ CUtensorMap in_map,
                                                                       const __grid_constant__ CUtensorMap out_map) {
+  // Bytes the load delivers (the expect-tx count) vs. the smem pitch of one box row.
   constexpr unsigned kTileBytes = BOX_ROWS * BOX_COLS * sizeof(elem_t);
+  constexpr unsigned kPitch = SWIZZLE_SPAN ? SWIZZLE_SPAN : BOX_COLS * sizeof(elem_t);
   extern __shared__ unsigned char dynamic_smem[];
   unsigned char* tile = align_1024(dynamic_smem);
   __shared__ unsigned long long full;
@@ -90,9 +96,10 @@ extern "C" __global__ void __launch_bounds__(128) tma_elementwise_2d(const __gri
   }
   ptx::mbarrier_wait(&full, 0);
 
-  // Element (r, c) of the box sits at its dense byte offset passed through the swizzle.
+  // Element (r, c) of the box sits at byte r * pitch + c * size, passed through the swizzle.
   for (unsigned i = threadIdx.x; i < BOX_ROWS * BOX_COLS; i += blockDim.x) {
-    elem_t* p = reinterpret_cast<elem_t*>(tile + ptx::swizzle_offset<SWIZZLE_SPAN>(i * sizeof(elem_t)));
+    const unsigned r = i / BOX_COLS, c = i % BOX_COLS;
+    elem_t* p = reinterpret_cast<elem_t*>(tile + ptx::swizzle_offset<SWIZZLE_SPAN>(r * kPitch + c * sizeof(elem_t)));
     *p = twice_minus_one(*p);
   }
   // Generic-proxy writes must be ordered before the async-proxy (TMA) read of the store, per
@@ -163,7 +170,7 @@ extern "C" __global__ void __launch_bounds__(32)
                 int tiles_cols, int num_tiles) {
   constexpr unsigned kTileBytes = BOX_ROWS * BOX_COLS * ELEM_BYTES;
   // Stages start on 1024-byte boundaries so any swizzle mode is valid for every stage.
-  constexpr unsigned kStageStride = (kTileBytes + 1023u) / 1024u * 1024u;
+  constexpr unsigned kStageStride = (BOX_ROWS * ROW_PITCH + 1023u) / 1024u * 1024u;
   extern __shared__ unsigned char dynamic_smem[];
   unsigned char* stages = align_1024(dynamic_smem);
   __shared__ unsigned long long full[STAGES];

@@ -59,7 +59,13 @@ def elementwise_defines(dtype: torch.dtype, config: ElementwiseConfig) -> dict[s
 
 def copy_defines(element_size: int, config: "CopyConfig") -> dict[str, int]:
     """The -D macros selecting the pipelined-copy variant."""
-    return {"BOX_ROWS": config.box_rows, "BOX_COLS": config.box_cols, "ELEM_BYTES": element_size, "STAGES": config.stages}
+    return {
+        "BOX_ROWS": config.box_rows,
+        "BOX_COLS": config.box_cols,
+        "ELEM_BYTES": element_size,
+        "ROW_PITCH": config.row_pitch(element_size),
+        "STAGES": config.stages,
+    }
 
 
 def _check_2d(x: torch.Tensor, what: str) -> None:
@@ -88,10 +94,10 @@ def elementwise_2d(x: torch.Tensor, out: torch.Tensor | None = None, config: Ele
         return out
     size = x.element_size()
     rows, cols = config.box_rows, config.resolved_cols(size)
-    tile_bytes = rows * cols * size
+    in_map = tma.make_tensor_map(x, (rows, cols), swizzle=config.swizzle)
+    tile_bytes = in_map.params.smem_bytes
     if tile_bytes + _ALIGN_SLACK > MAX_SMEM_BYTES:
         raise ValueError(f"box {rows}x{cols} of {x.dtype} needs {tile_bytes} B of shared memory, over {MAX_SMEM_BYTES - _ALIGN_SLACK}")
-    in_map = tma.make_tensor_map(x, (rows, cols), swizzle=config.swizzle)
     out_map = tma.make_tensor_map(out, (rows, cols), swizzle=config.swizzle)
     module = jit.compile(SOURCE, defines=defines)
     grid = (-(-x.shape[1] // cols), -(-x.shape[0] // rows))
@@ -116,8 +122,8 @@ def probe(
     """Raw shared-memory bytes after one TMA load of the box at ``coords``.
 
     box_shape, coords and element_strides are in torch order (outermost first). Returns a uint8
-    CUDA tensor covering the box rounded up to 1024 bytes; bytes TMA did not write hold
-    ``sentinel``.
+    CUDA tensor covering the box's shared-memory footprint (``TiledParams.smem_bytes``) rounded
+    up to 1024 bytes; bytes TMA did not write hold ``sentinel``.
     """
     rank = tensor.dim()
     if len(coords) != rank:
@@ -128,9 +134,9 @@ def probe(
         tensor, box_shape, swizzle=swizzle, element_strides=element_strides, oob_fill=oob_fill, dtype=dtype
     )
     box_bytes = tensor_map.box_bytes
-    region = -(-box_bytes // 1024) * 1024
+    region = -(-tensor_map.params.smem_bytes // 1024) * 1024
     if region + _ALIGN_SLACK > MAX_SMEM_BYTES:
-        raise ValueError(f"box of {box_bytes} B does not fit the {MAX_SMEM_BYTES - _ALIGN_SLACK} B probe buffer")
+        raise ValueError(f"box needs {region} B of shared memory, over the {MAX_SMEM_BYTES - _ALIGN_SLACK} B probe buffer")
     inner_first = [int(c) for c in reversed(coords)] + [0] * (5 - rank)
     out = torch.empty(region, dtype=torch.uint8, device=tensor.device)
     module = jit.compile(SOURCE, defines={"PROBE_RANK": rank})
@@ -157,8 +163,13 @@ class CopyConfig:
     stages: int = 4
     ctas_per_sm: int | None = None  # None: as many as shared memory allows (at most 8)
 
+    def row_pitch(self, element_size: int) -> int:
+        """Shared-memory bytes per box row: swizzled rows take at least the span."""
+        span = tma.SWIZZLES[self.swizzle][1] if self.swizzle in tma.SWIZZLES else 0
+        return max(self.box_cols * element_size, span)
+
     def stage_bytes(self, element_size: int) -> int:
-        return -(-(self.box_rows * self.box_cols * element_size) // 1024) * 1024
+        return -(-(self.box_rows * self.row_pitch(element_size)) // 1024) * 1024
 
 
 def copy_2d(x: torch.Tensor, out: torch.Tensor, config: CopyConfig = CopyConfig()) -> None:

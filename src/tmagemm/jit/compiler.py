@@ -70,7 +70,10 @@ class _Request:
     flags: tuple[str, ...]
 
 
-_memory: dict[str, Module] = {}
+_memory: dict[str, Module] = {}  # cache key -> module
+# (source, code digest or None, defines, arch, flags) -> module: skips re-hashing the files on
+# every call (headers are fixed for the life of the process; clear_memory_cache() resets both).
+_requests: dict[tuple, Module] = {}
 _memory_lock = threading.Lock()
 
 
@@ -203,8 +206,12 @@ def compile(
     variants are selected this way); ``flags`` are extra NVRTC options. Kernels must be declared
     ``extern "C" __global__``. Results are cached in memory and on disk.
     """
-    path = _source_path(source)
-    return _compile(source, path.read_bytes(), defines, arch, flags)
+    fast_key = (source, None, tuple(sorted((defines or {}).items())), arch, tuple(flags))
+    module = _requests.get(fast_key)
+    if module is None:
+        module = _compile(source, _source_path(source).read_bytes(), defines, arch, flags)
+        _requests[fast_key] = module
+    return module
 
 
 def compile_string(
@@ -260,3 +267,4 @@ def clear_memory_cache() -> None:
     """Forget in-process modules (tests use it to exercise the disk cache)."""
     with _memory_lock:
         _memory.clear()
+        _requests.clear()
