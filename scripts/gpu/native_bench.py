@@ -30,9 +30,9 @@ FP8_M = [1024, 2048, 4096, 8192]
 
 # Config variants measured next to the default rungs (name -> config), to pick defaults from data.
 EXTRA = {
+    "coop.s3": replace(native.RUNGS["cuda.persistent_coop"], stages=3, epi_passes=1),
     "coop.g16": replace(native.RUNGS["cuda.persistent_coop"], group_m=16),
-    "mc.g16": replace(native.RUNGS["cuda.persistent_coop_mc"], group_m=16),
-    "mc.c128": replace(native.RUNGS["cuda.persistent_coop_mc"], ctas=128),
+    "mc.s3": replace(native.RUNGS["cuda.persistent_coop_mc"], stages=3, epi_passes=1),
     "ws.g16": replace(native.RUNGS["cuda.ws"], group_m=16),
 }
 
@@ -64,12 +64,12 @@ def cells():
 def _build(task):
     name, ab, out, k_major = task
     start = time.time()
-    native.compile_module(native.RUNGS[name], ab, out, k_major)
+    native.compile_module(config_of(name), ab, out, k_major)
     return f"{name} {ab} {out} kmajor={k_major}: {time.time() - start:.1f}s"
 
 
 def precompile() -> None:
-    tasks = {(name, ab, out, k) for _, ab, out, k in FAMILIES for name in native.RUNGS}
+    tasks = {(name, ab, out, k) for _, ab, out, k in FAMILIES for name in list(native.RUNGS) + list(EXTRA)}
     # the test families too (tests/test_native_gemm.py)
     tasks |= {(name, ab, out, k) for name in native.RUNGS for ab, out, k in [
         (BF16, BF16, True), (F16, F16, False), (BF16, torch.float32, False), (F8, BF16, True),

@@ -42,7 +42,9 @@ class NativeGemmConfig:
     persistent consumer schedule; ``stages``: depth of the TMA ring; ``group_m``: rows of tiles
     per L2 group of the grouped order; ``ctas``: persistent grid size (0 = one CTA per SM; tests
     use a few to make every CTA walk several tiles); ``cluster_m``: 2 = persistent cooperative
-    CTA pairs multicasting B. Block M is always 128 and block K one 128-byte row."""
+    CTA pairs multicasting B; ``epi_passes``: 2 = the persistent cooperative epilogue stages
+    its output in two column halves (half the staging memory, one more ring stage). Block M is
+    always 128 and block K one 128-byte row."""
 
     kernel: str
     block_n: int
@@ -51,6 +53,7 @@ class NativeGemmConfig:
     pingpong: bool = False
     ctas: int = 0
     cluster_m: int = 1
+    epi_passes: int = 1
 
     @property
     def threads(self) -> int:
@@ -64,7 +67,7 @@ class NativeGemmConfig:
         128 x block_n tile shared by the cooperative consumers, one each in ping-pong."""
         if self.kernel != "persistent":
             return 0
-        return (2 if self.pingpong else 1) * 128 * self.block_n * out_itemsize
+        return (2 if self.pingpong else 1) * 128 * self.block_n * out_itemsize // self.epi_passes
 
     def smem_bytes(self, out_itemsize: int) -> int:
         ring = self.stages * self.stage_bytes()
@@ -86,6 +89,7 @@ class NativeGemmConfig:
             and (self.kernel == "persistent" or not (self.pingpong or self.ctas))
             and self.ctas >= 0
             and (self.cluster_m == 1 or (self.cluster_m == 2 and self.kernel == "persistent" and not self.pingpong))
+            and (self.epi_passes == 1 or (self.epi_passes == 2 and self.kernel == "persistent" and not self.pingpong))
             and self.smem_bytes(out_itemsize) + 256 <= _SMEM_LIMIT
         )
 
@@ -101,8 +105,8 @@ class NativeGemmConfig:
 RUNGS: dict[str, NativeGemmConfig] = {
     "cuda.seed": NativeGemmConfig("seed", block_n=128, stages=3),
     "cuda.ws": NativeGemmConfig("ws", block_n=256, stages=4),
-    "cuda.persistent_coop": NativeGemmConfig("persistent", block_n=256, stages=3),
-    "cuda.persistent_coop_mc": NativeGemmConfig("persistent", block_n=256, stages=3, cluster_m=2),
+    "cuda.persistent_coop": NativeGemmConfig("persistent", block_n=256, stages=4, epi_passes=2),
+    "cuda.persistent_coop_mc": NativeGemmConfig("persistent", block_n=256, stages=4, cluster_m=2, epi_passes=2),
     "cuda.persistent_pingpong": NativeGemmConfig("persistent", block_n=128, stages=5, pingpong=True),
 }
 
@@ -212,6 +216,7 @@ def compile_module(config: NativeGemmConfig, ab_dtype: torch.dtype, out_dtype: t
     if config.kernel == "persistent":
         defines["TMAGEMM_PINGPONG"] = int(config.pingpong)
         defines["TMAGEMM_CLUSTER_M"] = config.cluster_m
+        defines["TMAGEMM_EPI_PASSES"] = config.epi_passes
     return jit.compile(_SOURCES[config.kernel], defines=defines)
 
 

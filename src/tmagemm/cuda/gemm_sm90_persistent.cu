@@ -17,8 +17,8 @@
 // remote, has landed on its barriers.
 #include "tmagemm/gemm_sm90.cuh"
 
-#if !defined(TMAGEMM_PINGPONG) || !defined(TMAGEMM_CLUSTER_M)
-#error "gemm_sm90_persistent.cu needs TMAGEMM_PINGPONG (0 cooperative, 1 ping-pong) and TMAGEMM_CLUSTER_M (1, 2)"
+#if !defined(TMAGEMM_PINGPONG) || !defined(TMAGEMM_CLUSTER_M) || !defined(TMAGEMM_EPI_PASSES)
+#error "gemm_sm90_persistent.cu needs TMAGEMM_PINGPONG (0 cooperative, 1 ping-pong), TMAGEMM_CLUSTER_M (1, 2), TMAGEMM_EPI_PASSES"
 #endif
 
 using namespace tmagemm;
@@ -37,7 +37,11 @@ constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;
 static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= 65536, "register file");
 constexpr int kFragBytes = 64 * kBlockN * kOutBytes;
-constexpr int kEpiBytesPerConsumer = kFrags * kFragBytes;
+// Cooperative: the output fragment is staged in TMAGEMM_EPI_PASSES column slices; 2 halves the
+// staging buffers, which buys a 4th ring stage for 128x256 tiles.
+constexpr int kEpiPasses = TMAGEMM_EPI_PASSES;
+static_assert(kEpiPasses == 1 || !kPingPong, "ping-pong stages whole fragments");
+constexpr int kEpiBytesPerConsumer = kFrags * kFragBytes / kEpiPasses;
 // Arrivals that free a stage. Single CTA: every thread that read it (both consumers in the
 // cooperative schedule, the tile's owner in ping-pong). Cluster: one arrival per consumer
 // warpgroup of every CTA whose TMA writes into the stage, sent after its wgmma wait.
@@ -214,7 +218,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           epilogue_issue_store<kBlockN>(&map_d, my_epi + f * kFragBytes, tile.m0 + 64 * f, tile.n0);
       }
     } else {
-      epilogue_fragment<kBlockN>(acc[0], my_epi, &map_d, tile.m0 + 64 * consumer, tile.n0, params,
+      epilogue_fragment<kBlockN, kEpiPasses>(acc[0], my_epi, &map_d, tile.m0 + 64 * consumer, tile.n0, params,
                                  kBarConsumer0 + consumer, leader);
     }
   }

@@ -232,8 +232,9 @@ __device__ __forceinline__ void epilogue_apply(float (&acc)[kN / 2], int row0, i
 
 // Registers -> shared memory in the TMA store box layout: 64-row chunks of 128-byte rows with
 // the 128-byte swizzle (16-byte unit index XOR row % 8), which also makes every warp's writes
-// bank-conflict free. `smem` is 1 KB aligned and holds kN / kEpiCols chunks.
-template <int kN>
+// bank-conflict free. Writes chunks [kFirst, kFirst + kCount) of the fragment (a chunk is
+// kEpiCols columns) to `smem`, which is 1 KB aligned and holds kCount chunks.
+template <int kN, int kFirst = 0, int kCount = kN / kEpiCols>
 __device__ __forceinline__ void epilogue_to_smem(const float (&acc)[kN / 2], u32 smem) {
   const int t = threadIdx.x % 128;
   const int warp = t / 32, lane = t % 32;
@@ -242,9 +243,10 @@ __device__ __forceinline__ void epilogue_to_smem(const float (&acc)[kN / 2], u32
     // (rows 8-15, j), (rows 0-7, j+1), (rows 8-15, j+1); lane l addresses row l % 8 of matrix l / 8.
     const int row = warp * 16 + ((lane / 8) & 1) * 8 + lane % 8;
 #pragma unroll
-    for (int j = 0; j < kN / 8; j += 2) {
-      const int unit = j + lane / 16;  // 16-byte column unit across the whole fragment
-      const u32 addr = smem + (unit / 8) * kEpiChunkBytes + row * kRowBytes + (((unit % 8) ^ (row % 8)) << 4);
+    for (int j = kFirst * 8; j < (kFirst + kCount) * 8; j += 2) {
+      const int unit = j + lane / 16;  // 16-byte column unit; j even, so j and j + 1 share a chunk
+      const u32 addr =
+          smem + (unit / 8 - kFirst) * kEpiChunkBytes + row * kRowBytes + (((unit % 8) ^ (row % 8)) << 4);
       wgmma::stmatrix_x4(addr, wgmma::pack2<kOutType>(acc[4 * j + 0], acc[4 * j + 1]),
                          wgmma::pack2<kOutType>(acc[4 * j + 2], acc[4 * j + 3]),
                          wgmma::pack2<kOutType>(acc[4 * j + 4], acc[4 * j + 5]),
@@ -252,13 +254,14 @@ __device__ __forceinline__ void epilogue_to_smem(const float (&acc)[kN / 2], u32
     }
   } else {
 #pragma unroll
-    for (int j = 0; j < kN / 8; ++j) {
+    for (int j = kFirst * 4; j < (kFirst + kCount) * 4; ++j) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = warp * 16 + lane / 4 + 8 * h;
         const int col = 8 * j + 2 * (lane % 4);
         const u32 byte = (col % kEpiCols) * 4;
-        const u32 addr = smem + (col / kEpiCols) * kEpiChunkBytes + row * kRowBytes + (byte ^ ((row % 8) << 4));
+        const u32 addr =
+            smem + (col / kEpiCols - kFirst) * kEpiChunkBytes + row * kRowBytes + (byte ^ ((row % 8) << 4));
         asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(acc[4 * j + 2 * h]),
                      "f"(acc[4 * j + 2 * h + 1])
                      : "memory");
@@ -267,30 +270,47 @@ __device__ __forceinline__ void epilogue_to_smem(const float (&acc)[kN / 2], u32
   }
 }
 
-// One thread sends the staged fragment to global memory; TMA drops what lies past M or N.
-template <int kN>
+// One thread sends staged chunks [kFirst, kFirst + kCount) of a fragment to global memory; TMA
+// drops what lies past M or N.
+template <int kN, int kFirst = 0, int kCount = kN / kEpiCols>
 __device__ __forceinline__ void epilogue_issue_store(const CUtensorMap* map_d, const unsigned char* smem, int row0,
                                                      int col0) {
 #pragma unroll
-  for (int q = 0; q < kN / kEpiCols; ++q) ptx::tma_store_2d(map_d, smem + q * kEpiChunkBytes, col0 + q * kEpiCols, row0);
+  for (int q = 0; q < kCount; ++q)
+    ptx::tma_store_2d(map_d, smem + q * kEpiChunkBytes, col0 + (kFirst + q) * kEpiCols, row0);
   ptx::tma_store_commit_group();
 }
 
-// The whole epilogue of one warpgroup fragment. `bar_id` is a named barrier private to the
-// warpgroup; `leader` is one of its threads, the only one that issues (and waits on) stores.
-template <int kN>
+// Stage and store column slice kPass of kPasses, then the following ones.
+template <int kN, int kPasses, int kPass = 0>
+__device__ __forceinline__ void epilogue_passes(const float (&acc)[kN / 2], unsigned char* smem,
+                                                const CUtensorMap* map_d, int row0, int col0, int bar_id,
+                                                bool leader) {
+  if constexpr (kPass < kPasses) {
+    constexpr int kCount = kN / kEpiCols / kPasses;
+    // The staging buffer may still be read by the previous store (the previous slice, or the
+    // previous tile in persistent kernels): the leader waits for it, the barrier tells everyone.
+    if (leader) ptx::tma_store_wait_group_read<0>();
+    named_barrier_sync(bar_id, 128);
+    epilogue_to_smem<kN, kPass * kCount, kCount>(acc, ptx::smem_u32(smem));
+    // Generic-proxy writes must be ordered before the async-proxy (TMA) read of the same bytes.
+    ptx::fence_proxy_async_shared();
+    named_barrier_sync(bar_id, 128);
+    if (leader) epilogue_issue_store<kN, kPass * kCount, kCount>(map_d, smem, row0, col0);
+    epilogue_passes<kN, kPasses, kPass + 1>(acc, smem, map_d, row0, col0, bar_id, leader);
+  }
+}
+
+// The whole epilogue of one warpgroup fragment, staged in kPasses column slices so the staging
+// buffer (64 x kN / kPasses outputs) can be smaller than the fragment. `bar_id` is a named
+// barrier private to the warpgroup; `leader` is one of its threads, the only one that issues
+// (and waits on) stores.
+template <int kN, int kPasses = 1>
 __device__ __forceinline__ void epilogue_fragment(float (&acc)[kN / 2], unsigned char* smem, const CUtensorMap* map_d,
                                                   int row0, int col0, const Params& p, int bar_id, bool leader) {
+  static_assert((kN / kEpiCols) % kPasses == 0, "epilogue passes must split the chunks evenly");
   epilogue_apply<kN>(acc, row0, col0, p);
-  // The staging buffer may still be read by this warpgroup's previous store (persistent
-  // kernels): the leader waits for it, the barrier tells everyone.
-  if (leader) ptx::tma_store_wait_group_read<0>();
-  named_barrier_sync(bar_id, 128);
-  epilogue_to_smem<kN>(acc, ptx::smem_u32(smem));
-  // Generic-proxy writes must be ordered before the async-proxy (TMA) read of the same bytes.
-  ptx::fence_proxy_async_shared();
-  named_barrier_sync(bar_id, 128);
-  if (leader) epilogue_issue_store<kN>(map_d, smem, row0, col0);
+  epilogue_passes<kN, kPasses>(acc, smem, map_d, row0, col0, bar_id, leader);
 }
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
