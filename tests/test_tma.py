@@ -305,9 +305,37 @@ def test_encode_and_replace_address_matches_fresh_encode():
     assert map_a.global_address == b.data_ptr()
 
 
+class _FakeMap:
+    def __init__(self, address):
+        self.global_address = address
+
+    def replace_address(self, address):
+        self.global_address = address
+
+
+def test_cache_slots_per_layout(monkeypatch):
+    made = []
+
+    def fake_make(tensor, box_shape, **options):
+        made.append(_FakeMap(tensor.data_ptr()))
+        return made[-1]
+
+    monkeypatch.setattr(tma, "make_tensor_map", fake_make)
+    cache = tma.TensorMapCache(per_layout=2)
+    a, b, c = (torch.zeros(8, 64) for _ in range(3))
+    map_a, map_b = cache.get(a, (8, 64)), cache.get(b, (8, 64))
+    assert map_a is not map_b and cache.encodes == 2  # same layout, both live: no aliasing
+    assert cache.get(a, (8, 64)) is map_a and cache.get(b, (8, 64)) is map_b  # hits
+    map_c = cache.get(c, (8, 64))  # third address: the least recently used slot (a) is retargeted
+    assert map_c is map_a and map_c.global_address == c.data_ptr() and cache.replacements == 1
+    assert cache.get(b, (8, 64)) is map_b and map_b.global_address == b.data_ptr()
+    other = cache.get(torch.zeros(8, 32), (8, 32))  # another layout never shares a map
+    assert other not in (map_a, map_b) and cache.encodes == 3
+
+
 @pytest.mark.gpu
 def test_cache_replaces_address_and_never_reuses_a_mismatched_map():
-    cache = tma.TensorMapCache()
+    cache = tma.TensorMapCache(per_layout=1)
     a = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16)
     first = cache.get(a, (64, 64))

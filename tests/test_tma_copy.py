@@ -45,6 +45,20 @@ def test_copy_variant_compiles_to_tma(element_size):
     _assert_tma_sass(module, "tma_copy_2d", store=True)
 
 
+def test_store_extent_rule():
+    # Measured on H100: a store to rows of 200 fp8 (200 B) also wrote columns 200..207.
+    ok = tma.params_for_tensor(torch.zeros(4, 224, dtype=torch.float8_e4m3fn)[:, :208], (4, 128), swizzle="none")
+    ok.validate_store()
+    bad = tma.params_for_tensor(torch.zeros(4, 224, dtype=torch.float8_e4m3fn)[:, :200], (4, 128), swizzle="none")
+    with pytest.raises(tma.TensorMapError, match="multiple of 16 bytes .* got 200\\*1 = 200"):
+        bad.validate_store()
+
+
+def test_probe_refuses_unaligned_inner_start():
+    with pytest.raises(ValueError, match="starts at byte 300"):
+        tma_copy.probe(torch.zeros(77, 200, dtype=torch.bfloat16), (16, 64), (70, 150), swizzle="128B")
+
+
 def test_launchers_check_arguments():
     with pytest.raises(TypeError, match="supports"):
         tma_copy.elementwise_defines(torch.float16, ElementwiseConfig())
@@ -107,7 +121,9 @@ def _assert_untouched(buffer, before, inside):
 @pytest.mark.gpu
 @pytest.mark.parametrize("swizzle", SWIZZLES)
 @pytest.mark.parametrize("dtype", ELEM_DTYPES)
-@pytest.mark.parametrize("rows, cols", [(1, 64), (17, 200), (727, 300)])
+# Column counts are ragged against every box width but keep rows a multiple of 16 bytes for all
+# dtypes: TMA stores write whole 16-byte chunks at the row end (see test_store_extent_rule).
+@pytest.mark.parametrize("rows, cols", [(1, 64), (17, 208), (727, 304)])
 def test_elementwise_exact_with_ragged_edges_and_padded_strides(dtype, swizzle, rows, cols, seeded):
     src_buffer, x = _padded(rows, cols, dtype)
     x.copy_(_random((rows, cols), dtype))
@@ -128,6 +144,13 @@ def test_elementwise_box_shapes(box_rows, box_cols, seeded):
     out = tma_copy.elementwise_2d(x, config=ElementwiseConfig(box_rows=box_rows, box_cols=box_cols, swizzle="128B"))
     torch.cuda.synchronize()
     assert torch.equal(out, _reference(x))
+
+
+@pytest.mark.gpu
+def test_elementwise_refuses_outputs_with_partial_16_byte_rows():
+    x = torch.zeros(17, 224, dtype=torch.float8_e4m3fn, device="cuda")[:, :200]
+    with pytest.raises(tma.TensorMapError, match="stores write whole 16-byte chunks"):
+        tma_copy.elementwise_2d(x, torch.empty(17, 224, dtype=torch.float8_e4m3fn, device="cuda")[:, :200])
 
 
 @pytest.mark.gpu
@@ -196,7 +219,7 @@ def test_probe_matches_swizzle_reference(dtype, swizzle, inner_fraction, seeded)
 def test_probe_out_of_bounds_zero_fill(swizzle, seeded):
     x = _bits_tensor((37, 56), torch.float16)[:, :50]  # 50 columns inside 112-byte rows
     cols = (tma.SWIZZLES[swizzle][1] or 64) // 2
-    for coords in [(-3, -8), (30, 40), (36, 49), (-20, 10)]:
+    for coords in [(-3, -8), (30, 40), (36, 48), (-20, 8)]:  # inner starts 16-byte aligned
         _probe_case(x, (16, cols), coords, swizzle)
 
 

@@ -81,7 +81,8 @@ def elementwise_2d(x: torch.Tensor, out: torch.Tensor | None = None, config: Ele
     """``out = 2 * x - 1`` through TMA load -> shared memory -> TMA store, one box per CTA.
 
     x: 2-D int32 / float32 / bfloat16 / float8_e4m3fn, last dim contiguous, rows 16-byte aligned.
-    out: same shape and dtype (may have padded strides); elements outside it are never written.
+    out: same shape and dtype (may have padded strides); its rows must be a multiple of 16 bytes
+    (see TiledParams.validate_store); elements outside it are never written.
     """
     _check_2d(x, "x")
     defines = elementwise_defines(x.dtype, config)
@@ -99,6 +100,7 @@ def elementwise_2d(x: torch.Tensor, out: torch.Tensor | None = None, config: Ele
     if tile_bytes + _ALIGN_SLACK > MAX_SMEM_BYTES:
         raise ValueError(f"box {rows}x{cols} of {x.dtype} needs {tile_bytes} B of shared memory, over {MAX_SMEM_BYTES - _ALIGN_SLACK}")
     out_map = tma.make_tensor_map(out, (rows, cols), swizzle=config.swizzle)
+    out_map.params.validate_store()
     module = jit.compile(SOURCE, defines=defines)
     grid = (-(-x.shape[1] // cols), -(-x.shape[0] // rows))
     if grid[1] > 65535:
@@ -130,6 +132,13 @@ def probe(
         raise ValueError(f"coords {list(coords)} needs {rank} entries for shape {list(tensor.shape)}")
     if not 0 <= sentinel <= 255:
         raise ValueError(f"sentinel must be a byte value, got {sentinel}")
+    # Measured on H100: a load whose innermost start is not 16-byte aligned faults with an
+    # illegal instruction (e.g. bf16 column 150 = byte 300), so refuse it here.
+    if (int(coords[-1]) * tensor.element_size()) % 16:
+        raise ValueError(
+            f"the innermost coordinate {coords[-1]} starts at byte {int(coords[-1]) * tensor.element_size()}, "
+            "not a multiple of 16; TMA box starts must be 16-byte aligned along the contiguous dimension"
+        )
     tensor_map = tma.make_tensor_map(
         tensor, box_shape, swizzle=swizzle, element_strides=element_strides, oob_fill=oob_fill, dtype=dtype
     )
@@ -187,6 +196,7 @@ def copy_2d(x: torch.Tensor, out: torch.Tensor, config: CopyConfig = CopyConfig(
     box = (config.box_rows, config.box_cols)
     in_map = tma.make_tensor_map(x, box, swizzle=config.swizzle)
     out_map = tma.make_tensor_map(out, box, swizzle=config.swizzle)
+    out_map.params.validate_store()
     tiles_cols = -(-x.shape[1] // config.box_cols)
     num_tiles = tiles_cols * -(-x.shape[0] // config.box_rows)
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()

@@ -6,7 +6,10 @@
 //   * Shared-memory addresses given to PTX are 32-bit ".shared" window addresses (smem_u32).
 //   * Tensor-map coordinates are innermost first (c0 = the contiguous dimension), in elements,
 //     signed: a box may start before 0 or run past the end; TMA fills those elements on load
-//     and skips them on store.
+//     and skips them on store. Measured on H100 (tests/test_tma_copy.py, scripts/gpu/tma.sh):
+//     c0 * element_size must be a multiple of 16 (an unaligned start faulted with an illegal
+//     instruction), and a store writes the whole last 16-byte chunk of a row whose extent is
+//     not a multiple of 16 bytes (tmagemm.tma.TiledParams.validate_store refuses such maps).
 //   * Every function is a thin wrapper over one PTX instruction (or a tiny loop around one), so the
 //     caller decides which thread issues it.
 #pragma once
