@@ -205,7 +205,13 @@ def test_heuristic_invariants(dtype, m, kn):
 
 
 HEURISTIC_TABLE = [
-    # m, n, k, dtype, expected (block_m, block_n, split_k, swap_ab)
+    # m, n, k, dtype, expected (block_m, block_n, split_k, swap_ab); from the H100 sweep
+    (1, 4096, 4096, F8, (16, 64, 2, True)),
+    (16, 4096, 4096, torch.bfloat16, (16, 64, 2, True)),
+    (128, 4096, 14336, F8, (128, 64, 2, True)),
+    (64, 57344, 8192, torch.bfloat16, (64, 64, 1, True)),
+    (8, 1000, 4000, F8, (16, 64, 8, True)),
+    (100, 8192, 28672, torch.bfloat16, (128, 64, 1, True)),
 ]
 
 

@@ -115,20 +115,22 @@ def stages_for(block_m: int, block_n: int, block_k: int, itemsize: int, ctas_per
 def choose_config(m: int, n: int, k: int, a_dtype: torch.dtype, sm_count: int) -> SplitKConfig:
     """Tiles and split factor for an (m, n, k) problem; pure, so tests can tabulate it.
 
-    block_k spans 128 bytes of K (one 128B swizzle row). Tokens go to the WGMMA N dimension
-    (swap-AB), rounded up to a power of two >= 16. The split makes ``tiles * split`` cover the
-    SMs about twice while keeping >= 4 K-iterations per slice, so each CTA still runs a pipeline.
+    Fitted to a sweep on an H100 (docs/small-m.md): swap-AB with the tokens rounded up to a
+    power of two >= 16 in the WGMMA N slot, 64 weight rows per tile (twice the CTAs of 128-row
+    tiles, and the deepest pipeline: 8 stages at M <= 16), block_k spanning 128 bytes (one 128B
+    swizzle row), and a K split only while the tiles alone leave SMs idle (split up to
+    sm_count // tiles, keeping >= 4 K-blocks per slice). Splitting further to fill two waves lost
+    in the sweep: the partial sums cost more than the extra parallelism returned.
     """
     itemsize = 1 if a_dtype in FP8_DTYPES else 2
     block_k = 128 // itemsize
     block_m = min(MAX_M, max(16, _next_pow2(m)))
-    block_n = 128
+    block_n = 64
     tiles = _cdiv(max(m, 1), block_m) * _cdiv(max(n, 1), block_n)
     k_iters = max(1, _cdiv(k, block_k))
-    split = max(1, min(2 * sm_count // tiles, k_iters // 4))
+    split = max(1, min(sm_count // tiles, k_iters // 4))
     # Re-derive the split from the slice length so no slice is empty.
     split = _cdiv(k_iters, _cdiv(k_iters, split))
-    num_warps = 8 if block_m * block_n > 128 * 64 else 4
     return SplitKConfig(
         block_m=block_m,
         block_n=block_n,
@@ -137,7 +139,7 @@ def choose_config(m: int, n: int, k: int, a_dtype: torch.dtype, sm_count: int) -
         swap_ab=True,
         a_tma=False,
         num_stages=stages_for(block_m, block_n, block_k, itemsize),
-        num_warps=num_warps,
+        num_warps=8 if block_m * block_n > 128 * 64 else 4,
     )
 
 
