@@ -61,7 +61,7 @@ from tmagemm.cuda.tma_copy import CopyConfig, ElementwiseConfig
 x = torch.randn(77, 200, device="cuda").to(torch.bfloat16)
 out = tma_copy.elementwise_2d(x, config=ElementwiseConfig(64, 64, "128B"))
 y = torch.empty_like(x); tma_copy.copy_2d(x, y, CopyConfig(32, 64, "128B", 3))
-img = tma_copy.probe(x, (16, 64), (70, 150), swizzle="128B")
+img = tma_copy.probe(x, (16, 64), (70, 144), swizzle="128B")
 torch.cuda.synchronize(); print("ok", bool(torch.equal(y, x)))
 PY
   echo "memcheck rc=$?"; tail -4 "$OUT/memcheck.txt"

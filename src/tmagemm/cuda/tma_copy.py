@@ -77,7 +77,9 @@ def _check_2d(x: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what} must be a CUDA tensor, got one on {x.device}")
 
 
-def elementwise_2d(x: torch.Tensor, out: torch.Tensor | None = None, config: ElementwiseConfig = ElementwiseConfig()) -> torch.Tensor:
+def elementwise_2d(
+    x: torch.Tensor, out: torch.Tensor | None = None, config: ElementwiseConfig = ElementwiseConfig()
+) -> torch.Tensor:
     """``out = 2 * x - 1`` through TMA load -> shared memory -> TMA store, one box per CTA.
 
     x: 2-D int32 / float32 / bfloat16 / float8_e4m3fn, last dim contiguous, rows 16-byte aligned.
@@ -98,7 +100,9 @@ def elementwise_2d(x: torch.Tensor, out: torch.Tensor | None = None, config: Ele
     in_map = tma.make_tensor_map(x, (rows, cols), swizzle=config.swizzle)
     tile_bytes = in_map.params.smem_bytes
     if tile_bytes + _ALIGN_SLACK > MAX_SMEM_BYTES:
-        raise ValueError(f"box {rows}x{cols} of {x.dtype} needs {tile_bytes} B of shared memory, over {MAX_SMEM_BYTES - _ALIGN_SLACK}")
+        raise ValueError(
+            f"box {rows}x{cols} of {x.dtype} needs {tile_bytes} B of shared memory, over {MAX_SMEM_BYTES - _ALIGN_SLACK}"
+        )
     out_map = tma.make_tensor_map(out, (rows, cols), swizzle=config.swizzle)
     out_map.params.validate_store()
     module = jit.compile(SOURCE, defines=defines)
