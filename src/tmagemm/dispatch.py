@@ -122,15 +122,22 @@ def get(name: str) -> Variant:
     return registry[name]
 
 
-# Variants auto mode prefers, best first, per problem class. Chosen from the side-by-side
-# measurements in BENCHMARKS.md; a variant is skipped when it is not registered or when its
-# supports() refuses the problem, and triton.ptr accepts everything.
-_AUTO_ORDER = {
-    "small_m": ("triton.splitk", "triton.tma", "triton.persistent", "triton.ptr"),
-    "fp8": ("triton.persistent", "triton.tma", "triton.ptr"),
-    "16bit": ("triton.persistent", "triton.tma", "triton.ptr"),
-}
 SMALL_M = 128
+
+
+def preference(args: GemmArgs) -> tuple[str, ...]:
+    """Variants "auto" tries, best first, from the side-by-side measurements in BENCHMARKS.md.
+
+    A variant is skipped when it is not registered or its supports() refuses the problem; the
+    pointer kernel accepts everything. Split-K only beats the tile kernels (and cuBLAS) when the
+    weight is large and M tiny: at M <= 32 with >= 100 MB of weight it streams more of HBM.
+    """
+    weight_bytes = args.n * args.k * args.b.element_size()
+    if args.m <= 32 and weight_bytes >= 100e6:
+        return ("triton.splitk", "triton.tma", "triton.persistent", "triton.ptr")
+    if args.m <= SMALL_M:
+        return ("triton.tma", "triton.persistent", "triton.splitk", "triton.ptr")
+    return ("triton.persistent", "triton.tma", "triton.ptr")
 
 
 def choose(args: GemmArgs, backend: str = "auto") -> Variant:
@@ -138,12 +145,8 @@ def choose(args: GemmArgs, backend: str = "auto") -> Variant:
     registry = _load()
     if backend == "auto":
         backend = _env_backend()
-    if args.m <= SMALL_M:
-        order = _AUTO_ORDER["small_m"]
-    else:
-        order = _AUTO_ORDER["fp8" if args.is_fp8 else "16bit"]
     reasons = []
-    for name in order:
+    for name in preference(args):
         variant = registry.get(name)
         if variant is None or (backend != "auto" and variant.backend != backend):
             continue
