@@ -13,6 +13,9 @@ from tmagemm.dispatch import GemmArgs
 
 pytestmark = pytest.mark.gpu
 TOL = {torch.float32: 2e-4, torch.float16: 1.5e-3, torch.bfloat16: 6e-3}
+# fp8 wgmma with fast accumulation keeps partial sums in a reduced-precision adder (measured
+# 4.8e-4 at K=864); with fp32 output that, not the output rounding, bounds the error.
+FP8_TOL = {**TOL, torch.float32: 1e-3}
 
 
 @pytest.fixture(autouse=True)
@@ -38,7 +41,7 @@ def test_scaled_mm_combinations(a_dtype, scales, with_bias, out_dtype, m, n, k, 
     bias = torch.randn(n, device="cuda").to(out_dtype) if with_bias else None
     out = poisoned((m, n), out_dtype, "cuda")
     tmagemm.scaled_mm(a, b, sa, sb, bias=bias, out_dtype=out_dtype, out=out)
-    assert_close(out, reference(a, b, sa, sb, bias), TOL[out_dtype], f"{a_dtype} {scales} bias={with_bias}")
+    assert_close(out, reference(a, b, sa, sb, bias), FP8_TOL[out_dtype], f"{a_dtype} {scales} bias={with_bias}")
 
 
 @pytest.mark.parametrize("fast_accum", [True, False])
@@ -84,13 +87,16 @@ def test_m_sweep(kind, seeded):
             assert_close(out, reference(a, b), TOL[torch.bfloat16], f"bf16 M={m}")
 
 
-@pytest.mark.parametrize("name", ["triton.tma", "triton.persistent", "triton.ptr"])
+@pytest.mark.parametrize("name", ["triton.tma", "triton.tma_device", "triton.persistent", "triton.ptr",
+                                  "cuda.persistent_coop"])
 def test_each_variant_large(name, seeded):
     m, n, k = 1000, 1500, 2000
     a, b = fp8_operands(m, n, k, "cuda")
     sa, sb = _scales("row", m, n)
     out = poisoned((m, n), torch.bfloat16, "cuda")
     args = GemmArgs(a, b, out, sa.reshape(-1), sb.reshape(-1))
+    if name not in {v.name for v in dispatch.variants()}:
+        pytest.skip(f"{name} not registered: {dispatch.unavailable()}")
     dispatch.get(name).run(args)
     assert_close(out, reference(a, b, sa, sb), TOL[torch.bfloat16], name)
 

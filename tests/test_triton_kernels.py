@@ -15,7 +15,7 @@ from tmagemm.triton import matmul_persistent, matmul_ptr, matmul_tma
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
-VARIANTS = ["triton.tma", "triton.persistent", "triton.ptr"]
+VARIANTS = ["triton.tma", "triton.tma_device", "triton.persistent", "triton.ptr"]
 # Ragged against every tile size used below: M=1 and 17, N and K off 32/64/128.
 SHAPES = [(1, 48, 64), (17, 40, 96), (130, 72, 144)]
 TOL = {torch.float32: 2e-4, torch.float16: 1.5e-3, torch.bfloat16: 6e-3}
@@ -48,6 +48,8 @@ def _run(name, args, config=SMALL):
         matmul_ptr.run(args, config)
     elif name == "triton.tma":
         matmul_tma.run(args, config)
+    elif name == "triton.tma_device":
+        matmul_tma.run_device(args, config)
     else:
         matmul_persistent.run(args, config)
 
@@ -111,7 +113,7 @@ def test_tma_refuses_unaligned_and_ptr_accepts(seeded):
     b = torch.randn(k, n, device=DEVICE).half()
     out = poisoned((m, n), torch.float32, DEVICE)
     args = GemmArgs(a, b, out)
-    for name in ("triton.tma", "triton.persistent"):
+    for name in ("triton.tma", "triton.tma_device", "triton.persistent"):
         assert "not a multiple of 16" in dispatch.get(name).supports(args)
     assert dispatch.choose(args).name == "triton.ptr"
     _run("triton.ptr", args)

@@ -84,45 +84,69 @@ def correctness(rows):
             rows.append(dict(kind="correct", variant=name, dtype="fp8", shape=(m, n, k), err=err))
 
 
+def graph_ms(fn) -> float:
+    """Kernel time without host overhead: one call captured in a CUDA graph, replays timed with
+    the L2 flushed between them (fn must have run once already, so nothing tunes in capture)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench(graph.replay)
+
+
+SPEED_VARIANTS = ["triton.tma", "triton.tma_device", "triton.persistent", "cuda.persistent_coop", "tmagemm.auto"]
+
+
+def _provider(name, args):
+    if name == "tmagemm.auto":
+        if args.is_fp8:
+            return lambda: tmagemm.scaled_mm(args.a, args.b, args.scale_a, args.scale_b, out=args.out)
+        return lambda: tmagemm.matmul(args.a, args.b, out=args.out)
+    v = dispatch.get(name)
+    reason = v.supports(args)
+    if reason:
+        raise ValueError(reason)
+    return lambda: v.run(args)
+
+
+def _speed_rows(rows, dtype, shape, args, ref_fn):
+    m, n, k = shape
+    ref = ref_fn()
+    ref_ms = graph_ms(ref_fn)
+    names = [nm for nm in SPEED_VARIANTS if nm == "tmagemm.auto" or nm in {v.name for v in dispatch.variants()}]
+    for name in names:
+        try:
+            fn = _provider(name, args)
+            fn()  # compiles and tunes outside the timed region
+            ms = graph_ms(fn)
+            eager = bench(fn)
+            err = rel_err(args.out, ref.double())
+        except Exception as e:
+            rows.append(dict(kind="speed", variant=name, dtype=dtype, shape=shape, error=str(e)[:300]))
+            continue
+        rows.append(dict(kind="speed", variant=name, dtype=dtype, shape=shape, ms=ms, eager_ms=eager, ref_ms=ref_ms,
+                         ratio=ref_ms / ms, tflops=2 * m * n * k / ms / 1e9, err_vs_cublas=err))
+
+
 def speed(rows, quick):
-    variants = ["triton.tma", "triton.persistent"]
     fp8_ms = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192) if not quick else (128, 1024, 4096)
     for m in fp8_ms:
         n = k = 4096
         a, b, sa, sb = fp8_problem(m, n, k)
-        ref_ms = bench(lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=True))
-        ref = torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=True)
-        for name in variants:
-            v = dispatch.get(name)
-            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-            args = GemmArgs(a, b, out, sa.reshape(1), sb.reshape(1))
-            try:
-                v.run(args)  # tunes on first call
-                ms = bench(lambda: v.run(args))
-                err = rel_err(out, ref.double())
-            except Exception as e:
-                rows.append(dict(kind="speed", variant=name, dtype="fp8", shape=(m, n, k), error=str(e)[:300]))
-                continue
-            rows.append(dict(kind="speed", variant=name, dtype="fp8", shape=(m, n, k), ms=ms, ref_ms=ref_ms,
-                             ratio=ref_ms / ms, tflops=2 * m * n * k / ms / 1e9, err_vs_cublas=err))
+        out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        args = GemmArgs(a, b, out, sa.reshape(1), sb.reshape(1))
+        _speed_rows(rows, "fp8", (m, n, k), args,
+                    lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=True))
+        print(f"fp8 M={m} done", flush=True)
     for s in ((4096,) if quick else (4096, 8192)):
         a = torch.randn(s, s, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(s, s, device="cuda", dtype=torch.bfloat16)
-        ref_ms = bench(lambda: torch.matmul(a, b))
-        ref = torch.matmul(a, b)
-        for name in variants:
-            v = dispatch.get(name)
-            out = torch.empty(s, s, device="cuda", dtype=torch.bfloat16)
-            args = GemmArgs(a, b, out)
-            try:
-                v.run(args)
-                ms = bench(lambda: v.run(args))
-                err = rel_err(out, ref.double())
-            except Exception as e:
-                rows.append(dict(kind="speed", variant=name, dtype="bf16", shape=(s, s, s), error=str(e)[:300]))
-                continue
-            rows.append(dict(kind="speed", variant=name, dtype="bf16", shape=(s, s, s), ms=ms, ref_ms=ref_ms,
-                             ratio=ref_ms / ms, tflops=2 * s**3 / ms / 1e9, err_vs_cublas=err))
+        out = torch.empty(s, s, device="cuda", dtype=torch.bfloat16)
+        _speed_rows(rows, "bf16", (s, s, s), GemmArgs(a, b, out), lambda: torch.matmul(a, b))
 
 
 def overhead(rows):
@@ -139,7 +163,7 @@ def overhead(rows):
 
 
 def overhead_breakdown(rows):
-    """Where the per-call host time goes (M=16, N=K=4096 fp8 through triton.tma)."""
+    """Where the per-call host time goes (M=16, N=K=4096 fp8), each part measured on its own."""
     from tmagemm import api
     from tmagemm.triton import matmul_tma
     from tmagemm.triton.host import operand_descriptors, tma_layout
@@ -151,34 +175,28 @@ def overhead_breakdown(rows):
     args = GemmArgs(a, b, out, sa1, sb1)
     layout = tma_layout(args)
     config = matmul_tma.heuristic(args)
-    descs = operand_descriptors(args, layout, config.block_m, config.block_n, config.block_k, config.block_n)
-    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
-    consts = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-                  A_ROW_MAJOR=True, B_ROW_MAJOR=False, TMA_STORE=True, SCALE_A=1, SCALE_B=1, HAS_BIAS=False,
-                  FAST_ACCUM=True)
-
-    def jit_launch():
-        matmul_tma.tma_gemm_kernel[grid](*descs, out, sa1, sb1, None, m, n, k, out.stride(0), out.stride(1),
-                                         **consts, num_warps=config.num_warps, num_stages=config.num_stages)
-
-    compiled = matmul_tma.tma_gemm_kernel.warmup(*descs, out, sa1, sb1, None, m, n, k, out.stride(0),
-                                                 out.stride(1), **consts, num_warps=config.num_warps,
-                                                 num_stages=config.num_stages, grid=grid)
-    positional = [*descs, out, sa1, sb1, None, m, n, k, out.stride(0), out.stride(1), *consts.values()]
-    runner = compiled[grid]
-    parts = dict(
-        check=host_us(lambda: api.check_scaled_mm(a, b, sa1, sb1, None, torch.bfloat16, None, "auto"), 2000),
-        plan=host_us(lambda: dispatch.plan(args), 2000),
-        descriptors=host_us(lambda: operand_descriptors(args, layout, config.block_m, config.block_n,
-                                                        config.block_k, config.block_n), 2000),
-        empty=host_us(lambda: torch.empty(m, n, device="cuda", dtype=torch.bfloat16), 2000),
-        jit_launch=host_us(jit_launch),
-        compiled_launch=host_us(lambda: runner(*positional)),
-        full_api=host_us(lambda: tmagemm.scaled_mm(a, b, sa1, sb1)),
-        torch_scaled_mm=host_us(lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=True)),
-    )
-    rows.append(dict(kind="host_breakdown", **parts))
-    print("host breakdown (us/call):", {k: round(v, 1) for k, v in parts.items()}, flush=True)
+    parts = {
+        "check": lambda: api.check_scaled_mm(a, b, sa1, sb1, None, torch.bfloat16, None, "auto"),
+        "plan": lambda: dispatch.plan(args),
+        "descriptors": lambda: operand_descriptors(args, layout, config.block_m, config.block_n, config.block_k,
+                                                   config.block_n),
+        "empty": lambda: torch.empty(m, n, device="cuda", dtype=torch.bfloat16),
+        "launch_host_desc": lambda: matmul_tma.launch(args, config, layout, False),
+        "launch_device_desc": lambda: matmul_tma.launch(args, config, layout, True),
+        "full_api": lambda: tmagemm.scaled_mm(a, b, sa1, sb1),
+        "torch_scaled_mm": lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=True),
+    }
+    for name in ("cuda.persistent_coop", "triton.splitk"):
+        if name in {v.name for v in dispatch.variants()}:
+            parts[name] = (lambda v: (lambda: v.run(args)))(dispatch.get(name))
+    result = {}
+    for name, fn in parts.items():
+        try:
+            result[name] = round(host_us(fn, 400), 1)
+        except Exception as e:
+            result[name] = f"{type(e).__name__}: {str(e)[:120]}"
+    rows.append(dict(kind="host_breakdown", **result))
+    print("host breakdown (us/call):", result, flush=True)
 
 
 def main():
@@ -218,7 +236,7 @@ def main():
                 print(f"{r['variant']:20s} {r['dtype']:5s} {str(r['shape']):20s} ERROR {r['error'][:150]}")
             else:
                 print(f"{r['variant']:20s} {r['dtype']:5s} {str(r['shape']):20s} {r['ms']:8.4f} {r['ref_ms']:8.4f} "
-                      f"{r['ratio']:6.3f} {r['tflops']:8.1f}")
+                      f"{r['ratio']:6.3f} {r['tflops']:8.1f} eager {r['eager_ms']:.4f} err {r['err_vs_cublas']:.1e}")
         elif r["kind"] == "host":
             print("host overhead", r)
     ok = sum(1 for r in rows if r["kind"] == "correct" and isinstance(r["err"], float) and r["err"] < 2e-2)

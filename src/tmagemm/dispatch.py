@@ -134,10 +134,10 @@ def preference(args: GemmArgs) -> tuple[str, ...]:
     """
     weight_bytes = args.n * args.k * args.b.element_size()
     if args.m <= 32 and weight_bytes >= 100e6:
-        return ("triton.splitk", "triton.tma", "triton.persistent", "triton.ptr")
+        return ("triton.splitk", "triton.tma_device", "triton.tma", "triton.persistent", "triton.ptr")
     if args.m <= SMALL_M:
-        return ("triton.tma", "triton.persistent", "triton.splitk", "triton.ptr")
-    return ("triton.persistent", "triton.tma", "triton.ptr")
+        return ("triton.tma_device", "triton.tma", "triton.persistent", "triton.splitk", "triton.ptr")
+    return ("cuda.persistent_coop", "triton.persistent", "triton.tma", "triton.ptr")
 
 
 def choose(args: GemmArgs, backend: str = "auto") -> Variant:

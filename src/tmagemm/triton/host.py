@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..dispatch import GemmArgs
@@ -28,7 +29,7 @@ def is_col_major(t: torch.Tensor) -> bool:
     return t.stride(0) == 1 or t.shape[0] == 1
 
 
-def _leading_stride(t: torch.Tensor, row_major: bool) -> int:
+def leading_stride(t: torch.Tensor, row_major: bool) -> int:
     """Element stride between rows (row-major) or columns (col-major).
 
     With a single row (column) the stride is never used to address memory and torch may report any
@@ -54,7 +55,7 @@ def tma_layout_reason(t: torch.Tensor, name: str, row_major: bool) -> str | None
         return f"{name} is not row-major (stride {tuple(t.stride())})"
     if not row_major and not is_col_major(t):
         return f"{name} is not column-major (stride {tuple(t.stride())})"
-    lead_bytes = _leading_stride(t, row_major) * t.element_size()
+    lead_bytes = leading_stride(t, row_major) * t.element_size()
     if lead_bytes % _TMA_ALIGN:
         return f"{name} leading stride of {lead_bytes} bytes is not a multiple of {_TMA_ALIGN}"
     if lead_bytes >= _TMA_MAX_STRIDE:
@@ -69,10 +70,24 @@ def descriptor(t: torch.Tensor, row_major: bool, block_rows: int, block_cols: in
     (block_cols, block_rows) and the kernel transposes the loaded tile.
     """
     rows, cols = t.shape
-    lead = _leading_stride(t, row_major)
+    lead = leading_stride(t, row_major)
     if row_major:
         return TensorDescriptor(t, [rows, cols], [lead, 1], [block_rows, block_cols])
     return TensorDescriptor(t, [cols, rows], [lead, 1], [block_cols, block_rows])
+
+
+_allocator_installed = False
+
+
+def install_allocator() -> None:
+    """Give Triton a torch-backed allocator for the global scratch that device-built tensor maps
+    live in (``tl.make_tensor_descriptor``). Allocations follow torch's caching allocator, so they
+    are cheap and CUDA-graph safe."""
+    global _allocator_installed
+    if not _allocator_installed:
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the interpreter
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
+        _allocator_installed = True
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from ..configs import TritonGemmConfig
 from ..dispatch import GemmArgs, Variant
 from .. import tuning
 from .common import grouped_tile, scale_bias_epilogue
-from .host import Layout, operand_descriptors, tma_layout
+from .host import Layout, install_allocator, leading_stride, operand_descriptors, tma_layout
 
 
 @triton.jit
@@ -62,13 +62,35 @@ def store_tile(c_desc, c_ptr, acc, offs_m, offs_n, off_m, off_n, M, N, stride_cm
 
 
 @triton.jit
+def device_descriptor(base, rows, cols, lead, ROW_MAJOR: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                      BLOCK_COLS: tl.constexpr):
+    """A tensor map built on the device (same layout rules as host.descriptor)."""
+    if ROW_MAJOR:
+        desc = tl.make_tensor_descriptor(base, shape=[rows, cols], strides=[lead, 1],
+                                         block_shape=[BLOCK_ROWS, BLOCK_COLS])
+    else:
+        desc = tl.make_tensor_descriptor(base, shape=[cols, rows], strides=[lead, 1],
+                                         block_shape=[BLOCK_COLS, BLOCK_ROWS])
+    return desc
+
+
+@triton.jit
 def tma_gemm_kernel(
     a_desc, b_desc, c_desc, c_ptr, scale_a_ptr, scale_b_ptr, bias_ptr,
-    M, N, K, stride_cm, stride_cn,
+    M, N, K, stride_cm, stride_cn, lead_a, lead_b,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     A_ROW_MAJOR: tl.constexpr, B_ROW_MAJOR: tl.constexpr, TMA_STORE: tl.constexpr,
     SCALE_A: tl.constexpr, SCALE_B: tl.constexpr, HAS_BIAS: tl.constexpr, FAST_ACCUM: tl.constexpr,
+    DEVICE_DESC: tl.constexpr,
 ):
+    if DEVICE_DESC:
+        # a_desc / b_desc are base pointers: each program encodes its own tensor maps in a
+        # global scratch slot, so the host launches with plain pointers and encodes nothing
+        # (host-side encoding per call is what made the seed's end-to-end latency explode).
+        a_desc = device_descriptor(a_desc, M, K, lead_a, A_ROW_MAJOR, BLOCK_M, BLOCK_K)
+        b_desc = device_descriptor(b_desc, K, N, lead_b, B_ROW_MAJOR, BLOCK_K, BLOCK_N)
+        if TMA_STORE:
+            c_desc = device_descriptor(c_ptr, M, N, stride_cm, True, BLOCK_M, BLOCK_N)
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     off_m = pid_m * BLOCK_M
     off_n = pid_n * BLOCK_N
@@ -116,16 +138,25 @@ def heuristic(args: GemmArgs) -> TritonGemmConfig:
     return TritonGemmConfig(128, 256, 64, 8, 3, 8)
 
 
-def launch(args: GemmArgs, config: TritonGemmConfig, layout: Layout) -> None:
-    a_desc, b_desc, c_desc = operand_descriptors(args, layout, config.block_m, config.block_n, config.block_k, config.block_n)
+def launch(args: GemmArgs, config: TritonGemmConfig, layout: Layout, device_desc: bool = False) -> None:
+    if device_desc:
+        install_allocator()
+        a_desc, b_desc, c_desc = args.a, args.b, None
+        lead_a, lead_b = leading_stride(args.a, layout.a_row_major), leading_stride(args.b, layout.b_row_major)
+    else:
+        lead_a = lead_b = 0  # unused: the host descriptors carry the strides
+        a_desc, b_desc, c_desc = operand_descriptors(
+            args, layout, config.block_m, config.block_n, config.block_k, config.block_n
+        )
     grid = (triton.cdiv(args.m, config.block_m) * triton.cdiv(args.n, config.block_n),)
     tma_gemm_kernel[grid](
         a_desc, b_desc, c_desc, args.out, args.scale_a, args.scale_b, args.bias,
         args.m, args.n, args.k, args.out.stride(0), args.out.stride(1),
+        lead_a, lead_b,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         A_ROW_MAJOR=layout.a_row_major, B_ROW_MAJOR=layout.b_row_major, TMA_STORE=layout.tma_store,
         SCALE_A=layout.scale_a, SCALE_B=layout.scale_b, HAS_BIAS=layout.has_bias, FAST_ACCUM=args.fast_accum,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        DEVICE_DESC=device_desc, num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
@@ -134,18 +165,29 @@ def _supports(args: GemmArgs) -> str | None:
     return layout if isinstance(layout, str) else None
 
 
-def prepare(args: GemmArgs, config: TritonGemmConfig | None = None):
-    """Resolve layout flags and config once; the launcher serves every same-signature problem."""
-    layout = tma_layout(args)
-    if isinstance(layout, str):
-        raise ValueError(f"triton.tma cannot run this problem: {layout}")
-    if config is None:
-        config = tuning.select("triton.tma", args, CONFIGS, heuristic, lambda c: launch(args, c, layout))
-    return lambda problem: launch(problem, config, layout)
+def _prepare(name: str, device_desc: bool):
+    def prepare(args: GemmArgs, config: TritonGemmConfig | None = None):
+        """Resolve layout flags and config once; the launcher serves every same-signature problem."""
+        layout = tma_layout(args)
+        if isinstance(layout, str):
+            raise ValueError(f"{name} cannot run this problem: {layout}")
+        if config is None:
+            config = tuning.select(name, args, CONFIGS, heuristic, lambda c: launch(args, c, layout, device_desc))
+        return lambda problem: launch(problem, config, layout, device_desc)
+
+    return prepare
+
+
+prepare = _prepare("triton.tma", False)
+prepare_device = _prepare("triton.tma_device", True)
 
 
 def run(args: GemmArgs, config: TritonGemmConfig | None = None) -> None:
     prepare(args, config)(args)
+
+
+def run_device(args: GemmArgs, config: TritonGemmConfig | None = None) -> None:
+    prepare_device(args, config)(args)
 
 
 VARIANTS = [
@@ -156,7 +198,15 @@ VARIANTS = [
         supports=_supports,
         run=run,
         prepare=prepare,
-    )
+    ),
+    Variant(
+        name="triton.tma_device",
+        backend="triton",
+        description="triton.tma with tensor maps built on the device (tl.make_tensor_descriptor): no host encode per call",
+        supports=_supports,
+        run=run_device,
+        prepare=prepare_device,
+    ),
 ]
 
 
@@ -180,5 +230,6 @@ def aot_spec(config: TritonGemmConfig | None = None, a_dtype=None, out_dtype=Non
                                                "B_ROW_MAJOR", "TMA_STORE", "SCALE_A", "SCALE_B", "HAS_BIAS",
                                                "FAST_ACCUM")})
     consts.update(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m)
-    consts.update(aot_layout_constexprs(b_row_major=not fp8, scaled=fp8))
+    consts.update(aot_layout_constexprs(b_row_major=not fp8, scaled=fp8), DEVICE_DESC=False)
+    sig.update(lead_a="i32", lead_b="i32", DEVICE_DESC="constexpr")
     return KernelSpec(tma_gemm_kernel, sig, consts, config.num_warps, config.num_stages, "triton.tma", attrs)
