@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 # Hopper: 227 KB of shared memory per block (232448 bytes opt-in); keep a margin for barriers and
 # the compiler's own scratch (epilogue layout conversions).
@@ -47,6 +47,14 @@ class TritonGemmConfig:
             and self.group_m >= 1
             and self.smem_bytes(a_itemsize, b_itemsize, out_itemsize) + SMEM_MARGIN_BYTES <= SMEM_LIMIT_BYTES
         )
+
+    def fitted(self, a_itemsize: int, b_itemsize: int, out_itemsize: int) -> "TritonGemmConfig":
+        """This config with fewer pipeline stages (down to 2) until it fits shared memory, e.g. a
+        heuristic picked for bf16 output that now writes fp32. Unchanged if it already fits."""
+        config = self
+        while not config.is_valid(a_itemsize, b_itemsize, out_itemsize) and config.num_stages > 2:
+            config = replace(config, num_stages=config.num_stages - 1)
+        return config
 
     def to_dict(self) -> dict:
         return asdict(self)

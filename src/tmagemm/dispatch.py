@@ -122,22 +122,27 @@ def get(name: str) -> Variant:
     return registry[name]
 
 
-SMALL_M = 128
+MID_M = 512
 
 
-def preference(args: GemmArgs) -> tuple[str, ...]:
+def preference(args: GemmArgs, capturing: bool = False) -> tuple[str, ...]:
     """Variants "auto" tries, best first, from the side-by-side measurements in BENCHMARKS.md.
 
     A variant is skipped when it is not registered or its supports() refuses the problem; the
-    pointer kernel accepts everything. Split-K only beats the tile kernels (and cuBLAS) when the
-    weight is large and M tiny: at M <= 32 with >= 100 MB of weight it streams more of HBM.
+    pointer kernel accepts everything.
+    - M <= 32 with >= 100 MB of weight: split-K streams more of HBM than any tile kernel.
+    - M <= 512: the non-persistent Triton kernel. Host-encoded tensor maps cost ~15 us of host
+      time per call but ~2.5 us less GPU time than device-built ones, so eager calls take
+      ``triton.tma_device`` and CUDA-graph captures (host cost paid once) take ``triton.tma``.
+    - larger M: the native persistent cooperative kernel, then the Triton persistent one.
     """
+    tma = ("triton.tma", "triton.tma_device") if capturing else ("triton.tma_device", "triton.tma")
     weight_bytes = args.n * args.k * args.b.element_size()
     if args.m <= 32 and weight_bytes >= 100e6:
-        return ("triton.splitk", "triton.tma_device", "triton.tma", "triton.persistent", "triton.ptr")
-    if args.m <= SMALL_M:
-        return ("triton.tma_device", "triton.tma", "triton.persistent", "triton.splitk", "triton.ptr")
-    return ("cuda.persistent_coop", "triton.persistent", "triton.tma", "triton.ptr")
+        return ("triton.splitk", *tma, "triton.persistent", "triton.ptr")
+    if args.m <= MID_M:
+        return (*tma, "triton.persistent", "cuda.persistent_coop", "triton.ptr")
+    return ("cuda.persistent_coop", "triton.persistent", *tma, "triton.ptr")
 
 
 def choose(args: GemmArgs, backend: str = "auto") -> Variant:
@@ -145,8 +150,9 @@ def choose(args: GemmArgs, backend: str = "auto") -> Variant:
     registry = _load()
     if backend == "auto":
         backend = _env_backend()
+    capturing = args.out.is_cuda and torch.cuda.is_current_stream_capturing()
     reasons = []
-    for name in preference(args):
+    for name in preference(args, capturing):
         variant = registry.get(name)
         if variant is None or (backend != "auto" and variant.backend != backend):
             continue

@@ -96,8 +96,10 @@ def select(
 ) -> TritonGemmConfig:
     """The config to run ``args`` with (see the module docstring for the policy)."""
     device = args.out.device
+    sizes = (args.a.element_size(), args.b.element_size(), args.out.element_size())
+    fallback = heuristic(args).fitted(*sizes)
     if device.type != "cuda" or envs.interpret():
-        return heuristic(args)
+        return fallback
     key = problem_key(variant, args)
     path = _cache_file(device)
     _load_disk(path)
@@ -106,10 +108,9 @@ def select(
     if found is not None:
         return found
     if not can_tune(device):
-        return heuristic(args)
-    sizes = (args.a.element_size(), args.b.element_size(), args.out.element_size())
-    best, best_ms = heuristic(args), float("inf")
-    for config in dict.fromkeys((heuristic(args), *candidates)):
+        return fallback
+    best, best_ms = fallback, float("inf")
+    for config in dict.fromkeys((fallback, *candidates)):
         if not config.is_valid(*sizes):
             continue
         try:

@@ -179,6 +179,8 @@ def unsupported_reason(args: GemmArgs, config: NativeGemmConfig) -> str | None:
         return f"bias dtype {args.bias.dtype} not supported (bf16, fp16, fp32)"
     if (args.scale_a is not None or args.scale_b is not None) and not args.is_fp8:
         return "scales are only applied to fp8 problems"
+    if args.is_fp8 and not args.fast_accum:
+        return "use_fast_accum=False (fp32 promotion of fp8 partial sums) is not implemented in the native kernels"
     reason = _row_major_reason(args.a, "a")
     if reason:
         return reason

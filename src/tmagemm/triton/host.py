@@ -115,7 +115,10 @@ def tma_layout(args: GemmArgs) -> Layout | str:
         reason = tma_layout_reason(t, name, row)
         if reason:
             return reason
-    tma_store = tma_layout_reason(args.out, "out", True) is None
+    # A ragged row end (N*itemsize not a multiple of 16 bytes) is stored with masked pointer
+    # stores: a TMA store may write the whole last 16-byte chunk of a row (seen with the native
+    # kernels), which for a sliced output view would touch the neighbouring columns.
+    tma_store = tma_layout_reason(args.out, "out", True) is None and (args.n * args.out.element_size()) % _TMA_ALIGN == 0
     return Layout(
         a_row_major=a_row,
         b_row_major=b_row,
