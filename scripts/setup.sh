@@ -11,5 +11,5 @@ fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
 python -c "import torch" 2>/dev/null || python -m pip install -q torch==2.13.0
-python -m pip install -q --no-build-isolation -e ".[dev]"
+python -m pip install -q -e ".[dev]"
 set +euo pipefail
