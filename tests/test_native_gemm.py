@@ -82,6 +82,44 @@ def test_invalid_configs_are_refused():
     assert not native.NativeGemmConfig("persistent", block_n=128, stages=5, pingpong=True, cluster_m=2).is_valid(2)
 
 
+# Shapes for the per-shape heuristic: ragged, tiny, tall, wide, and the benchmark targets.
+_HEURISTIC_SHAPES = [(1, 8, 16), (17, 72, 336), (727, 520, 208), (513, 4096, 4096), (1024, 4096, 4096),
+                     (2048, 2048, 2048), (4096, 14336, 4096), (8192, 8192, 8192), (65536, 128, 8192)]
+
+
+@pytest.mark.parametrize("sms", [132, 114, 3])
+@pytest.mark.parametrize("ab_itemsize,k_major", [(1, True), (2, True), (2, False)])
+def test_coop_config_is_a_valid_cooperative_config(ab_itemsize, k_major, sms):
+    for m, n, k in _HEURISTIC_SHAPES:
+        config = native.coop_config(m, n, k, ab_itemsize, k_major, sms)
+        what = f"coop_config({m}, {n}, {k}, {ab_itemsize}, {k_major}, {sms}) = {config}"
+        assert config.kernel == "persistent" and not config.pingpong, what
+        assert config.is_valid(2) and config.fitted(4).is_valid(4), what
+        assert config.ctas <= sms, what  # never more CTAs than SMs (persistent: one per SM)
+
+
+def test_coop_variant_resolves_its_config_in_prepare():
+    variant = next(v for v in native.VARIANTS if v.name == "cuda.persistent_coop")
+    assert variant.prepare is not None  # dispatch.plan caches the per-shape choice
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("dtype", ["fp8", "bf16", "fp16"])
+def test_aot_source_matches_the_launcher_build(dtype):
+    from tmagemm import inspection, jit
+
+    source, defines = native.aot_source("cuda.persistent_coop", dtype)
+    assert source == "gemm_sm90_persistent.cu"
+    ab, out, k_major = native._AOT_FAMILIES[dtype]
+    module = native.compile_module(native.RUNGS["cuda.persistent_coop"], ab, out, k_major)
+    assert jit.compile(source, defines=defines).key == module.key  # the same binary
+    assert inspection.native_source("cuda.persistent_coop", dtype) == (source, defines)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        native.aot_source("cuda.seed", "int8")
+    with pytest.raises(ValueError, match="unknown native variant"):
+        native.aot_source("cuda.nope", "bf16")
+
+
 def test_cpu_tensors_are_refused_with_a_reason():
     a = torch.randn(17, 64, dtype=torch.bfloat16)
     b = torch.randn(64, 72, dtype=torch.bfloat16)
@@ -228,8 +266,9 @@ def test_rung_matches_float64(name, family, shape, seeded):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", FAMILIES, ids=_family_id)
+@pytest.mark.parametrize("raster_n", [False, True], ids=["raster_m", "raster_n"])
 @pytest.mark.parametrize("name", ["cuda.persistent_coop", "cuda.persistent_coop_mc", "cuda.persistent_pingpong"])
-def test_persistent_ctas_walk_many_tiles(name, family, seeded):
+def test_persistent_ctas_walk_many_tiles(name, family, raster_n, seeded):
     # 3 CTAs (2 clusters of 2 for _mc) for 24 (coop) / 48 (ping-pong) tiles: the ring's phases
     # carry across tiles, the ping-pong turn barriers alternate, the last CTA gets a different
     # tile count, and the multicast pairs of the last cluster row meet the ragged edge (M = 727).
@@ -239,7 +278,11 @@ def test_persistent_ctas_walk_many_tiles(name, family, seeded):
     m, n, k = 727, 1000, 336
     a, b = _operands(m, n, k, ab, k_major)
     big, out = _poisoned_out(m, n, out_dtype)
-    native.run(GemmArgs(a, b, out), replace(native.RUNGS[name], ctas=4 if name.endswith('_mc') else 3, group_m=2))
+    # Groups of 4 rows (6 tile rows, 3 cluster rows) or 3 columns (4 or 8 tile columns): the last
+    # group is partial either way.
+    group = 3 if raster_n else 4
+    config = replace(native.RUNGS[name], ctas=4 if name.endswith("_mc") else 3, group_m=group, raster_n=raster_n)
+    native.run(GemmArgs(a, b, out), config)
     torch.cuda.synchronize()
     tol = _OUT_TOL[out_dtype]
     atol = tol * math.sqrt(k) * 2 + (_fp8_accum_atol(a, b) if ab == FP8 else 0.0)

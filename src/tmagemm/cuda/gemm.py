@@ -40,7 +40,7 @@ _ROW_BYTES = 128  # one k-block is one 128-byte swizzle row of A and B
 class NativeGemmConfig:
     """One rung's launch shape. ``kernel``: "seed" | "ws" | "persistent"; ``pingpong`` picks the
     persistent consumer schedule; ``stages``: depth of the TMA ring; ``group_m``: rows of tiles
-    per L2 group of the grouped order; ``ctas``: persistent grid size (0 = one CTA per SM; tests
+    per L2 group of the grouped order (columns of tiles with ``raster_n``); ``ctas``: persistent grid size (0 = one CTA per SM; tests
     use a few to make every CTA walk several tiles); ``cluster_m``: 2 = persistent cooperative
     CTA pairs multicasting B; ``epi_passes``: 2 = the persistent cooperative epilogue stages
     its output in two column halves (half the staging memory, one more ring stage). Block M is
@@ -54,6 +54,7 @@ class NativeGemmConfig:
     ctas: int = 0
     cluster_m: int = 1
     epi_passes: int = 1
+    raster_n: bool = False
 
     @property
     def threads(self) -> int:
@@ -131,7 +132,7 @@ class _Params(ctypes.Structure):
         ("scale_a_rowwise", ctypes.c_int32),
         ("scale_b_colwise", ctypes.c_int32),
         ("bias_type", ctypes.c_int32),
-        ("pad_", ctypes.c_int32),
+        ("raster_n", ctypes.c_int32),
     ]
 
 
@@ -203,11 +204,8 @@ def unsupported_reason(args: GemmArgs, config: NativeGemmConfig) -> str | None:
 # ------------------------------------------------------------------------------------ launch
 
 
-def compile_module(config: NativeGemmConfig, ab_dtype: torch.dtype, out_dtype: torch.dtype, b_k_major: bool):
-    """The NVRTC module of one rung variant (no GPU needed; tests inspect its SASS)."""
-    from .. import jit
-
-    config = replace(config.fitted(out_dtype.itemsize), group_m=1, ctas=0)  # launch-time only
+def _defines(config: NativeGemmConfig, ab_dtype: torch.dtype, out_dtype: torch.dtype, b_k_major: bool) -> dict[str, int]:
+    """NVRTC -D flags of one build; launch-time fields (group_m, ctas, raster_n) are not among them."""
     defines = {
         "TMAGEMM_AB_TYPE": _AB_TYPES[ab_dtype],
         "TMAGEMM_OUT_TYPE": _OUT_TYPES[out_dtype],
@@ -219,6 +217,15 @@ def compile_module(config: NativeGemmConfig, ab_dtype: torch.dtype, out_dtype: t
         defines["TMAGEMM_PINGPONG"] = int(config.pingpong)
         defines["TMAGEMM_CLUSTER_M"] = config.cluster_m
         defines["TMAGEMM_EPI_PASSES"] = config.epi_passes
+    return defines
+
+
+def compile_module(config: NativeGemmConfig, ab_dtype: torch.dtype, out_dtype: torch.dtype, b_k_major: bool):
+    """The NVRTC module of one rung variant (no GPU needed; tests inspect its SASS)."""
+    from .. import jit
+
+    config = config.fitted(out_dtype.itemsize)
+    defines = _defines(config, ab_dtype, out_dtype, b_k_major)
     return jit.compile(_SOURCES[config.kernel], defines=defines)
 
 
@@ -297,6 +304,7 @@ def run(
     params.scale_b_colwise = int(args.scale_b is not None and args.scale_b.numel() != 1)
     params.bias = args.bias.data_ptr() if args.bias is not None else None
     params.bias_type = _OUT_TYPES[args.bias.dtype] if args.bias is not None else 0
+    params.raster_n = int(config.raster_n)
 
     device_index = args.out.device.index if args.out.device.index is not None else torch.cuda.current_device()
     kernel = _kernel(config, args.a.dtype, args.out.dtype, b_k_major, device_index)
@@ -311,8 +319,41 @@ def run(
     )
 
 
+# ------------------------------------------------------------------------------------ heuristic
+
+
+@functools.lru_cache(maxsize=4096)
+def coop_config(m: int, n: int, k: int, ab_itemsize: int, b_k_major: bool, sms: int) -> NativeGemmConfig:
+    """The cooperative persistent config for one problem: a pure function of the shape, the
+    operand width (1 = e4m3, 2 = bf16/fp16), B's layout and the SM count, fitted to one H100
+    sweep (scripts/gpu/native_tune.py; docs/native-gemm.md has the table). No call-time tuning."""
+    return RUNGS["cuda.persistent_coop"]
+
+
+def _coop_prepare(args: GemmArgs):
+    """Resolve the per-shape config once per problem signature (dispatch.plan caches the result)."""
+    device_index = args.out.device.index if args.out.device.index is not None else torch.cuda.current_device()
+    config = coop_config(
+        args.m, args.n, args.k, args.a.element_size(), _b_k_major(args.b), _device.sm_count(device_index)
+    )
+    return lambda call_args: run(call_args, config)
+
+
+def _coop_run(args: GemmArgs) -> None:
+    _coop_prepare(args)(args)
+
+
 def _variant(name: str, description: str) -> Variant:
     config = RUNGS[name]
+    if name == "cuda.persistent_coop":  # the dispatcher's choice at large M: per-shape configs
+        return Variant(
+            name=name,
+            backend="cuda",
+            description=description,
+            supports=lambda args: unsupported_reason(args, config),
+            run=_coop_run,
+            prepare=_coop_prepare,
+        )
     return Variant(
         name=name,
         backend="cuda",
@@ -320,6 +361,29 @@ def _variant(name: str, description: str) -> Variant:
         supports=lambda args, config=config: unsupported_reason(args, config),
         run=lambda args, config=config: run(args, config),
     )
+
+
+# ------------------------------------------------------------------------------------ inspection
+
+# `tmagemm inspect` dtype names -> (A/B dtype, out dtype, B K-major): fp8 in the torch._scaled_mm
+# layout, 16-bit types with B as torch.randn(K, N) gives it.
+_AOT_FAMILIES = {
+    "fp8": (torch.float8_e4m3fn, torch.bfloat16, True),
+    "bf16": (torch.bfloat16, torch.bfloat16, False),
+    "fp16": (torch.float16, torch.float16, False),
+}
+
+
+def aot_source(name: str, dtype: str = "fp8") -> tuple[str, dict[str, int]]:
+    """(source file under tmagemm/cuda, NVRTC defines) of native variant ``name`` with its
+    default config, for ``tmagemm inspect`` (tmagemm.inspection.native_source)."""
+    if name not in RUNGS:
+        raise ValueError(f"unknown native variant {name!r}; known: {sorted(RUNGS)}")
+    if dtype not in _AOT_FAMILIES:
+        raise ValueError(f"dtype must be one of {sorted(_AOT_FAMILIES)}, got {dtype!r}")
+    ab, out, k_major = _AOT_FAMILIES[dtype]
+    config = RUNGS[name]
+    return _SOURCES[config.kernel], _defines(config, ab, out, k_major)
 
 
 # Best first (measured on H100, docs/native-gemm.md): the dispatcher takes the first that accepts a

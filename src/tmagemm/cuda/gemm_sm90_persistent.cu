@@ -95,7 +95,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   const int my_tiles = cluster < tiles ? (tiles - cluster + clusters - 1) / clusters : 0;
   const int warpgroup = threadIdx.x / 128;
   auto tile_coord = [&](int i) {
-    const TileIndex index = grouped_tile(cluster + i * clusters, tiles_m, tiles_n, params.group_m);
+    const TileIndex index = grouped_tile(cluster + i * clusters, tiles_m, tiles_n, params.group_m, params.raster_n);
     return TileCoord{(index.m * kCluster + rank) * kBlockM, index.n * kBlockN};
   };
 

@@ -31,7 +31,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 
   const int tiles_m = ceil_div(params.m, kBlockM);
   const int tiles_n = ceil_div(params.n, kBlockN);
-  const TileIndex index = grouped_tile(blockIdx.x, tiles_m, tiles_n, params.group_m);
+  const TileIndex index = grouped_tile(blockIdx.x, tiles_m, tiles_n, params.group_m, params.raster_n);
   const TileCoord tile{index.m * kBlockM, index.n * kBlockN};
   const int k_tiles = ceil_div(params.k, kBlockK);
   const bool producer = threadIdx.x == 0;

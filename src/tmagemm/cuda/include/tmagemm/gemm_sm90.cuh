@@ -60,7 +60,7 @@ static_assert(kStages >= 2, "at least two stages to overlap TMA with wgmma");
 // keep the field order and types in step.
 struct Params {
   int m, n, k;
-  int group_m;            // rows of tiles per L2 group in the grouped order
+  int group_m;            // rows (columns if raster_n) of tiles per L2 group in the grouped order
   float alpha, beta;      // D = alpha * (sa * sb) * A @ B + bias + beta * C
   const void* c;          // beta source, output dtype, row stride ldc; null when beta == 0
   i64 ldc;
@@ -70,7 +70,7 @@ struct Params {
   int scale_a_rowwise;    // 1: scale_a has M entries
   int scale_b_colwise;    // 1: scale_b has N entries
   int bias_type;          // 0 f16, 1 bf16, 2 f32 (ignored when bias is null)
-  int pad_;
+  int raster_n;           // 1: tile groups span group_m columns of tiles instead of rows
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -94,8 +94,10 @@ __device__ __forceinline__ void named_barrier_sync(int id, int count) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Grouped tile order: consecutive tile ids walk `group_m` rows of tiles column by column, so
-// CTAs running together share A rows and B columns in L2. Returns tile indices (row, column).
+// Grouped tile order: consecutive tile ids walk `group` rows of tiles column by column, so
+// CTAs running together share A rows and B columns in L2. With `raster_n` the roles swap: ids
+// walk `group` columns of tiles row by row (better when B is the larger operand to keep in L2,
+// or when there are few rows of tiles). Returns tile indices (row, column).
 // ---------------------------------------------------------------------------------------------
 struct TileIndex {
   int m, n;
@@ -105,12 +107,16 @@ struct TileCoord {
   int m0, n0;  // first output row and column of a tile
 };
 
-__device__ __forceinline__ TileIndex grouped_tile(int tile, int tiles_m, int tiles_n, int group_m) {
-  const int group_size = group_m * tiles_n;
-  const int first_m = (tile / group_size) * group_m;
-  const int rows = min(tiles_m - first_m, group_m);
+__device__ __forceinline__ TileIndex grouped_tile(int tile, int tiles_m, int tiles_n, int group, bool raster_n) {
+  // Written for row groups; column groups are the same walk on the transposed tile grid.
+  const int major = raster_n ? tiles_n : tiles_m;
+  const int minor = raster_n ? tiles_m : tiles_n;
+  const int group_size = group * minor;
+  const int first = (tile / group_size) * group;
+  const int lines = min(major - first, group);
   const int in_group = tile % group_size;
-  return {first_m + in_group % rows, in_group / rows};
+  const int a = first + in_group % lines, b = in_group / lines;
+  return raster_n ? TileIndex{b, a} : TileIndex{a, b};
 }
 
 // ---------------------------------------------------------------------------------------------
