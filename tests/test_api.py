@@ -159,6 +159,9 @@ def test_backend_choice(backend, seeded):
 
 
 def test_backend_env_knob(monkeypatch):
+    from tmagemm import dispatch
+
+    dispatch.clear_plans()  # knobs are read when a problem signature is first planned
     monkeypatch.setenv("TMAGEMM_BACKEND", "bogus")
     with pytest.raises(ValueError, match="TMAGEMM_BACKEND='bogus'"):
         tmagemm.matmul(torch.randn(8, 16, device=DEVICE).half(), torch.randn(16, 8, device=DEVICE).half())

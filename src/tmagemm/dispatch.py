@@ -15,7 +15,6 @@ from typing import Callable
 
 import torch
 
-from .envs import autotune_enabled
 
 # Modules that define VARIANTS, in order of preference when several accept a problem.
 _BACKEND_MODULES = (
@@ -177,11 +176,12 @@ _plans: dict[tuple, Callable[[GemmArgs], None]] = {}
 
 
 def _signature(args: GemmArgs, backend: str) -> tuple:
-    """Everything the choice of variant, layout flags and config can depend on."""
+    """Everything the choice of variant, layout flags and config can depend on, except the
+    environment knobs, which are read when a signature is first planned (see :func:`plan`)."""
     a, b, out = args.a, args.b, args.out
     sa, sb, bias = args.scale_a, args.scale_b, args.bias
     return (
-        backend, _env_backend(), autotune_enabled(), out.device,
+        backend, out.device,
         a.shape, a.stride(), a.dtype, b.shape, b.stride(), b.dtype, out.stride(), out.dtype,
         a.data_ptr() % 16, b.data_ptr() % 16, out.data_ptr() % 16,
         None if sa is None else sa.numel(), None if sb is None else sb.numel(),
@@ -193,7 +193,9 @@ def plan(args: GemmArgs, backend: str = "auto") -> Callable[[GemmArgs], None]:
     """A launcher for ``args``, cached per problem signature (host overhead is a measured goal).
 
     A plan made while a CUDA graph is being captured is not kept: its config may be the
-    untuned heuristic, and a later eager call should get the chance to tune.
+    untuned heuristic, and a later eager call should get the chance to tune. ``TMAGEMM_BACKEND``
+    and ``TMAGEMM_AUTOTUNE`` are read when a signature is first planned (reading the environment
+    on every call costs microseconds); call :func:`clear_plans` after changing them.
     """
     key = _signature(args, backend)
     found = _plans.get(key)
