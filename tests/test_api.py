@@ -232,3 +232,16 @@ def test_opcheck(seeded):
     torch.library.opcheck(torch.ops.tmagemm.matmul.default, (x, y, torch.float32, "auto"))
     out = torch.empty(16, 24, dtype=torch.float16, device=DEVICE)
     torch.library.opcheck(torch.ops.tmagemm.matmul_out.default, (x, y, "auto", out))
+
+
+def test_matmul_backward(seeded):
+    a = torch.randn(33, 64, device=DEVICE).half().requires_grad_()
+    b = torch.randn(64, 40, device=DEVICE).half().requires_grad_()
+    out = tmagemm.matmul(a, b, out_dtype=torch.float32)
+    grad = torch.randn(33, 40, device=DEVICE)
+    out.backward(grad)
+    g16 = grad.half().double().cpu()
+    assert_close(a.grad, g16 @ b.detach().double().cpu().t(), 1.5e-3, "grad a")
+    assert_close(b.grad, a.detach().double().cpu().t() @ g16, 1.5e-3, "grad b")
+    with pytest.raises(ValueError, match="does not support automatic differentiation"):
+        tmagemm.matmul(a, b, out=torch.empty(33, 40, dtype=torch.float16, device=DEVICE))

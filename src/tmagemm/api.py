@@ -246,9 +246,13 @@ def matmul(
     a: (M, K), b: (K, N), both bfloat16 or both float16, each row- or column-major (padded
     leading strides are fine; layouts TMA cannot describe take the pointer kernel).
     out_dtype: defaults to a.dtype; bfloat16, float16 or float32.
+    Differentiable (the backward runs the same kernels on transposed operands), except with ``out=``.
     """
     out_dtype = check_matmul(a, b, out_dtype, out, backend)
-    if torch.compiler.is_compiling():
+    needs_grad = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
+    if needs_grad and out is not None:
+        raise ValueError("matmul(out=...) does not support automatic differentiation; drop out= or use torch.no_grad()")
+    if needs_grad or torch.compiler.is_compiling():
         from . import ops  # noqa: F401
 
         if out is None:

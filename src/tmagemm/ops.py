@@ -70,3 +70,25 @@ def matmul_out_op(a: torch.Tensor, b: torch.Tensor, backend: str, out: torch.Ten
 @matmul_out_op.register_fake
 def _(a, b, backend, out):
     return None
+
+
+def _matmul_setup_context(ctx, inputs, output):
+    a, b, out_dtype, backend = inputs
+    ctx.save_for_backward(a, b)
+    ctx.backend = backend
+
+
+def _matmul_backward(ctx, grad):
+    """d(a @ b): grad @ b^T and a^T @ grad, through the same kernels (transposed operands are
+    column-major views, which every path takes without a copy)."""
+    a, b = ctx.saved_tensors
+    grad = grad.to(a.dtype)
+    grad_a = grad_b = None
+    if ctx.needs_input_grad[0]:
+        grad_a = torch.ops.tmagemm.matmul(grad, b.t(), a.dtype, ctx.backend)
+    if ctx.needs_input_grad[1]:
+        grad_b = torch.ops.tmagemm.matmul(a.t(), grad, b.dtype, ctx.backend)
+    return grad_a, grad_b, None, None
+
+
+torch.library.register_autograd("tmagemm::matmul", _matmul_backward, setup_context=_matmul_setup_context)
