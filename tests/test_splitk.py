@@ -1,4 +1,5 @@
-"""Small-M split-K / swap-AB kernels (tmagemm.triton.matmul_splitk).
+"""Small-M split-K / swap-AB kernels (tmagemm.triton.matmul_splitk), and the small/medium-M fp8
+tiles of tmagemm.triton.matmul_tma's heuristic.
 
 CPU tests run the Triton kernel under the interpreter at small shapes (fp16 and fp8: the
 interpreter's bf16 dot is wrong); GPU tests cover every M up to 128, bf16, determinism and
@@ -11,6 +12,8 @@ import torch
 from tmagemm import envs
 from tmagemm.dispatch import GemmArgs
 from tmagemm.triton import matmul_splitk as sk
+from tmagemm.triton import matmul_tma
+from tmagemm.triton.host import tma_layout
 
 F8 = torch.float8_e4m3fn
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -41,9 +44,9 @@ def _reference(a, b, scale_a=None, scale_b=None, bias=None):
 def _assert_close(out, ref, rtol, atol):
     err = (out.double() - ref).abs()
     bound = rtol * ref.abs() + atol
-    bad = err > bound
+    bad = ~(err <= bound)  # NaN (poison left unwritten) counts as out of tolerance
     if bad.any():
-        flat = int((err - bound).flatten().argmax())
+        flat = int(torch.where(bad, torch.inf, err - bound).flatten().argmax())
         r, c = divmod(flat, ref.shape[1])
         raise AssertionError(
             f"{int(bad.sum())} of {bad.numel()} elements out of tolerance; worst at ({r}, {c}): "
@@ -220,6 +223,66 @@ def test_heuristic_table(row):
     m, n, k, dtype, want = row
     cfg = sk.choose_config(m, n, k, dtype, 132)
     assert (cfg.block_m, cfg.block_n, cfg.split_k, cfg.swap_ab) == want
+
+
+# ----------------------------------------------------------------------------------------------
+# matmul_tma.heuristic at small and medium M (fp8): the winners of scripts/gpu/mid_m.py
+# ----------------------------------------------------------------------------------------------
+
+TMA_FP8_TABLE = [
+    # m, n, expected (block_m, block_n, block_k, num_stages, num_warps); K=4096, H100 (132 SMs)
+    (16, 4096, (64, 32, 256, 6, 4)),
+    (64, 4096, (64, 32, 256, 6, 4)),  # 128 CTAs in one wave: 1.02x cuBLAS
+    (128, 4096, (64, 64, 256, 6, 4)),  # 2 x 64 tiles: 1.00x
+    (256, 4096, (64, 128, 256, 4, 4)),  # 4 x 32 tiles: 1.00x
+    (512, 4096, (128, 64, 128, 4, 4)),  # 256 tiles, two CTAs per SM: 0.95x
+    (2048, 4096, (128, 256, 128, 3, 8)),
+    (16, 28672, (64, 128, 256, 4, 4)),  # no tile fits one wave: the widest
+]
+
+
+def _fp8_args(m, n, k, out_dtype=torch.bfloat16, device="cpu"):
+    a, b = _operands(m, n, k, F8, device=device)
+    return GemmArgs(a, b, torch.empty(m, n, device=device, dtype=out_dtype))
+
+
+@pytest.mark.parametrize("row", TMA_FP8_TABLE, ids=lambda r: f"m{r[0]}n{r[1]}")
+def test_tma_fp8_heuristic_table(row):
+    m, n, want = row
+    cfg = matmul_tma.heuristic(_fp8_args(m, n, 4096))
+    assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages, cfg.num_warps) == want
+
+
+@pytest.mark.parametrize("m", [1, 17, 64, 100, 200, 256, 300, 512])
+@pytest.mark.parametrize("n", [72, 1000, 4096, 6144])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_tma_fp8_heuristic_invariants(m, n, out_dtype):
+    cfg = matmul_tma.heuristic(_fp8_args(m, n, 256, out_dtype))
+    fitted = cfg.fitted(1, 1, out_dtype.itemsize)
+    assert fitted.is_valid(1, 1, out_dtype.itemsize), fitted
+    assert fitted in matmul_tma.CONFIGS or fitted.num_stages < cfg.num_stages, "tuning must see the heuristic's tiles"
+    if m <= 256:
+        tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+        assert tiles <= 132 or cfg.block_n == 128, f"{tiles} tiles of {cfg} overflow one wave on 132 SMs"
+
+
+@interpreter_only
+@pytest.mark.parametrize("m", [1, 17, 70])
+def test_tma_fp8_small_m_tiles_ragged(m, seeded):
+    """The heuristic's 64x32x256 tile under the interpreter: ragged M, N and K (K=592 is 2.3 K
+    steps of 256, so the last TMA box is mostly zero-fill)."""
+    n, k = 72, 592
+    a, b = _operands(m, n, k, F8)
+    scale_a, scale_b = torch.rand(1) + 0.5, torch.rand(n) + 0.5
+    out = torch.full((m, n), float("nan"), dtype=torch.float32)
+    args = GemmArgs(a, b, out, scale_a, scale_b, None)
+    config = matmul_tma.heuristic(args)
+    assert (config.block_m, config.block_n, config.block_k) == (64, 32, 256)
+    layout = tma_layout(args)
+    assert not isinstance(layout, str), layout
+    matmul_tma.launch(args, config, layout)
+    # fp8 products are exact in fp32; 592 fp32 additions: ~600 * 2^-24 relative at worst.
+    _assert_close(out, _reference(a, b, scale_a, scale_b), rtol=1e-5, atol=1e-4)
 
 
 # ----------------------------------------------------------------------------------------------
