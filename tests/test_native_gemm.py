@@ -10,6 +10,7 @@ and bias.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import replace
 import math
 import re
 
@@ -93,9 +94,23 @@ def test_coop_config_is_a_valid_cooperative_config(ab_itemsize, k_major, sms):
     for m, n, k in _HEURISTIC_SHAPES:
         config = native.coop_config(m, n, k, ab_itemsize, k_major, sms)
         what = f"coop_config({m}, {n}, {k}, {ab_itemsize}, {k_major}, {sms}) = {config}"
-        assert config.kernel == "persistent" and not config.pingpong, what
+        assert config.kernel == "persistent" and config.cluster_m == 1, what
         assert config.is_valid(2) and config.fitted(4).is_valid(4), what
         assert config.ctas <= sms, what  # never more CTAs than SMs (persistent: one per SM)
+
+
+def test_coop_config_choices():
+    # The measured rules (docs/native-gemm.md): balanced grids at 2-9 waves with K <= 6144, ping-pong
+    # for large fp8, the 132-CTA cooperative default elsewhere.
+    default = native.RUNGS["cuda.persistent_coop"]
+    assert native.coop_config(4096, 4096, 4096, 2, False, 132) == replace(default, ctas=128)  # 512 tiles
+    assert native.coop_config(6144, 6144, 6144, 1, True, 132) == replace(default, ctas=128)  # 1152 tiles
+    assert native.coop_config(8192, 8192, 8192, 2, False, 132) == default  # K >= 8192
+    assert native.coop_config(1024, 4096, 4096, 1, True, 132) == default  # one wave (128 tiles)
+    assert native.coop_config(4096, 14336, 4096, 2, False, 132) == default  # 14 waves
+    assert native.coop_config(8192, 8192, 8192, 1, True, 132) == native.RUNGS["cuda.persistent_pingpong"]
+    assert native.coop_config(2048, 8192, 8192, 1, True, 132).pingpong is False
+    assert native.coop_config(727, 256 * 40, 4096, 2, True, 132) == replace(default, ctas=120)  # 6 x 40 tiles
 
 
 def test_coop_variant_resolves_its_config_in_prepare():
@@ -272,8 +287,6 @@ def test_persistent_ctas_walk_many_tiles(name, family, raster_n, seeded):
     # 3 CTAs (2 clusters of 2 for _mc) for 24 (coop) / 48 (ping-pong) tiles: the ring's phases
     # carry across tiles, the ping-pong turn barriers alternate, the last CTA gets a different
     # tile count, and the multicast pairs of the last cluster row meet the ragged edge (M = 727).
-    from dataclasses import replace
-
     ab, out_dtype, k_major = family
     m, n, k = 727, 1000, 336
     a, b = _operands(m, n, k, ab, k_major)

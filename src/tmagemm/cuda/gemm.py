@@ -322,12 +322,37 @@ def run(
 # ------------------------------------------------------------------------------------ heuristic
 
 
+# Where the per-shape choices were measured to help (H100 sweep of 2026-11-21, docs/native-gemm.md).
+_BALANCE_MAX_K = 6144  # balanced grids won at K = 4096-6144; at K >= 8192 they measured 4-6% slower
+_BALANCE_MAX_WAVES = 9  # measured up to 9 waves; at 14 waves (N = 14336) it was mixed
+_PINGPONG_FP8_MIN = (4096, 8192, 8192)  # fp8 M, N, K from which ping-pong beat cooperative (8192^3)
+
+
 @functools.lru_cache(maxsize=4096)
 def coop_config(m: int, n: int, k: int, ab_itemsize: int, b_k_major: bool, sms: int) -> NativeGemmConfig:
-    """The cooperative persistent config for one problem: a pure function of the shape, the
-    operand width (1 = e4m3, 2 = bf16/fp16), B's layout and the SM count, fitted to one H100
-    sweep (scripts/gpu/native_tune.py; docs/native-gemm.md has the table). No call-time tuning."""
-    return RUNGS["cuda.persistent_coop"]
+    """The persistent config ``cuda.persistent_coop`` runs for one problem: a pure function of the
+    shape, the operand width (1 = e4m3, 2 = bf16/fp16), B's layout and the SM count, fitted to
+    one H100 sweep (scripts/gpu/native_tune.py; docs/native-gemm.md has the table). No call-time
+    tuning. Group size and raster order stay at the default: no choice beat it beyond the
+    sweep's noise.
+
+    * fp8 with M >= 4096 and N, K >= 8192: ping-pong 128x128 tiles (1.08x cuBLAS at 8192^3, where
+      cooperative 128x256 was at 0.99x): a smaller tile's A and B working set stays in L2.
+    * 2-9 waves of tiles and K <= 6144: the fewest CTAs that keep the number of waves (e.g. 128
+      instead of 132 for 512 tiles), so every CTA walks the same number of tiles (+0.5-2%).
+    * otherwise the 4-stage cooperative default (1 CTA per SM).
+    """
+    min_m, min_n, min_k = _PINGPONG_FP8_MIN
+    if ab_itemsize == 1 and m >= min_m and n >= min_n and k >= min_k:
+        return RUNGS["cuda.persistent_pingpong"]
+    config = RUNGS["cuda.persistent_coop"]
+    tiles = -(-m // 128) * -(-n // config.block_n)
+    waves = -(-tiles // sms)
+    if 2 <= waves <= _BALANCE_MAX_WAVES and k <= _BALANCE_MAX_K:
+        ctas = -(-tiles // waves)
+        if ctas < sms:
+            config = replace(config, ctas=ctas)
+    return config
 
 
 def _coop_prepare(args: GemmArgs):
@@ -389,7 +414,11 @@ def aot_source(name: str, dtype: str = "fp8") -> tuple[str, dict[str, int]]:
 # Best first (measured on H100, docs/native-gemm.md): the dispatcher takes the first that accepts a
 # problem when asked for "cuda". The multicast variant is correct but measured slower: last.
 VARIANTS = [
-    _variant("cuda.persistent_coop", "native persistent WS, cooperative consumers, 128x256 tiles, 4 stages (rung 3)"),
+    _variant(
+        "cuda.persistent_coop",
+        "native persistent WS, per-shape config (coop_config): cooperative 128x256 tiles, 4 stages, "
+        "balanced grid; ping-pong for large fp8 (rung 3)",
+    ),
     _variant("cuda.ws", "native warp-specialized TMA + wgmma, 128x256 tiles, setmaxnreg (rung 2)"),
     _variant("cuda.persistent_pingpong", "native persistent WS, ping-pong consumers, 128x128 tiles (rung 3)"),
     _variant("cuda.seed", "native seed TMA + wgmma, one warpgroup, 128x128 tiles, 3 stages (rung 1)"),
