@@ -100,12 +100,13 @@ def test_coop_config_is_a_valid_cooperative_config(ab_itemsize, k_major, sms):
 
 
 def test_coop_config_choices():
-    # The measured rules (docs/native-gemm.md): balanced grids at 2-9 waves with K <= 6144, ping-pong
+    # The measured rules (docs/native-gemm.md): balanced grids at 2-9 waves with K <= 8 KB, ping-pong
     # for large fp8, the 132-CTA cooperative default elsewhere.
     default = native.RUNGS["cuda.persistent_coop"]
     assert native.coop_config(4096, 4096, 4096, 2, False, 132) == replace(default, ctas=128)  # 512 tiles
     assert native.coop_config(6144, 6144, 6144, 1, True, 132) == replace(default, ctas=128)  # 1152 tiles
-    assert native.coop_config(8192, 8192, 8192, 2, False, 132) == default  # K >= 8192
+    assert native.coop_config(8192, 8192, 8192, 2, False, 132) == default  # 16 KB of K
+    assert native.coop_config(6144, 6144, 6144, 2, False, 132) == default  # 12 KB of K
     assert native.coop_config(1024, 4096, 4096, 1, True, 132) == default  # one wave (128 tiles)
     assert native.coop_config(4096, 14336, 4096, 2, False, 132) == default  # 14 waves
     assert native.coop_config(8192, 8192, 8192, 1, True, 132) == native.RUNGS["cuda.persistent_pingpong"]

@@ -6,7 +6,8 @@ docs/native-gemm.md explains each and records what it is worth):
 =========================  =====================================================================
 cuda.seed                  1 warpgroup, 128x128x64 tile, thread 0 also issues TMA (seeds/004)
 cuda.ws                    producer + 2 consumer warpgroups, 128x256 tile, setmaxnreg
-cuda.persistent_coop       persistent ws, grouped static scheduler, both consumers per tile
+cuda.persistent_coop       persistent ws, grouped static scheduler, both consumers per tile;
+                           per-shape config from coop_config (the dispatcher's choice)
 cuda.persistent_coop_mc    the same on 2x1 clusters, B multicast by TMA to both CTAs
 cuda.persistent_pingpong   persistent ws, consumers alternate 128x128 tiles (epilogue hidden)
 =========================  =====================================================================
@@ -323,7 +324,10 @@ def run(
 
 
 # Where the per-shape choices were measured to help (H100 sweep of 2026-11-21, docs/native-gemm.md).
-_BALANCE_MAX_K = 6144  # balanced grids won at K = 4096-6144; at K >= 8192 they measured 4-6% slower
+# Balanced grids won with up to 64 k-blocks per tile (K * itemsize <= 8 KB: 16-bit K = 4096, fp8
+# K = 4096-6144), were mixed at 96 (16-bit K = 6144) and 4-6% slower from 112 (K >= 8192 16-bit,
+# fp8 K = 14336). A k-block takes the same time in both widths, so this bounds the tile's mainloop.
+_BALANCE_MAX_K_BYTES = 8192
 _BALANCE_MAX_WAVES = 9  # measured up to 9 waves; at 14 waves (N = 14336) it was mixed
 _PINGPONG_FP8_MIN = (4096, 8192, 8192)  # fp8 M, N, K from which ping-pong beat cooperative (8192^3)
 
@@ -338,8 +342,8 @@ def coop_config(m: int, n: int, k: int, ab_itemsize: int, b_k_major: bool, sms: 
 
     * fp8 with M >= 4096 and N, K >= 8192: ping-pong 128x128 tiles (1.08x cuBLAS at 8192^3, where
       cooperative 128x256 was at 0.99x): a smaller tile's A and B working set stays in L2.
-    * 2-9 waves of tiles and K <= 6144: the fewest CTAs that keep the number of waves (e.g. 128
-      instead of 132 for 512 tiles), so every CTA walks the same number of tiles (+0.5-2%).
+    * 2-9 waves of tiles and K * itemsize <= 8 KB: the fewest CTAs that keep the number of waves
+      (e.g. 128 instead of 132 for 512 tiles), so every CTA walks the same number of tiles (+0.4-2%).
     * otherwise the 4-stage cooperative default (1 CTA per SM).
     """
     min_m, min_n, min_k = _PINGPONG_FP8_MIN
@@ -348,7 +352,7 @@ def coop_config(m: int, n: int, k: int, ab_itemsize: int, b_k_major: bool, sms: 
     config = RUNGS["cuda.persistent_coop"]
     tiles = -(-m // 128) * -(-n // config.block_n)
     waves = -(-tiles // sms)
-    if 2 <= waves <= _BALANCE_MAX_WAVES and k <= _BALANCE_MAX_K:
+    if 2 <= waves <= _BALANCE_MAX_WAVES and k * ab_itemsize <= _BALANCE_MAX_K_BYTES:
         ctas = -(-tiles // waves)
         if ctas < sms:
             config = replace(config, ctas=ctas)
@@ -417,7 +421,7 @@ VARIANTS = [
     _variant(
         "cuda.persistent_coop",
         "native persistent WS, per-shape config (coop_config): cooperative 128x256 tiles, 4 stages, "
-        "balanced grid; ping-pong for large fp8 (rung 3)",
+        "balanced grid for short K; ping-pong for large fp8 (rung 3)",
     ),
     _variant("cuda.ws", "native warp-specialized TMA + wgmma, 128x256 tiles, setmaxnreg (rung 2)"),
     _variant("cuda.persistent_pingpong", "native persistent WS, ping-pong consumers, 128x128 tiles (rung 3)"),
