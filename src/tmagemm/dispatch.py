@@ -197,14 +197,17 @@ def plan(args: GemmArgs, backend: str = "auto") -> Callable[[GemmArgs], None]:
     and ``TMAGEMM_AUTOTUNE`` are read when a signature is first planned (reading the environment
     on every call costs microseconds); call :func:`clear_plans` after changing them.
     """
+    if args.out.is_cuda and torch.cuda.is_current_stream_capturing():
+        # Capture prefers other variants (host cost is paid once) and must not tune: plan afresh.
+        variant = choose(args, backend)
+        return variant.prepare(args) if variant.prepare is not None else variant.run
     key = _signature(args, backend)
     found = _plans.get(key)
     if found is not None:
         return found
     variant = choose(args, backend)
     launcher = variant.prepare(args) if variant.prepare is not None else variant.run
-    if not (args.out.is_cuda and torch.cuda.is_current_stream_capturing()):
-        _plans[key] = launcher
+    _plans[key] = launcher
     return launcher
 
 

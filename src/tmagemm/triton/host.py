@@ -76,18 +76,20 @@ def descriptor(t: torch.Tensor, row_major: bool, block_rows: int, block_cols: in
     return TensorDescriptor(t, [cols, rows], [lead, 1], [block_cols, block_rows])
 
 
-_allocator_installed = False
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global scratch for device-built tensor maps, from torch's caching allocator (cheap, and
+    CUDA-graph safe: inside a capture it comes from the graph's pool)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
 
 
 def install_allocator() -> None:
-    """Give Triton a torch-backed allocator for the global scratch that device-built tensor maps
-    live in (``tl.make_tensor_descriptor``). Allocations follow torch's caching allocator, so they
-    are cheap and CUDA-graph safe."""
-    global _allocator_installed
-    if not _allocator_installed:
-        device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the interpreter
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
-        _allocator_installed = True
+    """Give Triton the scratch allocator that ``tl.make_tensor_descriptor`` needs.
+
+    Triton keeps the allocator per thread/context (autograd runs the backward on its own
+    thread), so this is called before every launch that needs it; setting it costs well under
+    a microsecond.
+    """
+    triton.set_allocator(_scratch)
 
 
 @dataclass(frozen=True)
