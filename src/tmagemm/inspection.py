@@ -378,10 +378,8 @@ def triton_spec(name: str, dtype: str = "fp8", config: Mapping[str, Any] | None 
             raise ValueError(f"unknown config fields {unknown}; TritonGemmConfig has {list(TritonGemmConfig.__dataclass_fields__)}")
         kwargs["config"] = TritonGemmConfig(**config)
     params = pyinspect.signature(aot_spec).parameters
-    if "variant" in params:
+    if "variant" in params:  # one module, several variants (e.g. triton.tma and triton.tma_device)
         kwargs["variant"] = name
-    elif "warp_specialize" in params:  # one module, two variants (persistent and its WS form)
-        kwargs["warp_specialize"] = name.endswith(".ws")
     return aot_spec(**kwargs)
 
 

@@ -13,6 +13,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .. import tuning
 from ..dispatch import GemmArgs
 from .common import scale_mode
 
@@ -131,6 +132,33 @@ def tma_layout(args: GemmArgs) -> Layout | str:
     )
 
 
+def tma_supports(args: GemmArgs) -> str | None:
+    """``Variant.supports`` of every TMA kernel."""
+    layout = tma_layout(args)
+    return layout if isinstance(layout, str) else None
+
+
+def tma_planner(name: str, candidates, heuristic, launch, **launch_options):
+    """``(prepare, run)`` of a TMA variant: layout flags and config (tuned or heuristic) are
+    resolved once in ``prepare``; the launcher it returns serves every same-signature problem."""
+
+    def prepare(args: GemmArgs, config=None):
+        layout = tma_layout(args)
+        if isinstance(layout, str):
+            raise ValueError(f"{name} cannot run this problem: {layout}")
+        if config is None:
+            config = tuning.select(name, args, candidates, heuristic, lambda c: launch(args, c, layout, **launch_options))
+        return lambda problem: launch(problem, config, layout, **launch_options)
+
+    def run(args: GemmArgs, config=None) -> None:
+        prepare(args, config)(args)
+
+    # Belong to the kernel's module (where ``launch`` lives): tools such as ``tmagemm inspect``
+    # find a variant's ``aot_spec`` through ``variant.run.__module__``.
+    prepare.__module__ = run.__module__ = launch.__module__
+    return prepare, run
+
+
 def operand_descriptors(args: GemmArgs, layout: Layout, block_m: int, block_n: int, block_k: int, out_block_n: int):
     """Descriptors for A, B and (when TMA stores) the output tile."""
     a_desc = descriptor(args.a, layout.a_row_major, block_m, block_k)
@@ -151,56 +179,42 @@ _TL_NAMES = {
 _ALIGNED = [["tt.divisibility", 16]]
 
 
-def aot_gemm_signature(
-    a_dtype: torch.dtype,
-    b_dtype: torch.dtype,
-    out_dtype: torch.dtype,
-    block_m: int,
-    block_n: int,
-    block_k: int,
-    out_block_n: int,
-    *,
-    b_row_major: bool,
-    scaled: bool,
-    tma: bool = True,
-) -> tuple[dict, dict, dict]:
-    """(signature, constexprs, attrs) of the operand/epilogue parameters every GEMM kernel shares.
+def aot_tma_spec(fn, name: str, config, a_dtype, out_dtype, out_block_n: int, **kernel_constexprs):
+    """The :class:`~tmagemm.inspection.KernelSpec` of a TMA GEMM kernel in the common case: fp8
+    (A row-major, B K-major, tensor-wise scales) or 16-bit (both row-major), aligned row-major
+    output stored through TMA, no bias. ``kernel_constexprs`` are the kernel's own extra knobs."""
+    from ..inspection import KernelSpec
 
-    Describes the common case: row-major A, aligned row-major output stored through TMA,
-    tensor-wise scales when ``scaled`` and no bias.
-    """
-    a, b, c = _TL_NAMES[a_dtype], _TL_NAMES[b_dtype], _TL_NAMES[out_dtype]
-    b_block = [block_k, block_n] if b_row_major else [block_n, block_k]
+    fp8 = a_dtype.itemsize == 1
+    a = _TL_NAMES[a_dtype]
+    b = _TL_NAMES[torch.float8_e4m3fn] if fp8 else a
+    c = _TL_NAMES[out_dtype]
+    b_block = f"{config.block_n}, {config.block_k}" if fp8 else f"{config.block_k}, {config.block_n}"
+    device_desc = kernel_constexprs.get("DEVICE_DESC", False)
     sig = {
-        "a_desc": f"tensordesc<{a}[{block_m}, {block_k}]>" if tma else f"*{a}",
-        "b_desc": f"tensordesc<{b}[{b_block[0]}, {b_block[1]}]>" if tma else f"*{b}",
-        "c_desc": f"tensordesc<{c}[{block_m}, {out_block_n}]>" if tma else "constexpr",
+        "a_desc": f"*{a}" if device_desc else f"tensordesc<{a}[{config.block_m}, {config.block_k}]>",
+        "b_desc": f"*{b}" if device_desc else f"tensordesc<{b}[{b_block}]>",
+        "c_desc": "constexpr" if device_desc else f"tensordesc<{c}[{config.block_m}, {out_block_n}]>",
         "c_ptr": f"*{c}",
-        "scale_a_ptr": "*fp32" if scaled else "constexpr",
-        "scale_b_ptr": "*fp32" if scaled else "constexpr",
+        "scale_a_ptr": "*fp32" if fp8 else "constexpr",
+        "scale_b_ptr": "*fp32" if fp8 else "constexpr",
         "bias_ptr": "constexpr",
-        "M": "i32",
-        "N": "i32",
-        "K": "i32",
-        "stride_cm": "i32",
-        "stride_cn": "i32",
+        **{arg: "i32" for arg in ("M", "N", "K", "stride_cm", "stride_cn")},
     }
-    constexprs = {"bias_ptr": None}
-    if not tma:
-        constexprs["c_desc"] = None
-    if not scaled:
-        constexprs.update(scale_a_ptr=None, scale_b_ptr=None)
-    attrs = {name: _ALIGNED for name in ("c_ptr", "K", "stride_cm") if name in sig}
-    return sig, constexprs, attrs
-
-
-def aot_layout_constexprs(b_row_major: bool, scaled: bool) -> dict:
-    return {
-        "A_ROW_MAJOR": True,
-        "B_ROW_MAJOR": b_row_major,
-        "TMA_STORE": True,
-        "SCALE_A": 1 if scaled else 0,
-        "SCALE_B": 1 if scaled else 0,
-        "HAS_BIAS": False,
-        "FAST_ACCUM": True,
+    consts = {
+        "bias_ptr": None,
+        "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "GROUP_M": config.group_m,
+        "A_ROW_MAJOR": True, "B_ROW_MAJOR": not fp8, "TMA_STORE": True,
+        "SCALE_A": int(fp8), "SCALE_B": int(fp8), "HAS_BIAS": False, "FAST_ACCUM": True,
+        **kernel_constexprs,
     }
+    if device_desc:
+        consts["c_desc"] = None
+    if not fp8:
+        consts.update(scale_a_ptr=None, scale_b_ptr=None)
+    if "lead_a" in fn.arg_names:
+        sig.update(lead_a="i32", lead_b="i32")
+    sig.update({key: "constexpr" for key in consts if key.isupper()})
+    aligned = ("c_ptr", "K", "stride_cm", "lead_a", "lead_b") + (("a_desc", "b_desc") if device_desc else ())
+    attrs = {arg: _ALIGNED for arg in aligned if arg in sig}
+    return KernelSpec(fn, sig, consts, config.num_warps, config.num_stages, name, attrs)

@@ -13,14 +13,15 @@ Warp specialization lives in the native kernels (``tmagemm/cuda``), which contro
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from .. import device, tuning
+from .. import device
 from ..configs import TritonGemmConfig
 from ..dispatch import GemmArgs, Variant
 from .common import grouped_tile, scale_bias_epilogue
-from .host import Layout, operand_descriptors, tma_layout
+from .host import Layout, aot_tma_spec, operand_descriptors, tma_planner, tma_supports
 from .matmul_tma import load_a_tile, load_b_tile, mma, store_tile
 
 
@@ -117,23 +118,7 @@ def launch(args: GemmArgs, config: TritonGemmConfig, layout: Layout) -> None:
     )
 
 
-def _supports(args: GemmArgs) -> str | None:
-    layout = tma_layout(args)
-    return layout if isinstance(layout, str) else None
-
-
-def prepare(args: GemmArgs, config: TritonGemmConfig | None = None):
-    """Resolve layout flags and config once; the launcher serves every same-signature problem."""
-    layout = tma_layout(args)
-    if isinstance(layout, str):
-        raise ValueError(f"triton.persistent cannot run this problem: {layout}")
-    if config is None:
-        config = tuning.select("triton.persistent", args, CONFIGS, heuristic, lambda c: launch(args, c, layout))
-    return lambda problem: launch(problem, config, layout)
-
-
-def run(args: GemmArgs, config: TritonGemmConfig | None = None) -> None:
-    prepare(args, config)(args)
+prepare, run = tma_planner("triton.persistent", CONFIGS, heuristic, launch)
 
 
 VARIANTS = [
@@ -141,7 +126,7 @@ VARIANTS = [
         name="triton.persistent",
         backend="triton",
         description="Triton, persistent (one program per SM), TMA loads/stores, epilogue subtiling",
-        supports=_supports,
+        supports=tma_supports,
         run=run,
         prepare=prepare,
     ),
@@ -150,22 +135,10 @@ VARIANTS = [
 
 def aot_spec(config: TritonGemmConfig | None = None, a_dtype=None, out_dtype=None):
     """A compilable instance for ``tmagemm inspect`` (fp8 by default: A row-major, B K-major)."""
-    import torch
-
-    from ..inspection import KernelSpec
-    from .host import aot_gemm_signature, aot_layout_constexprs
-
     a_dtype = a_dtype or torch.float8_e4m3fn
     out_dtype = out_dtype or torch.bfloat16
     fp8 = a_dtype.itemsize == 1
     config = config or TritonGemmConfig(128, 256, 128 if fp8 else 64, 8, 3 if fp8 else 4, 8, True)
     out_block_n = config.block_n // 2 if config.epilogue_subtile else config.block_n
-    sig, consts, attrs = aot_gemm_signature(
-        a_dtype, torch.float8_e4m3fn if fp8 else a_dtype, out_dtype,
-        config.block_m, config.block_n, config.block_k, out_block_n, b_row_major=not fp8, scaled=fp8,
-    )
-    consts.update(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-                  NUM_SMS=132, EPILOGUE_SUBTILE=config.epilogue_subtile)
-    consts.update(aot_layout_constexprs(b_row_major=not fp8, scaled=fp8))
-    sig.update({name: "constexpr" for name in consts if name.isupper()})
-    return KernelSpec(persistent_gemm_kernel, sig, consts, config.num_warps, config.num_stages, "triton.persistent", attrs)
+    return aot_tma_spec(persistent_gemm_kernel, "triton.persistent", config, a_dtype, out_dtype, out_block_n,
+                        NUM_SMS=132, EPILOGUE_SUBTILE=config.epilogue_subtile)

@@ -11,11 +11,19 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import device, tuning
+from .. import device
 from ..configs import TritonGemmConfig
 from ..dispatch import GemmArgs, Variant
 from .common import grouped_tile, scale_bias_epilogue
-from .host import Layout, install_allocator, leading_stride, operand_descriptors, tma_layout
+from .host import (
+    Layout,
+    aot_tma_spec,
+    install_allocator,
+    leading_stride,
+    operand_descriptors,
+    tma_planner,
+    tma_supports,
+)
 
 
 @triton.jit
@@ -196,34 +204,8 @@ def launch(args: GemmArgs, config: TritonGemmConfig, layout: Layout, device_desc
     )
 
 
-def _supports(args: GemmArgs) -> str | None:
-    layout = tma_layout(args)
-    return layout if isinstance(layout, str) else None
-
-
-def _prepare(name: str, device_desc: bool):
-    def prepare(args: GemmArgs, config: TritonGemmConfig | None = None):
-        """Resolve layout flags and config once; the launcher serves every same-signature problem."""
-        layout = tma_layout(args)
-        if isinstance(layout, str):
-            raise ValueError(f"{name} cannot run this problem: {layout}")
-        if config is None:
-            config = tuning.select(name, args, CONFIGS, heuristic, lambda c: launch(args, c, layout, device_desc))
-        return lambda problem: launch(problem, config, layout, device_desc)
-
-    return prepare
-
-
-prepare = _prepare("triton.tma", False)
-prepare_device = _prepare("triton.tma_device", True)
-
-
-def run(args: GemmArgs, config: TritonGemmConfig | None = None) -> None:
-    prepare(args, config)(args)
-
-
-def run_device(args: GemmArgs, config: TritonGemmConfig | None = None) -> None:
-    prepare_device(args, config)(args)
+prepare, run = tma_planner("triton.tma", CONFIGS, heuristic, launch, device_desc=False)
+prepare_device, run_device = tma_planner("triton.tma_device", CONFIGS, heuristic, launch, device_desc=True)
 
 
 VARIANTS = [
@@ -231,7 +213,7 @@ VARIANTS = [
         name="triton.tma",
         backend="triton",
         description="Triton, non-persistent, TMA loads/stores via host TensorDescriptor (the seed kernel)",
-        supports=_supports,
+        supports=tma_supports,
         run=run,
         prepare=prepare,
     ),
@@ -239,31 +221,19 @@ VARIANTS = [
         name="triton.tma_device",
         backend="triton",
         description="triton.tma with tensor maps built on the device (tl.make_tensor_descriptor): no host encode per call",
-        supports=_supports,
+        supports=tma_supports,
         run=run_device,
         prepare=prepare_device,
     ),
 ]
 
 
-def aot_spec(config: TritonGemmConfig | None = None, a_dtype=None, out_dtype=None):
-    """A compilable instance for ``tmagemm inspect`` (fp8 by default: A row-major, B K-major)."""
-    from ..inspection import KernelSpec
-    from .host import aot_gemm_signature, aot_layout_constexprs
-
+def aot_spec(config: TritonGemmConfig | None = None, a_dtype=None, out_dtype=None, variant: str = "triton.tma"):
+    """A compilable instance for ``tmagemm inspect`` (fp8 by default: A row-major, B K-major);
+    ``variant="triton.tma_device"`` gives the kernel that builds its tensor maps on the device."""
     a_dtype = a_dtype or torch.float8_e4m3fn
     out_dtype = out_dtype or torch.bfloat16
     fp8 = a_dtype.itemsize == 1
     config = config or TritonGemmConfig(128, 256, 128 if fp8 else 64, 8, 3, 8)
-    b_dtype = torch.float8_e4m3fn if fp8 else a_dtype
-    sig, consts, attrs = aot_gemm_signature(
-        a_dtype, b_dtype, out_dtype, config.block_m, config.block_n, config.block_k, config.block_n,
-        b_row_major=not fp8, scaled=fp8,
-    )
-    sig.update({name: "constexpr" for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "A_ROW_MAJOR",
-                                               "B_ROW_MAJOR", "TMA_STORE", "SCALE_A", "SCALE_B", "HAS_BIAS",
-                                               "FAST_ACCUM")})
-    consts.update(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m)
-    consts.update(aot_layout_constexprs(b_row_major=not fp8, scaled=fp8), DEVICE_DESC=False)
-    sig.update(lead_a="i32", lead_b="i32", DEVICE_DESC="constexpr")
-    return KernelSpec(tma_gemm_kernel, sig, consts, config.num_warps, config.num_stages, "triton.tma", attrs)
+    return aot_tma_spec(tma_gemm_kernel, variant, config, a_dtype, out_dtype, config.block_n,
+                        DEVICE_DESC=variant == "triton.tma_device")
