@@ -188,3 +188,20 @@ def test_tuning_persists_to_disk(monkeypatch, tmp_path, seeded):
     dispatch.clear_plans()
     monkeypatch.setattr(tuning.triton.testing, "do_bench", lambda *a, **k: pytest.fail("re-tuned"))
     tmagemm.matmul(a, b, backend="triton", out=out)
+
+
+def test_forced_backends(seeded):
+    """backend="cuda" runs a native kernel or says why none fits; "triton" never runs a native one."""
+    if not any(v.backend == "cuda" for v in dispatch.variants()):
+        pytest.skip(f"native backend not importable: {dispatch.unavailable()}")
+    m, n, k = 1024, 1024, 1024
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    for backend in ("cuda", "triton"):
+        out = poisoned((m, n), torch.bfloat16, "cuda")
+        tmagemm.matmul(a, b, out=out, backend=backend)
+        assert_close(out, reference(a, b), TOL[torch.bfloat16], backend)
+        args = GemmArgs(a, b, out)
+        assert dispatch.choose(args, backend).backend == backend
+    with pytest.raises(ValueError, match="no 'cuda' tmagemm kernel accepts this problem"):
+        tmagemm.matmul(a.t().contiguous().t(), b, backend="cuda")  # native kernels need A row-major
