@@ -98,7 +98,8 @@ def graph_ms(fn) -> float:
     return bench(graph.replay)
 
 
-SPEED_VARIANTS = ["triton.tma", "triton.tma_device", "triton.persistent", "cuda.persistent_coop", "tmagemm.auto"]
+SPEED_VARIANTS = ["triton.tma", "triton.tma_device", "triton.persistent", "cuda.persistent_coop",
+                  "cuda.persistent_pingpong", "tmagemm.auto"]
 
 
 def _provider(name, args):
