@@ -205,3 +205,22 @@ def test_forced_backends(seeded):
         assert dispatch.choose(args, backend).backend == backend
     with pytest.raises(ValueError, match="no 'cuda' tmagemm kernel accepts this problem"):
         tmagemm.matmul(a.t().contiguous().t(), b, backend="cuda")  # native kernels need A row-major
+
+
+@pytest.mark.parametrize("m", [64, 300])
+def test_repeated_calls_reuse_the_plan(m, seeded):
+    """Later calls of one problem signature take the cached plan (and, for triton.tma_device, the
+    compiled kernel directly): fresh data each time, a side stream too, every result checked."""
+    n, k = 512, 1024
+    side = torch.cuda.Stream()
+    for i in range(4):
+        a, b = fp8_operands(m, n, k, "cuda")
+        sa, sb = _scales("row", m, n)
+        out = poisoned((m, n), torch.bfloat16, "cuda")
+        stream = side if i % 2 else torch.cuda.current_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            tmagemm.scaled_mm(a, b, sa, sb, out=out)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        assert_close(out, reference(a, b, sa, sb), TOL[torch.bfloat16], f"call {i}")

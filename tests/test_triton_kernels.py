@@ -144,3 +144,19 @@ def test_config_validity():
     assert not TritonGemmConfig(128, 128, 8, 8, 3, 8).is_valid(2, 2, 2)  # 16-byte inner box
     assert not TritonGemmConfig(96, 128, 64).is_valid(2, 2, 2)  # not a power of two
     assert TritonGemmConfig(128, 256, 128, 8, 3, 8).is_valid(1, 1, 2)
+
+
+def test_device_desc_launcher_argument_order():
+    """DeviceDescLauncher passes the kernel's arguments positionally: keep the orders in step."""
+    assert tuple(matmul_tma.tma_gemm_kernel.arg_names) == matmul_tma.LAUNCH_ORDER
+
+
+def test_device_desc_plan_reused_across_calls(seeded):
+    """The same plan serves new tensors of the same signature (values change, results follow)."""
+    m, n, k = 40, 64, 96
+    args = [GemmArgs(torch.randn(m, k, device=DEVICE).half(), torch.randn(k, n, device=DEVICE).half(),
+                     poisoned((m, n), torch.float32, DEVICE)) for _ in range(3)]
+    launcher = matmul_tma.prepare_device(args[0], SMALL)
+    for problem in args:
+        launcher(problem)
+        assert_close(problem.out, reference(problem.a, problem.b), TOL[torch.float32], "reused plan")

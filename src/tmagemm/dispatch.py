@@ -176,16 +176,18 @@ _plans: dict[tuple, Callable[[GemmArgs], None]] = {}
 
 
 def _signature(args: GemmArgs, backend: str) -> tuple:
-    """Everything the choice of variant, layout flags and config can depend on, except the
-    environment knobs, which are read when a signature is first planned (see :func:`plan`)."""
+    """Everything the choice of variant, layout flags, config and a compiled kernel's
+    specialization (pointer alignment, integer values) can depend on, except the environment
+    knobs, which are read when a signature is first planned (see :func:`plan`)."""
     a, b, out = args.a, args.b, args.out
     sa, sb, bias = args.scale_a, args.scale_b, args.bias
     return (
         backend, out.device,
         a.shape, a.stride(), a.dtype, b.shape, b.stride(), b.dtype, out.stride(), out.dtype,
         a.data_ptr() % 16, b.data_ptr() % 16, out.data_ptr() % 16,
-        None if sa is None else sa.numel(), None if sb is None else sb.numel(),
-        None if bias is None else bias.dtype, args.fast_accum,
+        None if sa is None else (sa.numel(), sa.data_ptr() % 16),
+        None if sb is None else (sb.numel(), sb.data_ptr() % 16),
+        None if bias is None else (bias.dtype, bias.data_ptr() % 16), args.fast_accum,
     )
 
 
