@@ -209,8 +209,8 @@ def test_forced_backends(seeded):
 
 @pytest.mark.parametrize("m", [64, 300])
 def test_repeated_calls_reuse_the_plan(m, seeded):
-    """Later calls of one problem signature take the cached plan (and, for triton.tma_device, the
-    compiled kernel directly): fresh data each time, a side stream too, every result checked."""
+    """Later calls of one problem signature take the cached plan: fresh data each time, a side
+    stream too, every result checked."""
     n, k = 512, 1024
     side = torch.cuda.Stream()
     for i in range(4):

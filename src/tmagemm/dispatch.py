@@ -176,9 +176,8 @@ _plans: dict[tuple, Callable[[GemmArgs], None]] = {}
 
 
 def _signature(args: GemmArgs, backend: str) -> tuple:
-    """Everything the choice of variant, layout flags, config and a compiled kernel's
-    specialization (pointer alignment, integer values) can depend on, except the environment
-    knobs, which are read when a signature is first planned (see :func:`plan`)."""
+    """Everything the choice of variant, layout flags and config can depend on, except the
+    environment knobs, which are read when a signature is first planned (see :func:`plan`)."""
     a, b, out = args.a, args.b, args.out
     sa, sb, bias = args.scale_a, args.scale_b, args.bias
     return (

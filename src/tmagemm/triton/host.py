@@ -138,10 +138,9 @@ def tma_supports(args: GemmArgs) -> str | None:
     return layout if isinstance(layout, str) else None
 
 
-def tma_planner(name: str, candidates, heuristic, launch, launcher=None, **launch_options):
+def tma_planner(name: str, candidates, heuristic, launch, **launch_options):
     """``(prepare, run)`` of a TMA variant: layout flags and config (tuned or heuristic) are
-    resolved once in ``prepare``; the launcher it returns serves every same-signature problem
-    (``launcher(config, layout)`` when given, else a call of ``launch``)."""
+    resolved once in ``prepare``; the launcher it returns serves every same-signature problem."""
 
     def prepare(args: GemmArgs, config=None):
         layout = tma_layout(args)
@@ -149,8 +148,6 @@ def tma_planner(name: str, candidates, heuristic, launch, launcher=None, **launc
             raise ValueError(f"{name} cannot run this problem: {layout}")
         if config is None:
             config = tuning.select(name, args, candidates, heuristic, lambda c: launch(args, c, layout, **launch_options))
-        if launcher is not None:
-            return launcher(config, layout)
         return lambda problem: launch(problem, config, layout, **launch_options)
 
     def run(args: GemmArgs, config=None) -> None:

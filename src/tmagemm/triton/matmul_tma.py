@@ -182,8 +182,7 @@ def heuristic(args: GemmArgs) -> TritonGemmConfig:
     return TritonGemmConfig(128, 256, 64, 8, 3, 8)
 
 
-def launch(args: GemmArgs, config: TritonGemmConfig, layout: Layout, device_desc: bool = False):
-    """Launch through Triton's JIT; returns what it returns (the compiled kernel on a GPU)."""
+def launch(args: GemmArgs, config: TritonGemmConfig, layout: Layout, device_desc: bool = False) -> None:
     if device_desc:
         install_allocator()
         a_desc, b_desc, c_desc = args.a, args.b, None
@@ -194,7 +193,7 @@ def launch(args: GemmArgs, config: TritonGemmConfig, layout: Layout, device_desc
             args, layout, config.block_m, config.block_n, config.block_k, config.block_n
         )
     grid = (triton.cdiv(args.m, config.block_m) * triton.cdiv(args.n, config.block_n),)
-    return tma_gemm_kernel[grid](
+    tma_gemm_kernel[grid](
         a_desc, b_desc, c_desc, args.out, args.scale_a, args.scale_b, args.bias,
         args.m, args.n, args.k, args.out.stride(0), args.out.stride(1),
         lead_a, lead_b,
@@ -205,54 +204,8 @@ def launch(args: GemmArgs, config: TritonGemmConfig, layout: Layout, device_desc
     )
 
 
-class DeviceDescLauncher:
-    """The launcher of one ``triton.tma_device`` plan.
-
-    Its first call goes through Triton's JIT, which compiles and specializes the kernel for this
-    problem signature (pointer alignment, integer divisibility: all part of the plan's key) and
-    returns the compiled kernel. Later calls launch that compiled kernel directly with the
-    arguments in parameter order, skipping the JIT's per-call argument binding and cache lookup:
-    with no host tensor maps to encode, that binding is most of the remaining host time.
-    """
-
-    def __init__(self, config: TritonGemmConfig, layout: Layout):
-        self.config, self.layout = config, layout
-        self.runner = None
-        self.constexprs = (
-            config.block_m, config.block_n, config.block_k, config.group_m,
-            layout.a_row_major, layout.b_row_major, layout.tma_store,
-            layout.scale_a, layout.scale_b, layout.has_bias,
-        )
-
-    def __call__(self, args: GemmArgs) -> None:
-        if self.runner is None:
-            compiled = launch(args, self.config, self.layout, device_desc=True)
-            if compiled is not None:  # None under the interpreter: keep using the JIT
-                grid = (triton.cdiv(args.m, self.config.block_m) * triton.cdiv(args.n, self.config.block_n),)
-                self.runner = compiled[grid]
-            return
-        install_allocator()
-        layout = self.layout
-        self.runner(
-            args.a, args.b, None, args.out, args.scale_a, args.scale_b, args.bias,
-            args.m, args.n, args.k, args.out.stride(0), args.out.stride(1),
-            leading_stride(args.a, layout.a_row_major), leading_stride(args.b, layout.b_row_major),
-            *self.constexprs, args.fast_accum, True,
-        )
-
-
-# Parameter order DeviceDescLauncher passes positionally (a test checks it against the kernel).
-LAUNCH_ORDER = (
-    "a_desc", "b_desc", "c_desc", "c_ptr", "scale_a_ptr", "scale_b_ptr", "bias_ptr",
-    "M", "N", "K", "stride_cm", "stride_cn", "lead_a", "lead_b",
-    "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "A_ROW_MAJOR", "B_ROW_MAJOR", "TMA_STORE",
-    "SCALE_A", "SCALE_B", "HAS_BIAS", "FAST_ACCUM", "DEVICE_DESC",
-)
-
 prepare, run = tma_planner("triton.tma", CONFIGS, heuristic, launch, device_desc=False)
-prepare_device, run_device = tma_planner(
-    "triton.tma_device", CONFIGS, heuristic, launch, launcher=DeviceDescLauncher, device_desc=True
-)
+prepare_device, run_device = tma_planner("triton.tma_device", CONFIGS, heuristic, launch, device_desc=True)
 
 
 VARIANTS = [
