@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
-
-import torch
 
 # How a dequantization scale is applied (constexpr SCALE_A / SCALE_B in every kernel).
 SCALE_NONE = 0  # no scale (plain matmul)
 SCALE_TENSOR = 1  # one fp32 value for the whole operand
 SCALE_ROW = 2  # one fp32 value per row of A (M,) or per column of B (N,)
-
-TORCH_TO_TL = {
-    torch.float16: tl.float16,
-    torch.bfloat16: tl.bfloat16,
-    torch.float32: tl.float32,
-    torch.float8_e4m3fn: tl.float8e4nv,
-    torch.float8_e5m2: tl.float8e5,
-}
 
 
 def scale_mode(scale: torch.Tensor | None) -> int:
