@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-# Hopper: 227 KB of shared memory per block (232448 bytes opt-in); keep a margin for barriers and
-# the compiler's own scratch (epilogue layout conversions).
-SMEM_LIMIT_BYTES = 232448
+from .device import SM90_SMEM_PER_BLOCK
+
+# Margin under the per-block limit for barriers and the compiler's own scratch (epilogue layout
+# conversions).
 SMEM_MARGIN_BYTES = 8192
 
 
@@ -45,7 +46,7 @@ class TritonGemmConfig:
             and self.num_warps in (4, 8)
             and self.num_stages >= 1
             and self.group_m >= 1
-            and self.smem_bytes(a_itemsize, b_itemsize, out_itemsize) + SMEM_MARGIN_BYTES <= SMEM_LIMIT_BYTES
+            and self.smem_bytes(a_itemsize, b_itemsize, out_itemsize) + SMEM_MARGIN_BYTES <= SM90_SMEM_PER_BLOCK
         )
 
     def fitted(self, a_itemsize: int, b_itemsize: int, out_itemsize: int) -> "TritonGemmConfig":

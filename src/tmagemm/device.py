@@ -6,6 +6,11 @@ import functools
 
 import torch
 
+# Shared memory one block may opt in to on sm_90 (227 KB), shared by every kernel's smem plan.
+SM90_SMEM_PER_BLOCK = 232448
+# What the interpreter (CPU tensors) pretends to have, so CPU runs take an H100's choices.
+H100_SMS = 132
+
 
 @functools.lru_cache(maxsize=None)
 def capability(index: int) -> tuple[int, int]:
@@ -20,6 +25,13 @@ def sm_count(index: int) -> int:
 @functools.lru_cache(maxsize=None)
 def name(index: int) -> str:
     return torch.cuda.get_device_name(index)
+
+
+def sms_of(dev: torch.device, cpu: int = H100_SMS) -> int:
+    """SM count of the device a tensor lives on; ``cpu`` for CPU tensors (the interpreter)."""
+    if dev.type != "cuda":
+        return cpu
+    return sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
 
 
 def is_hopper(device: torch.device) -> bool:

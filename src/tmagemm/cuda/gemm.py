@@ -31,7 +31,6 @@ from .. import device as _device
 from ..dispatch import GemmArgs, Variant
 
 _ALIGN = 16  # bytes: TMA base address and row strides
-_SMEM_LIMIT = 232448  # opt-in dynamic shared memory per block on sm_90 (227 KB)
 _AB_TYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 _OUT_TYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 _ROW_BYTES = 128  # one k-block is one 128-byte swizzle row of A and B
@@ -92,7 +91,7 @@ class NativeGemmConfig:
             and self.ctas >= 0
             and (self.cluster_m == 1 or (self.cluster_m == 2 and self.kernel == "persistent" and not self.pingpong))
             and (self.epi_passes == 1 or (self.epi_passes == 2 and self.kernel == "persistent" and not self.pingpong))
-            and self.smem_bytes(out_itemsize) + 256 <= _SMEM_LIMIT
+            and self.smem_bytes(out_itemsize) + 256 <= _device.SM90_SMEM_PER_BLOCK
         )
 
     def fitted(self, out_itemsize: int) -> "NativeGemmConfig":

@@ -18,7 +18,7 @@ from tmagemm import device, jit, tma
 
 SOURCE = "tma_copy.cu"
 # Opt-in shared-memory ceiling per block on sm_90 (227 KB); kernels add 1 KB for alignment.
-MAX_SMEM_BYTES = 227 * 1024
+MAX_SMEM_BYTES = device.SM90_SMEM_PER_BLOCK
 _ALIGN_SLACK = 1024
 
 

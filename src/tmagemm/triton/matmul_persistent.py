@@ -96,16 +96,11 @@ def heuristic(args: GemmArgs) -> TritonGemmConfig:
     return TritonGemmConfig(128, 256, 64, 8, 4, 8, True)
 
 
-def _num_sms(args: GemmArgs) -> int:
-    if args.out.device.type != "cuda":
-        return 4  # interpreter: a few programs, so the persistent loop runs more than once
-    return device.sm_count(args.out.device.index)
-
-
 def launch(args: GemmArgs, config: TritonGemmConfig, layout: Layout) -> None:
     out_block_n = config.block_n // 2 if config.epilogue_subtile else config.block_n
     a_desc, b_desc, c_desc = operand_descriptors(args, layout, config.block_m, config.block_n, config.block_k, out_block_n)
-    num_sms = _num_sms(args)
+    # Under the interpreter, 4 programs: the persistent loop then runs more than once per program.
+    num_sms = device.sms_of(args.out.device, cpu=4)
     tiles = triton.cdiv(args.m, config.block_m) * triton.cdiv(args.n, config.block_n)
     persistent_gemm_kernel[(min(num_sms, tiles),)](
         a_desc, b_desc, c_desc, args.out, args.scale_a, args.scale_b, args.bias,

@@ -467,10 +467,6 @@ def _cached_config(m: int, n: int, k: int, dtype: torch.dtype, sms: int) -> Spli
     return choose_config(m, n, k, dtype, sms)
 
 
-def _sm_count(dev: torch.device) -> int:
-    if dev.type != "cuda":
-        return 132  # the interpreter: pretend to be an H100 so CPU runs take the GPU's choices
-    return _device.sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
 
 
 def run(args: GemmArgs, config: SplitKConfig | None = None) -> None:
@@ -490,7 +486,7 @@ def run(args: GemmArgs, config: SplitKConfig | None = None) -> None:
             args.out.copy_(args.bias.expand(m, n))
         return
     if config is None:
-        config = _cached_config(m, n, k, args.a.dtype, _sm_count(args.a.device))
+        config = _cached_config(m, n, k, args.a.dtype, _device.sms_of(args.a.device))
     _launch(args, config)
 
 

@@ -141,14 +141,8 @@ CONFIGS = tuple(
 # it stays a tuning candidate only.
 _FP8_SMALL_M_TILES = ((64, 6), (128, 4))
 _SMALL_M_BLOCK = 64  # one wgmma M=64 warpgroup tile: rows past M are TMA zero-fill, never read from HBM
-_DEFAULT_SMS = 132  # H100/H200 SXM; used off-GPU (the interpreter) so CPU runs take the GPU's choices
 
 
-def _sm_count(args: GemmArgs) -> int:
-    dev = args.out.device
-    if dev.type != "cuda":
-        return _DEFAULT_SMS
-    return device.sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
 
 
 def _fp8_small_m(args: GemmArgs, sms: int) -> TritonGemmConfig:
@@ -170,7 +164,7 @@ def heuristic(args: GemmArgs) -> TritonGemmConfig:
     off). fp8 rules are fitted to graph-replay timings at N=K=4096 (scripts/gpu/mid_m.py)."""
     if args.is_fp8:
         if args.m <= 256:
-            return _fp8_small_m(args, _sm_count(args))
+            return _fp8_small_m(args, device.sms_of(args.out.device))
         if args.m <= 512:
             # Two 112 KB CTAs per SM: 256 tiles of 128x64 all resident at once.
             return TritonGemmConfig(128, 64, 128, 8, 4, 4)
