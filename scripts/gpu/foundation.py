@@ -9,35 +9,36 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 
 import torch
 import triton
-import triton.testing
 
 import tmagemm
 from tmagemm import dispatch, tuning
+from tmagemm.bench.timing import Timer, host_loop_us
 from tmagemm.dispatch import GemmArgs
 
 FP8 = torch.float8_e4m3fn
 
 
+_timer: Timer | None = None  # one flush buffer for the whole run, made in main()
+
+
 def bench(fn) -> float:
-    """Median ms with L2 flushed between runs (do_bench zeroes a 256 MB buffer each rep)."""
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+    """Median ms of eager calls, L2 flushed before each (tmagemm.bench.timing)."""
+    return _timer.eager(fn).median_us / 1e3
 
 
-def host_us(fn, n=400) -> float:
-    """Per-call host time of a Python loop that never synchronises."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
+def graph_ms(fn) -> float:
+    """Kernel time without host overhead: one call captured in a CUDA graph, replays timed with
+    the L2 flushed between them (fn must have run once already, so nothing tunes in capture)."""
+    return _timer.graph(fn).median_us / 1e3
+
+
+def host_us(fn) -> float:
+    """Per-call host time of a Python loop that synchronises once at the end."""
+    return host_loop_us(fn, calls=400)
 
 
 def fp8_problem(m, n, k, rowwise=False):
@@ -82,20 +83,6 @@ def correctness(rows):
             except Exception as e:
                 err = f"{type(e).__name__}: {str(e)[:200]}"
             rows.append(dict(kind="correct", variant=name, dtype="fp8", shape=(m, n, k), err=err))
-
-
-def graph_ms(fn) -> float:
-    """Kernel time without host overhead: one call captured in a CUDA graph, replays timed with
-    the L2 flushed between them (fn must have run once already, so nothing tunes in capture)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return bench(graph.replay)
 
 
 SPEED_VARIANTS = ["triton.tma", "triton.tma_device", "triton.persistent", "cuda.persistent_coop",
@@ -193,7 +180,7 @@ def overhead_breakdown(rows):
     result = {}
     for name, fn in parts.items():
         try:
-            result[name] = round(host_us(fn, 400), 1)
+            result[name] = round(host_us(fn), 1)
         except Exception as e:
             result[name] = f"{type(e).__name__}: {str(e)[:120]}"
     rows.append(dict(kind="host_breakdown", **result))
@@ -205,6 +192,8 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--skip-correctness", action="store_true", help="the pytest GPU suite covers it")
     opts = parser.parse_args()
+    global _timer
+    _timer = Timer(torch.device("cuda"))
     props = torch.cuda.get_device_properties(0)
     print(f"device {props.name} SMs {props.multi_processor_count} torch {torch.__version__} triton {triton.__version__}")
     rows = []

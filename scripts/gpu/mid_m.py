@@ -10,9 +10,10 @@ e4m3 inputs, tensor-wise scales, bf16 output, fast accumulation (the peer is
 ``torch._scaled_mm(use_fast_accum=True)``). Every cell is checked against cuBLAS's output.
 
 Timing excludes host overhead: one call (after an eager warm-up on the capture stream) is
-captured in a CUDA graph and ``graph.replay`` is timed with ``triton.testing.do_bench``
-(median; it zeroes a 256 MB buffer before every replay, so L2 is cold). cuBLAS is timed the
-same way before and after each M's candidates.
+captured in a CUDA graph and ``graph.replay`` is timed with ``tmagemm.bench.timing.Timer.graph``
+(median; a 256 MB buffer is zeroed before every replay, so L2 is cold). cuBLAS is timed the
+same way before and after each M's candidates. (The results in docs/small-m.md were taken when
+this script timed replays with ``triton.testing.do_bench``, which flushes the same way.)
 
 Kernels are compiled first in worker processes (the Triton disk cache is shared), so the timed
 part only loads binaries. Writes every row to $OUT/mid_m.jsonl as it goes and the metadata to
@@ -31,8 +32,8 @@ from dataclasses import asdict
 
 import torch
 import triton
-import triton.testing
 
+from tmagemm.bench.timing import Timer
 from tmagemm.configs import TritonGemmConfig
 from tmagemm.dispatch import GemmArgs
 from tmagemm.triton import matmul_persistent, matmul_splitk, matmul_tma
@@ -170,25 +171,12 @@ def compile_key(family: str, config, m: int) -> tuple:
 # ------------------------------------------------------------------------------------- timing
 
 
-def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
+_timer: Timer | None = None  # one flush buffer for the run, made in main()
 
 
 def graph_ms(fn) -> float:
-    """Median ms of graph.replay of one captured call (warmed up on the capture stream first:
-    the splitk workspace is per stream)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    stream.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    torch.cuda.synchronize()
-    ms = bench(graph.replay)
-    del graph
-    return ms
+    """Median ms of replaying one captured call, L2 flushed before each replay."""
+    return _timer.graph(fn).median_us / 1e3
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -199,6 +187,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def main() -> None:
+    global _timer
     out_dir = os.environ.get("OUT", "/tmp/mid_m_out")
     os.makedirs(out_dir, exist_ok=True)
     rows_file = open(os.path.join(out_dir, "mid_m.jsonl"), "w")
@@ -239,6 +228,7 @@ def main() -> None:
 
     # -- time every cell, M by M
     best = {}  # (m, family) -> (ms, label)
+    _timer = Timer(torch.device("cuda"))
     cublas = {}
     for m in MS:
         if time.time() - T0 > BUDGET_S:

@@ -114,7 +114,9 @@ class Timer:
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            # Capture on the warm-up stream: state kept per stream (e.g. triton.splitk's workspace)
+            # then already exists and nothing is allocated inside the capture.
+            with torch.cuda.graph(graph, stream=side):
                 fn()
         except Exception as exc:
             raise RuntimeError(f"CUDA graph capture failed: {type(exc).__name__}: {exc}") from exc

@@ -368,7 +368,7 @@ def _tma_reason(t: torch.Tensor, ld: int, rows: int, what: str) -> str | None:
 
 
 def supports(args: GemmArgs) -> str | None:
-    a, b, out = args.a, args.b, args.out
+    a, b = args.a, args.b
     if args.m > MAX_M:
         return f"M={args.m} > {MAX_M}: the split-K kernels are for small M (decode)"
     if a.dtype not in FP8_DTYPES + HALF_DTYPES:
