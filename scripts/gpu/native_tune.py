@@ -26,7 +26,7 @@ from dataclasses import asdict, replace
 import torch
 
 from tmagemm.cuda import gemm as native
-from tmagemm.dispatch import GemmArgs
+from native_bench import make, peer  # same problems and peers as the rung benchmark
 
 F8, BF16, F16 = torch.float8_e4m3fn, torch.bfloat16, torch.float16
 COOP = native.RUNGS["cuda.persistent_coop"]  # 128x256, 4 stages, 2 epilogue passes
@@ -82,24 +82,6 @@ def precompile() -> None:
     with mp.get_context("spawn").Pool(16) as pool:
         for line in pool.imap_unordered(_build, list(builds.values())):
             print(line, flush=True)
-
-
-def make(shape, ab, out_dtype, k_major) -> GemmArgs:
-    m, n, k = shape
-    a = torch.randn(m, k, device="cuda").to(ab)
-    w = torch.randn(n, k, device="cuda").to(ab)
-    b = w.t() if k_major else w.t().contiguous()
-    out = torch.empty(m, n, device="cuda", dtype=out_dtype)
-    if ab == F8:
-        return GemmArgs(a, b, out, torch.tensor([0.5], device="cuda"), torch.tensor([2.0], device="cuda"))
-    return GemmArgs(a, b, out)
-
-
-def peer(args: GemmArgs):
-    if args.is_fp8:
-        return lambda: torch._scaled_mm(args.a, args.b, args.scale_a, args.scale_b, out_dtype=args.out.dtype,
-                                        use_fast_accum=True)
-    return lambda: torch.matmul(args.a, args.b)
 
 
 def max_active_clusters(config, ab, out, k_major) -> int | None:
