@@ -99,6 +99,59 @@ def test_non_hopper_gpu_message(monkeypatch):
         api._check_runtime_device(torch.device("cuda", 0))
 
 
+# ------------------------------------------------------------------------------ repeated calls
+
+
+def test_repeated_calls_follow_new_operands(seeded):
+    """Same signature, new tensors every call (a decode loop): each result is its own."""
+    for step in range(5):
+        a, b, sa, sb = _fp8(17, 48, 64)
+        sa = sa * (step + 1)
+        bias = torch.randn(48, device=DEVICE, dtype=torch.bfloat16)
+        out = poisoned((17, 48), torch.bfloat16, DEVICE)
+        tmagemm.scaled_mm(a, b, sa, sb, bias=bias, out=out)
+        assert_close(out, reference(a, b, sa, sb, bias), 1e-2, f"step {step}")
+        x = torch.randn(17, 64, device=DEVICE).half()
+        w = torch.randn(64, 48, device=DEVICE).half()
+        assert_close(tmagemm.matmul(x, w, out_dtype=torch.float32), reference(x, w), 2e-4, f"matmul step {step}")
+
+
+def test_remembered_calls_still_check_what_changed(seeded):
+    a, b, sa, sb = _fp8()
+    tmagemm.scaled_mm(a, b, sa, sb)
+    tmagemm.scaled_mm(a, b, sa, sb)  # a remembered call on CUDA
+    with pytest.raises(TypeError, match="scale_a must be float32"):
+        tmagemm.scaled_mm(a, b, sa.double(), sb)
+    with pytest.raises(ValueError, match="bias has shape"):
+        tmagemm.scaled_mm(a, b, sa, sb, bias=torch.ones(3, device=DEVICE, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="out has shape"):
+        tmagemm.scaled_mm(a, b, sa, sb, out=torch.empty(3, 3, device=DEVICE, dtype=torch.bfloat16))
+    # A view one element in: not 16-byte aligned, so a new key and the pointer kernel.
+    a2 = torch.empty(32 * 64 + 1, device=DEVICE, dtype=torch.uint8).view(FP8)[1:].view(32, 64)
+    a2.copy_(a)
+    assert_close(tmagemm.scaled_mm(a2, b, sa, sb), reference(a, b, sa, sb), 1e-2, "unaligned a")
+
+
+@pytest.mark.gpu
+def test_cuda_calls_are_remembered_outside_capture(monkeypatch, seeded):
+    from tmagemm import dispatch
+
+    monkeypatch.setenv("TMAGEMM_AUTOTUNE", "0")  # capture and eager then share the heuristic kernel
+    dispatch.clear_plans()
+    a, b, sa, sb = _fp8()
+    tmagemm.scaled_mm(a, b, sa, sb)  # compiles and loads the kernel outside the capture
+    dispatch.clear_plans()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tmagemm.scaled_mm(a, b, sa, sb)  # planned during capture: not remembered
+    assert len(dispatch.remembered_calls) == 0
+    graph.replay()
+    assert_close(out, reference(a, b, sa, sb), 1e-2, "replay")
+    tmagemm.scaled_mm(a, b, sa, sb)
+    assert len(dispatch.remembered_calls) == 1
+    dispatch.clear_plans()
+
+
 # ------------------------------------------------------------------------------ zero sizes
 
 @pytest.mark.parametrize("m,n", [(0, 48), (32, 0), (0, 0)])

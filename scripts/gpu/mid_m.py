@@ -4,7 +4,7 @@ Run on an H100/H200 from the repo root::
 
     PYTHONPATH=src python scripts/gpu/mid_m.py
 
-Sweeps explicit configs of ``triton.tma`` (``matmul_tma.launch(args, config, layout)``), of the
+Sweeps explicit configs of ``triton.tma`` (``matmul_tma.kernel_call``), of the
 split-K/swap-AB kernel (``matmul_splitk.run(args, config)``) and of ``triton.persistent``;
 e4m3 inputs, tensor-wise scales, bf16 output, fast accumulation (the peer is
 ``torch._scaled_mm(use_fast_accum=True)``). Every cell is checked against cuBLAS's output.
@@ -37,7 +37,7 @@ from tmagemm.bench.timing import Timer
 from tmagemm.configs import TritonGemmConfig
 from tmagemm.dispatch import GemmArgs
 from tmagemm.triton import matmul_persistent, matmul_splitk, matmul_tma
-from tmagemm.triton.host import tma_layout
+from tmagemm.triton.host import tma_layout, triton_launch
 
 FP8 = torch.float8_e4m3fn
 N = K = 4096
@@ -114,10 +114,10 @@ def problem(m: int, seed: int = 0):
 def launcher(family: str, config, args: GemmArgs, device_desc: bool = False):
     if family == "tma":
         layout = tma_layout(args)
-        return lambda: matmul_tma.launch(args, config, layout, device_desc)
+        return lambda: triton_launch(matmul_tma.kernel_call(args, config, layout, device_desc))
     if family == "persistent":
         layout = tma_layout(args)
-        return lambda: matmul_persistent.launch(args, config, layout)
+        return lambda: triton_launch(matmul_persistent.kernel_call(args, config, layout))
     return lambda: matmul_splitk.run(args, config)
 
 

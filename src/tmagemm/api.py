@@ -11,6 +11,7 @@ import torch
 
 from . import device, envs
 from .dispatch import BACKENDS, GemmArgs, plan
+from .dispatch import remembered_calls as _calls
 
 _FP8_A = (torch.float8_e4m3fn, torch.float8_e5m2)
 _FP8_B = (torch.float8_e4m3fn,)
@@ -154,12 +155,19 @@ def check_matmul(a, b, out_dtype, out, backend) -> torch.dtype:
 # ---------------------------------------------------------------------------------- run
 
 
-def _normalise_scale(scale: torch.Tensor, length: int) -> torch.Tensor:
-    """Tensor-wise -> (1,), row-wise -> contiguous (length,) as the kernels index them."""
+def _scale_operand(scale: torch.Tensor | None) -> torch.Tensor | None:
+    """What the kernels read: a scale's elements in order (tensor-wise: one value; row-wise: M or
+    N values 4 bytes apart). Kernels use only the pointer and numel, so a scale already laid out
+    that way is passed as is; a strided row-wise scale is copied."""
+    if scale is None or scale.numel() == 1:
+        return scale
     flat = scale.reshape(-1)
-    if flat.numel() == 1:
-        return flat
-    return flat.contiguous() if flat.stride(0) != 1 else flat
+    return flat if flat.stride(0) == 1 else flat.contiguous()
+
+
+def _gemm_args(a, b, out, scale_a, scale_b, bias, fast_accum) -> GemmArgs:
+    return GemmArgs(a, b, out, _scale_operand(scale_a), _scale_operand(scale_b),
+                    None if bias is None else bias.contiguous(), fast_accum)
 
 
 def run_gemm(
@@ -184,17 +192,55 @@ def run_gemm(
         if bias is not None:
             out.add_(bias.to(out.dtype))
         return out
-    args = GemmArgs(
-        a=a,
-        b=b,
-        out=out,
-        scale_a=None if scale_a is None else _normalise_scale(scale_a, m),
-        scale_b=None if scale_b is None else _normalise_scale(scale_b, n),
-        bias=None if bias is None else bias.contiguous(),
-        fast_accum=fast_accum,
-    )
+    args = _gemm_args(a, b, out, scale_a, scale_b, bias, fast_accum)
     plan(args, backend)(args)
     return out
+
+
+# ------------------------------------------------------------------ repeated calls (host time)
+#
+# Host time per call is a measured goal (a decode step calls the same few GEMMs thousands of
+# times). Everything the checks and the plan read from the arguments (types, devices, dtypes,
+# shapes, strides, 16-byte alignment, flags) forms a call key; a call whose key was seen goes
+# straight to the planned launcher. A key is stored only after a call with it passed every check
+# and was planned outside CUDA-graph capture, so a hit can skip both.
+
+def _key(t: torch.Tensor | None):
+    if t is None:
+        return None
+    return (type(t), t.device, t.dtype, t.shape, t.stride(), t.data_ptr() % 16)
+
+
+def _remember(key: tuple | None, args: GemmArgs, backend: str, out_shape, out_dtype, device) -> None:
+    """Store a direct path for ``key`` when the plan for ``args`` is a cached one."""
+    if key is None or not args.out.is_cuda or torch.cuda.is_current_stream_capturing():
+        return  # CPU tensors (interpreter, tests) always take the checked path
+    launcher = plan(args, backend)
+    copies = tuple(t is not None and _scale_operand(t) is not t for t in (args.scale_a, args.scale_b))
+    if any(copies) or (args.bias is not None and not args.bias.is_contiguous()):
+        def prepare(a, b, out, scale_a, scale_b, bias, fast_accum):
+            return _gemm_args(a, b, out, scale_a, scale_b, bias, fast_accum)
+    else:
+        prepare = GemmArgs
+
+    def call(a, b, scale_a, scale_b, bias, fast_accum, out):
+        if out is None:
+            out = torch.empty(out_shape, dtype=out_dtype, device=device)
+        launcher(prepare(a, b, out, scale_a, scale_b, bias, fast_accum))
+        return out
+
+    _calls[key] = call
+
+
+def _first_call(key, a, b, scale_a, scale_b, bias, fast_accum, out, out_dtype, backend) -> torch.Tensor:
+    """The checked path of an unseen call key (arguments already validated)."""
+    if out is None:
+        out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
+    result = run_gemm(a, b, out, scale_a, scale_b, bias, fast_accum, backend)
+    if a.shape[0] and b.shape[1] and a.shape[1]:
+        args = _gemm_args(a, b, out, scale_a, scale_b, bias, fast_accum)
+        _remember(key, args, backend, (a.shape[0], b.shape[1]), out_dtype, a.device)
+    return result
 
 
 def scaled_mm(
@@ -220,6 +266,16 @@ def scaled_mm(
     backend: "auto" (measured best), "triton" or "cuda" (native kernels).
     Raises TypeError / ValueError naming the argument at fault.
     """
+    key = None
+    if not torch.compiler.is_compiling():
+        try:
+            key = ("scaled_mm", _key(a), _key(b), _key(scale_a), _key(scale_b), _key(bias), _key(out),
+                   out_dtype, bool(use_fast_accum), backend)
+            known = _calls.get(key)
+        except (AttributeError, TypeError):  # not tensors, or unhashable options: the checks say why
+            key = known = None
+        if known is not None:
+            return known(a, b, scale_a, scale_b, bias, use_fast_accum, out)
     check_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, out, backend)
     if torch.compiler.is_compiling():
         from . import ops  # noqa: F401  (registers the ops)
@@ -228,9 +284,7 @@ def scaled_mm(
             return torch.ops.tmagemm.scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, backend)
         torch.ops.tmagemm.scaled_mm_out(a, b, scale_a, scale_b, bias, use_fast_accum, backend, out)
         return out
-    if out is None:
-        out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
-    return run_gemm(a, b, out, scale_a, scale_b, bias, use_fast_accum, backend)
+    return _first_call(key, a, b, scale_a, scale_b, bias, use_fast_accum, out, out_dtype, backend)
 
 
 def matmul(
@@ -248,17 +302,26 @@ def matmul(
     out_dtype: defaults to a.dtype; bfloat16, float16 or float32.
     Differentiable (the backward runs the same kernels on transposed operands), except with ``out=``.
     """
+    key = None
+    compiling = torch.compiler.is_compiling()
+    try:
+        needs_grad = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
+        if not (needs_grad or compiling):
+            key = ("matmul", _key(a), _key(b), _key(out), out_dtype, backend)
+            known = _calls.get(key)
+            if known is not None:
+                return known(a, b, None, None, None, True, out)
+    except (AttributeError, TypeError):
+        key = None
     out_dtype = check_matmul(a, b, out_dtype, out, backend)
     needs_grad = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
     if needs_grad and out is not None:
         raise ValueError("matmul(out=...) does not support automatic differentiation; drop out= or use torch.no_grad()")
-    if needs_grad or torch.compiler.is_compiling():
+    if needs_grad or compiling:
         from . import ops  # noqa: F401
 
         if out is None:
             return torch.ops.tmagemm.matmul(a, b, out_dtype, backend)
         torch.ops.tmagemm.matmul_out(a, b, backend, out)
         return out
-    if out is None:
-        out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
-    return run_gemm(a, b, out, None, None, None, True, backend)
+    return _first_call(key, a, b, None, None, None, True, out, out_dtype, backend)

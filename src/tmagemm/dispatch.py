@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -28,14 +28,15 @@ _BACKEND_MODULES = (
 BACKENDS = ("auto", "triton", "cuda")
 
 
-@dataclass(frozen=True, eq=False)
-class GemmArgs:
+class GemmArgs(NamedTuple):
     """Validated, normalised operands of one GEMM: ``out = (scale_a*scale_b) * (a @ b) + bias``.
 
     a: (M, K); b: (K, N); out: (M, N), preallocated, written by the kernel.
-    scale_a: None, or fp32 contiguous of shape (1,) (tensor-wise) or (M,) (row-wise).
-    scale_b: None, or fp32 contiguous of shape (1,) or (N,).
+    scale_a: None, or fp32 with one element (tensor-wise) or M elements 4 bytes apart (row-wise);
+        kernels read only its pointer and numel.
+    scale_b: None, or fp32 with one element or N elements 4 bytes apart.
     bias: None, or contiguous (N,) in any float dtype; added in fp32.
+    (A NamedTuple: it is built on every call, and that costs a fraction of a dataclass.)
     """
 
     a: torch.Tensor
@@ -124,18 +125,18 @@ def get(name: str) -> Variant:
 MID_M = 512
 
 
-def preference(args: GemmArgs, capturing: bool = False) -> tuple[str, ...]:
+def preference(args: GemmArgs) -> tuple[str, ...]:
     """Variants "auto" tries, best first, from the side-by-side measurements in BENCHMARKS.md.
 
     A variant is skipped when it is not registered or its supports() refuses the problem; the
     pointer kernel accepts everything.
     - M <= 32 with >= 100 MB of weight: split-K streams more of HBM than any tile kernel.
-    - M <= 512: the non-persistent Triton kernel. Host-encoded tensor maps cost ~15 us of host
-      time per call but ~2.5 us less GPU time than device-built ones, so eager calls take
-      ``triton.tma_device`` and CUDA-graph captures (host cost paid once) take ``triton.tma``.
+    - M <= 512: the non-persistent Triton kernel with host-encoded tensor maps, launched through
+      ``triton/direct.py`` (maps cached per address, so no per-call encode); its device-built-map
+      twin ``triton.tma_device`` costs ~2.5 us more GPU time and stays a fallback.
     - larger M: the native persistent cooperative kernel, then the Triton persistent one.
     """
-    tma = ("triton.tma", "triton.tma_device") if capturing else ("triton.tma_device", "triton.tma")
+    tma = ("triton.tma", "triton.tma_device")
     weight_bytes = args.n * args.k * args.b.element_size()
     if args.m <= 32 and weight_bytes >= 100e6:
         return ("triton.splitk", *tma, "triton.persistent", "triton.ptr")
@@ -149,9 +150,8 @@ def choose(args: GemmArgs, backend: str = "auto") -> Variant:
     registry = _load()
     if backend == "auto":
         backend = _env_backend()
-    capturing = args.out.is_cuda and torch.cuda.is_current_stream_capturing()
     reasons = []
-    for name in preference(args, capturing):
+    for name in preference(args):
         variant = registry.get(name)
         if variant is None or (backend != "auto" and variant.backend != backend):
             continue
@@ -173,6 +173,8 @@ def choose(args: GemmArgs, backend: str = "auto") -> Variant:
 
 
 _plans: dict[tuple, Callable[[GemmArgs], None]] = {}
+# The public API's call key -> planned launcher (api.py fills it; cleared with the plans).
+remembered_calls: dict[tuple, Callable] = {}
 
 
 def _signature(args: GemmArgs, backend: str) -> tuple:
@@ -199,7 +201,7 @@ def plan(args: GemmArgs, backend: str = "auto") -> Callable[[GemmArgs], None]:
     on every call costs microseconds); call :func:`clear_plans` after changing them.
     """
     if args.out.is_cuda and torch.cuda.is_current_stream_capturing():
-        # Capture prefers other variants (host cost is paid once) and must not tune: plan afresh.
+        # A capture must not tune, and its heuristic plan should not stick: plan afresh.
         variant = choose(args, backend)
         return variant.prepare(args) if variant.prepare is not None else variant.run
     key = _signature(args, backend)
@@ -213,8 +215,10 @@ def plan(args: GemmArgs, backend: str = "auto") -> Callable[[GemmArgs], None]:
 
 
 def clear_plans() -> None:
-    """Forget cached plans (after changing tuning state in tests or benchmarks)."""
+    """Forget cached plans and the API's remembered calls (after changing tuning state or the
+    ``TMAGEMM_*`` knobs in tests or benchmarks)."""
     _plans.clear()
+    remembered_calls.clear()
 
 
 def _env_backend() -> str:

@@ -33,6 +33,12 @@ def forced_backend() -> str | None:
     return value or None
 
 
+def direct_launch_enabled() -> bool:
+    """``TMAGEMM_DIRECT_LAUNCH=0`` keeps Triton's own launcher for Triton kernels (see
+    ``tmagemm/triton/direct.py``; on by default: it removes most of the per-call host time)."""
+    return os.environ.get("TMAGEMM_DIRECT_LAUNCH", "1") != "0"
+
+
 def interpret() -> bool:
     """True when Triton kernels run under the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -79,6 +79,7 @@ class Artifacts:
     spills: int | None
     local_bytes: int | None = None
     static_shared_only: bool = False  # native kernels: dynamic shared memory is a launch setting
+    launch_metadata: dict = field(default_factory=dict)  # Triton kernels: what its launcher reads
 
     def summary(self) -> dict[str, Any]:
         return summarize(self)
@@ -117,13 +118,13 @@ def compile_triton(spec: KernelSpec) -> Artifacts:
         raise ValueError(f"KernelSpec for {py_fn.__name__}: constexpr parameters without a value: {unset}")
 
     if _is_compilable(spec.fn):
-        ptx, cubin, shared = _compile_in_process(spec)
+        ptx, cubin, shared, meta = _compile_in_process(spec)
     else:
-        ptx, cubin, shared = _compile_in_child(spec)
-    return _artifacts(spec.label, ptx, cubin, shared)
+        ptx, cubin, shared, meta = _compile_in_child(spec)
+    return dataclasses.replace(_artifacts(spec.label, ptx, cubin, shared), launch_metadata=meta)
 
 
-def _compile_in_process(spec: KernelSpec) -> tuple[str, bytes, int]:
+def _compile_in_process(spec: KernelSpec) -> tuple[str, bytes, int, dict]:
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -137,10 +138,21 @@ def _compile_in_process(spec: KernelSpec) -> tuple[str, bytes, int]:
         )
     except Exception as exc:  # surface the compiler's own message with the kernel named
         raise RuntimeError(f"Triton failed to compile {spec.label} for sm_90a: {exc}") from exc
-    return kernel.asm["ptx"], kernel.asm["cubin"], int(kernel.metadata.shared)
+    return kernel.asm["ptx"], kernel.asm["cubin"], int(kernel.metadata.shared), launch_metadata(kernel.metadata)
 
 
-def _compile_in_child(spec: KernelSpec) -> tuple[str, bytes, int]:
+# Fields of Triton's kernel metadata that decide how the kernel must be launched.
+_LAUNCH_FIELDS = ("num_warps", "num_ctas", "shared", "global_scratch_size", "profile_scratch_size",
+                  "launch_cooperative_grid", "launch_pdl", "tensordesc_meta")
+
+
+def launch_metadata(metadata) -> dict[str, Any]:
+    """The launch-relevant fields of a compiled Triton kernel's metadata (a namedtuple)."""
+    fields = metadata._asdict() if hasattr(metadata, "_asdict") else dict(metadata)
+    return {key: fields[key] for key in _LAUNCH_FIELDS if key in fields}
+
+
+def _compile_in_child(spec: KernelSpec) -> tuple[str, bytes, int, dict]:
     """Re-import the kernel's module with the interpreter off and compile it there."""
     py_fn = _python_fn(spec.fn)
     request = {

@@ -586,6 +586,39 @@ class TensorMapCache:
             self._maps.clear()
 
 
+class MapsByAddress:
+    """Encoded maps of one fixed layout, by global address: the per-operand cache of a GEMM plan,
+    whose shapes and strides the plan already fixes (so the address is the whole key).
+
+    A new address beyond ``size`` retargets the least recently used map with
+    cuTensorMapReplaceAddress (~3 us) instead of encoding (~14 us). A map is only ever handed out
+    for the address it points at. Not thread-safe: the caller serialises ``get`` and the launch
+    that reads the map.
+    """
+
+    __slots__ = ("params", "_maps", "_size")
+
+    def __init__(self, params: TiledParams, size: int = 4):
+        if size < 1:
+            raise ValueError(f"size must be >= 1, got {size}")
+        params.validate()
+        self.params = params
+        self._maps: OrderedDict[int, TensorMap] = OrderedDict()
+        self._size = size
+
+    def get(self, address: int) -> TensorMap:
+        found = self._maps.get(address)
+        if found is not None:
+            return found
+        if len(self._maps) >= self._size:
+            _, found = self._maps.popitem(last=False)
+            found.replace_address(address)
+        else:
+            found = encode(_with_address(self.params, address))
+        self._maps[address] = found
+        return found
+
+
 # ---------------------------------------------------------------------------------------------
 # Swizzle reference
 # ---------------------------------------------------------------------------------------------

@@ -8,7 +8,6 @@ reasons end up in the results.
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 from dataclasses import dataclass
 from typing import Callable
@@ -139,10 +138,7 @@ class Provider:
 def _gemm_args(case: Case, out: torch.Tensor, fast_accum: bool):
     from ..dispatch import GemmArgs
 
-    kwargs = {}
-    if any(f.name == "fast_accum" for f in dataclasses.fields(GemmArgs)):
-        kwargs["fast_accum"] = fast_accum
-    return GemmArgs(case.a, case.b, out, case.scale_a, case.scale_b, None, **kwargs)
+    return GemmArgs(case.a, case.b, out, case.scale_a, case.scale_b, None, fast_accum)
 
 
 def _variant_provider(variant, fast_accum: bool) -> Provider:
@@ -152,9 +148,11 @@ def _variant_provider(variant, fast_accum: bool) -> Provider:
         reason = variant.supports(args)
         if reason is not None:
             raise Unsupported(reason)
+        # What a user's repeated call gets: the plan resolved once (dispatch.plan caches it).
+        launcher = variant.prepare(args) if variant.prepare is not None else variant.run
 
         def call() -> torch.Tensor:
-            variant.run(args)
+            launcher(args)
             return out
 
         return Prepared(call)

@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 from dataclasses import dataclass, replace
 
 import torch
 
 from .. import device as _device
 from ..dispatch import GemmArgs, Variant
+from ..jit.runtime import current_stream
+from ..tma import MapsByAddress, params_for_tensor
 
 _ALIGN = 16  # bytes: TMA base address and row strides
 _AB_TYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
@@ -240,18 +243,78 @@ def _kernel(config: NativeGemmConfig, ab_dtype: torch.dtype, out_dtype: torch.dt
         return module.function(kernel_name(config))
 
 
-_maps: dict | None = None
+class _Launch:
+    """Everything :func:`run` resolves for one problem signature: checked config, loaded kernel,
+    grid, tensor-map layouts and the fixed kernel parameters. A call then only points the maps
+    and parameters at the operands' addresses and launches (host time is a measured goal; the
+    dispatcher keeps one per signature through ``Variant.prepare``)."""
 
+    def __init__(self, args: GemmArgs, config: NativeGemmConfig, alpha: float = 1.0, beta: float = 0.0,
+                 c: torch.Tensor | None = None):
+        reason = unsupported_reason(args, config)
+        if reason is not None:
+            raise ValueError(f"native GEMM {config}: {reason}")
+        out_size = args.out.element_size()
+        config = config.fitted(out_size)
+        if beta != 0.0:
+            if c is None:
+                raise ValueError("beta != 0 needs c")
+            if tuple(c.shape) != (args.m, args.n) or c.dtype != args.out.dtype or c.device != args.out.device:
+                raise ValueError(
+                    f"c must be ({args.m}, {args.n}) {args.out.dtype} on {args.out.device}, got {tuple(c.shape)} {c.dtype} on {c.device}"
+                )
+            if args.n > 1 and c.stride(1) != 1:
+                raise ValueError(f"c must be row-major, got stride {tuple(c.stride())}")
 
-def _map_caches() -> dict:
-    """One tensor-map cache per operand role: a cache hands out one shared map per key, and A
-    and a K-major B of equal shape would otherwise share (and retarget) the same map."""
-    global _maps
-    if _maps is None:
-        from ..tma import TensorMapCache
+        b_k_major = _b_k_major(args.b)
+        block_k = _ROW_BYTES // args.a.element_size()
+        b_box = (config.block_n // config.cluster_m, block_k) if b_k_major else (block_k, 64)
+        self._maps = (
+            MapsByAddress(params_for_tensor(args.a, (128, block_k))),
+            MapsByAddress(params_for_tensor(args.b.t() if b_k_major else args.b, b_box)),
+            MapsByAddress(params_for_tensor(args.out, (64, _ROW_BYTES // out_size))),
+        )
+        params = self._params = _Params()
+        params.m, params.n, params.k, params.group_m = args.m, args.n, args.k, config.group_m
+        params.alpha, params.beta = float(alpha), float(beta)
+        params.ldc = c.stride(0) if beta != 0.0 else 0
+        params.scale_a_rowwise = int(args.scale_a is not None and args.scale_a.numel() != 1)
+        params.scale_b_colwise = int(args.scale_b is not None and args.scale_b.numel() != 1)
+        params.bias_type = _OUT_TYPES[args.bias.dtype] if args.bias is not None else 0
+        params.raster_n = int(config.raster_n)
+        self._uses_c = beta != 0.0
+        self._pointers = (ctypes.c_void_p * 4)()
+        self._pointers[3] = ctypes.addressof(params)
 
-        _maps = {role: TensorMapCache() for role in ("a", "b", "d")}
-    return _maps
+        self._device_index = args.out.get_device()
+        self._kernel = _kernel(config, args.a.dtype, args.out.dtype, b_k_major, self._device_index)
+        cm = config.cluster_m
+        tiles = -(-args.m // (128 * cm)) * -(-args.n // config.block_n)  # cluster tiles
+        if config.kernel == "persistent":
+            grid = cm * min(tiles, (config.ctas or _device.sm_count(self._device_index)) // cm)
+        else:
+            grid = tiles
+        self._grid, self._cluster = (grid, 1, 1), (cm, 1, 1)
+        self._block = (config.threads, 1, 1)
+        self._smem = config.smem_bytes(out_size)
+        self._kernel.reserve_shared_memory(self._smem)
+        self._lock = threading.Lock()
+
+    def __call__(self, args: GemmArgs, c: torch.Tensor | None = None) -> None:
+        if torch.cuda.current_device() != self._device_index:
+            with torch.cuda.device(self._device_index):  # the kernel lives in that device's context
+                return self(args, c)
+        with self._lock:  # the maps and the parameter block are shared by every call of the plan
+            pointers, params = self._pointers, self._params
+            pointers[0] = self._maps[0].get(args.a.data_ptr()).address
+            pointers[1] = self._maps[1].get(args.b.data_ptr()).address
+            pointers[2] = self._maps[2].get(args.out.data_ptr()).address
+            params.c = c.data_ptr() if self._uses_c else None
+            params.scale_a = args.scale_a.data_ptr() if args.scale_a is not None else None
+            params.scale_b = args.scale_b.data_ptr() if args.scale_b is not None else None
+            params.bias = args.bias.data_ptr() if args.bias is not None else None
+            self._kernel.launch_packed(self._grid, self._block, self._smem, current_stream(self._device_index),
+                                       pointers, self._cluster)
 
 
 def run(
@@ -261,62 +324,13 @@ def run(
     beta: float = 0.0,
     c: torch.Tensor | None = None,
 ) -> None:
-    """``out = alpha * (scale_a * scale_b) * (a @ b) + bias + beta * c`` with one native rung.
+    """``out = alpha * (scale_a * scale_b) * (a @ b) + bias + beta * c`` with one native rung
+    (one call; ``prepare`` keeps the resolved launch for repeated calls).
 
     c: (M, N) row-major in the output dtype (needed when beta != 0; may alias ``out``, since each
     element of c is read before the tile holding it is written).
     """
-    config = config or RUNGS["cuda.ws"]
-    reason = unsupported_reason(args, config)
-    if reason is not None:
-        raise ValueError(f"native GEMM {config}: {reason}")
-    out_size = args.out.element_size()
-    config = config.fitted(out_size)
-    if beta != 0.0:
-        if c is None:
-            raise ValueError("beta != 0 needs c")
-        if tuple(c.shape) != (args.m, args.n) or c.dtype != args.out.dtype or c.device != args.out.device:
-            raise ValueError(
-                f"c must be ({args.m}, {args.n}) {args.out.dtype} on {args.out.device}, got {tuple(c.shape)} {c.dtype} on {c.device}"
-            )
-        if args.n > 1 and c.stride(1) != 1:
-            raise ValueError(f"c must be row-major, got stride {tuple(c.stride())}")
-
-    b_k_major = _b_k_major(args.b)
-    a_bytes = args.a.element_size()
-    block_k = _ROW_BYTES // a_bytes
-    maps = _map_caches()
-    map_a = maps["a"].get(args.a, (128, block_k))
-    if b_k_major:
-        map_b = maps["b"].get(args.b.t(), (config.block_n // config.cluster_m, block_k))
-    else:
-        map_b = maps["b"].get(args.b, (block_k, 64))
-    map_d = maps["d"].get(args.out, (64, _ROW_BYTES // out_size))
-
-    params = _Params()
-    params.m, params.n, params.k, params.group_m = args.m, args.n, args.k, config.group_m
-    params.alpha, params.beta = float(alpha), float(beta)
-    params.c = c.data_ptr() if beta != 0.0 else None
-    params.ldc = c.stride(0) if beta != 0.0 else 0
-    params.scale_a = args.scale_a.data_ptr() if args.scale_a is not None else None
-    params.scale_b = args.scale_b.data_ptr() if args.scale_b is not None else None
-    params.scale_a_rowwise = int(args.scale_a is not None and args.scale_a.numel() != 1)
-    params.scale_b_colwise = int(args.scale_b is not None and args.scale_b.numel() != 1)
-    params.bias = args.bias.data_ptr() if args.bias is not None else None
-    params.bias_type = _OUT_TYPES[args.bias.dtype] if args.bias is not None else 0
-    params.raster_n = int(config.raster_n)
-
-    device_index = args.out.device.index if args.out.device.index is not None else torch.cuda.current_device()
-    kernel = _kernel(config, args.a.dtype, args.out.dtype, b_k_major, device_index)
-    cm = config.cluster_m
-    tiles = -(-args.m // (128 * cm)) * -(-args.n // config.block_n)  # cluster tiles
-    if config.kernel == "persistent":
-        grid = cm * min(tiles, (config.ctas or _device.sm_count(device_index)) // cm)
-    else:
-        grid = tiles
-    kernel.launch(
-        grid, config.threads, [map_a, map_b, map_d, params], smem_bytes=config.smem_bytes(out_size), cluster=(cm, 1, 1)
-    )
+    _Launch(args, config or RUNGS["cuda.ws"], alpha, beta, c)(args, c)
 
 
 # ------------------------------------------------------------------------------------ heuristic
@@ -359,35 +373,26 @@ def coop_config(m: int, n: int, k: int, ab_itemsize: int, b_k_major: bool, sms: 
 
 
 def _coop_prepare(args: GemmArgs):
-    """Resolve the per-shape config once per problem signature (dispatch.plan caches the result)."""
-    device_index = args.out.device.index if args.out.device.index is not None else torch.cuda.current_device()
+    """The per-shape config and its launch, once per problem signature (dispatch.plan caches it)."""
     config = coop_config(
-        args.m, args.n, args.k, args.a.element_size(), _b_k_major(args.b), _device.sm_count(device_index)
+        args.m, args.n, args.k, args.a.element_size(), _b_k_major(args.b), _device.sm_count(args.out.get_device())
     )
-    return lambda call_args: run(call_args, config)
-
-
-def _coop_run(args: GemmArgs) -> None:
-    _coop_prepare(args)(args)
+    return _Launch(args, config)
 
 
 def _variant(name: str, description: str) -> Variant:
     config = RUNGS[name]
     if name == "cuda.persistent_coop":  # the dispatcher's choice at large M: per-shape configs
-        return Variant(
-            name=name,
-            backend="cuda",
-            description=description,
-            supports=lambda args: unsupported_reason(args, config),
-            run=_coop_run,
-            prepare=_coop_prepare,
-        )
+        prepare = _coop_prepare
+    else:
+        prepare = functools.partial(_Launch, config=config)
     return Variant(
         name=name,
         backend="cuda",
         description=description,
-        supports=lambda args, config=config: unsupported_reason(args, config),
-        run=lambda args, config=config: run(args, config),
+        supports=lambda args: unsupported_reason(args, config),
+        run=lambda args: prepare(args)(args),
+        prepare=prepare,
     )
 
 

@@ -36,6 +36,19 @@ def _launch_fn():
     return fn
 
 
+@functools.lru_cache(maxsize=1)
+def _raw_stream():
+    import triton
+
+    return triton.runtime.driver.active.get_current_stream
+
+
+def current_stream(device_index: int) -> int:
+    """Handle of torch's current stream on ``device_index`` through Triton's driver hook (one C
+    call; building a ``torch.cuda.Stream`` object per launch costs several times more)."""
+    return _raw_stream()(device_index)
+
+
 def _driver():
     from cuda.bindings import driver
 
@@ -86,6 +99,12 @@ class Kernel:
         result, value = driver.cuFuncGetAttribute(enum, self._function)
         _check(result, f"cuFuncGetAttribute({attribute})")
         return int(value)
+
+    def reserve_shared_memory(self, smem_bytes: int) -> None:
+        """Opt in to ``smem_bytes`` of dynamic shared memory (needed above 48 KB) ahead of
+        :meth:`launch_packed`, which does not check."""
+        if smem_bytes > self._smem_opt_in:
+            self._opt_in_smem(smem_bytes)
 
     def _opt_in_smem(self, smem_bytes: int) -> None:
         with self._lock:
@@ -143,7 +162,7 @@ class Kernel:
                 )
 
         if stream is None:
-            handle = torch.cuda.current_stream(self.device_index).cuda_stream
+            handle = current_stream(self.device_index)
         elif isinstance(stream, torch.cuda.Stream):
             handle = stream.cuda_stream
         else:
@@ -163,6 +182,20 @@ class Kernel:
             result,
             f"launch of {self.name} grid={(gx, gy, gz)} block={(bx, by, bz)} cluster={(cx, cy, cz)} smem={smem_bytes}",
         )
+
+    def launch_packed(self, grid: tuple[int, int, int], block: tuple[int, int, int], smem_bytes: int, stream: int,
+                      pointers, cluster: tuple[int, int, int] = (1, 1, 1)) -> None:
+        """The hot path for callers that keep their own argument array (``ctypes`` ``void*[]``
+        pointing at each parameter's bytes) and stream handle: no per-call checks beyond the
+        driver's own. Shared memory above 48 KB must be reserved first."""
+        if cluster == (1, 1, 1):
+            code = _launch_fn()(self._handle, *grid, *block, smem_bytes, stream, pointers, None)
+            if not code:
+                return
+            result = _driver().CUresult(code)
+        else:
+            result = self._launch_cluster(grid, block, cluster, smem_bytes, stream, pointers)
+        _check(result, f"launch of {self.name} grid={grid} block={block} cluster={cluster} smem={smem_bytes}")
 
     def _launch_cluster(self, grid, block, cluster, smem_bytes, handle, pointers):
         driver = _driver()

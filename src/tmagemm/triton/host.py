@@ -7,15 +7,17 @@ leading stride are 16-byte aligned; anything else goes to the pointer kernel.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .. import tuning
+from .. import envs, tuning
 from ..dispatch import GemmArgs
 from .common import scale_mode
+from .direct import DirectLaunch
 
 _TMA_ALIGN = 16  # bytes: base address and every non-innermost stride
 _TMA_MAX_STRIDE = 1 << 40  # bytes
@@ -138,24 +140,84 @@ def tma_supports(args: GemmArgs) -> str | None:
     return layout if isinstance(layout, str) else None
 
 
-def tma_planner(name: str, candidates, heuristic, launch, **launch_options):
-    """``(prepare, run)`` of a TMA variant: layout flags and config (tuned or heuristic) are
-    resolved once in ``prepare``; the launcher it returns serves every same-signature problem."""
+# Every TMA GEMM kernel takes its per-call operands first, in this order:
+# (a_desc, b_desc, c_desc, c_ptr, scale_a_ptr, scale_b_ptr, bias_ptr); c_desc and c_ptr both
+# describe ``out``. Everything after them is fixed by the problem's signature.
+GEMM_OPERANDS = 7
 
-    def prepare(args: GemmArgs, config=None):
+
+def _operands(args: GemmArgs) -> tuple:
+    return (args.a, args.b, args.out, args.out, args.scale_a, args.scale_b, args.bias)
+
+
+def _direct(name: str, args: GemmArgs, call) -> DirectLaunch | None:
+    """The plan's launch through :mod:`.direct`, or None to keep Triton's launcher (CPU, a
+    capture in progress, the knob off, or a kernel whose ABI the direct path does not cover)."""
+    if not args.out.is_cuda or envs.interpret() or not envs.direct_launch_enabled():
+        return None
+    if torch.cuda.is_current_stream_capturing():  # loading a module is not a capturable call
+        return None
+    fn, grid, positional, constexprs = call
+    built = DirectLaunch.build(fn, grid, positional, GEMM_OPERANDS, **constexprs)
+    if isinstance(built, str):
+        warnings.warn(f"{name}: using Triton's launcher ({built})", RuntimeWarning, stacklevel=3)
+        return None
+    return built
+
+
+def triton_launch(call) -> None:
+    """Run a ``kernel_call`` result through Triton's own launcher."""
+    fn, grid, positional, constexprs = call
+    fn[grid](*positional, **constexprs)
+
+
+def tma_planner(name: str, candidates, heuristic, kernel_call, *, direct: bool = True, **call_options):
+    """``(prepare, run)`` of a TMA variant: layout flags and config (tuned or heuristic) are
+    resolved once in ``prepare``; the launcher it returns serves every same-signature problem.
+
+    ``kernel_call(args, config, layout, **call_options)`` returns ``(jit_fn, grid, positional
+    args, constexpr kwargs)`` with the :data:`GEMM_OPERANDS` first. Tuning times Triton's own
+    launches; the plan then launches directly when it can (the ``direct`` attribute of the
+    returned launcher says which). ``direct=False`` keeps Triton's launcher always (kernels
+    that need its scratch allocator).
+    """
+
+    def launch(args: GemmArgs, config, layout: Layout) -> None:
+        triton_launch(kernel_call(args, config, layout, **call_options))
+
+    def resolve(args: GemmArgs, config):
         layout = tma_layout(args)
         if isinstance(layout, str):
             raise ValueError(f"{name} cannot run this problem: {layout}")
         if config is None:
-            config = tuning.select(name, args, candidates, heuristic, lambda c: launch(args, c, layout, **launch_options))
-        return lambda problem: launch(problem, config, layout, **launch_options)
+            config = tuning.select(name, args, candidates, heuristic, lambda c: launch(args, c, layout))
+        return layout, config
+
+    def prepare(args: GemmArgs, config=None):
+        layout, config = resolve(args, config)
+        fast = _direct(name, args, kernel_call(args, config, layout, **call_options)) if direct else None
+        if fast is not None:
+
+            def launcher(problem: GemmArgs) -> None:
+                fast(*_operands(problem))
+
+        else:
+
+            def launcher(problem: GemmArgs) -> None:
+                launch(problem, config, layout)
+
+        launcher.direct = fast is not None
+        launcher.config = config
+        return launcher
 
     def run(args: GemmArgs, config=None) -> None:
-        prepare(args, config)(args)
+        """One call through Triton's launcher (no plan is built or kept)."""
+        layout, config = resolve(args, config)
+        launch(args, config, layout)
 
-    # Belong to the kernel's module (where ``launch`` lives): tools such as ``tmagemm inspect``
+    # Belong to the kernel's module (where ``kernel_call`` lives): tools such as ``tmagemm inspect``
     # find a variant's ``aot_spec`` through ``variant.run.__module__``.
-    prepare.__module__ = run.__module__ = launch.__module__
+    prepare.__module__ = run.__module__ = kernel_call.__module__
     return prepare, run
 
 

@@ -96,24 +96,28 @@ def heuristic(args: GemmArgs) -> TritonGemmConfig:
     return TritonGemmConfig(128, 256, 64, 8, 4, 8, True)
 
 
-def launch(args: GemmArgs, config: TritonGemmConfig, layout: Layout) -> None:
+def kernel_call(args: GemmArgs, config: TritonGemmConfig, layout: Layout):
+    """``(kernel, grid, positional args, constexprs)`` of one launch (see host.tma_planner)."""
     out_block_n = config.block_n // 2 if config.epilogue_subtile else config.block_n
     a_desc, b_desc, c_desc = operand_descriptors(args, layout, config.block_m, config.block_n, config.block_k, out_block_n)
     # Under the interpreter, 4 programs: the persistent loop then runs more than once per program.
     num_sms = device.sms_of(args.out.device, cpu=4)
     tiles = triton.cdiv(args.m, config.block_m) * triton.cdiv(args.n, config.block_n)
-    persistent_gemm_kernel[(min(num_sms, tiles),)](
+    positional = (
         a_desc, b_desc, c_desc, args.out, args.scale_a, args.scale_b, args.bias,
         args.m, args.n, args.k, args.out.stride(0), args.out.stride(1),
+    )
+    constexprs = dict(
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         NUM_SMS=num_sms, EPILOGUE_SUBTILE=config.epilogue_subtile,
         A_ROW_MAJOR=layout.a_row_major, B_ROW_MAJOR=layout.b_row_major, TMA_STORE=layout.tma_store,
         SCALE_A=layout.scale_a, SCALE_B=layout.scale_b, HAS_BIAS=layout.has_bias, FAST_ACCUM=args.fast_accum,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    return persistent_gemm_kernel, (min(num_sms, tiles),), positional, constexprs
 
 
-prepare, run = tma_planner("triton.persistent", CONFIGS, heuristic, launch)
+prepare, run = tma_planner("triton.persistent", CONFIGS, heuristic, kernel_call)
 
 
 VARIANTS = [

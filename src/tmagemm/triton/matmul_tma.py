@@ -176,7 +176,8 @@ def heuristic(args: GemmArgs) -> TritonGemmConfig:
     return TritonGemmConfig(128, 256, 64, 8, 3, 8)
 
 
-def launch(args: GemmArgs, config: TritonGemmConfig, layout: Layout, device_desc: bool = False) -> None:
+def kernel_call(args: GemmArgs, config: TritonGemmConfig, layout: Layout, device_desc: bool = False):
+    """``(kernel, grid, positional args, constexprs)`` of one launch (see host.tma_planner)."""
     if device_desc:
         install_allocator()
         a_desc, b_desc, c_desc = args.a, args.b, None
@@ -187,19 +188,23 @@ def launch(args: GemmArgs, config: TritonGemmConfig, layout: Layout, device_desc
             args, layout, config.block_m, config.block_n, config.block_k, config.block_n
         )
     grid = (triton.cdiv(args.m, config.block_m) * triton.cdiv(args.n, config.block_n),)
-    tma_gemm_kernel[grid](
+    positional = (
         a_desc, b_desc, c_desc, args.out, args.scale_a, args.scale_b, args.bias,
-        args.m, args.n, args.k, args.out.stride(0), args.out.stride(1),
-        lead_a, lead_b,
+        args.m, args.n, args.k, args.out.stride(0), args.out.stride(1), lead_a, lead_b,
+    )
+    constexprs = dict(
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         A_ROW_MAJOR=layout.a_row_major, B_ROW_MAJOR=layout.b_row_major, TMA_STORE=layout.tma_store,
         SCALE_A=layout.scale_a, SCALE_B=layout.scale_b, HAS_BIAS=layout.has_bias, FAST_ACCUM=args.fast_accum,
         DEVICE_DESC=device_desc, num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    return tma_gemm_kernel, grid, positional, constexprs
 
 
-prepare, run = tma_planner("triton.tma", CONFIGS, heuristic, launch, device_desc=False)
-prepare_device, run_device = tma_planner("triton.tma_device", CONFIGS, heuristic, launch, device_desc=True)
+prepare, run = tma_planner("triton.tma", CONFIGS, heuristic, kernel_call)
+# Device-built maps need Triton's per-launch scratch allocation: always Triton's launcher.
+prepare_device, run_device = tma_planner("triton.tma_device", CONFIGS, heuristic, kernel_call, direct=False,
+                                         device_desc=True)
 
 
 VARIANTS = [
