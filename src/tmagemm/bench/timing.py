@@ -96,6 +96,21 @@ class Timer:
         host_bound = enqueue_us > hold_start.elapsed_time(hold_end) * 1e3
         return Timing(float(p50), float(p20), float(p80), reps, host_bound)
 
+    def host_us(self, fn: Callable[[], object], calls: int = 400) -> float:
+        """Host time per call: ``calls`` back-to-back calls, timed without waiting for the GPU,
+        which a spin kernel keeps busy meanwhile (so a full launch queue never stalls the loop and
+        the number is the Python + driver cost alone, whatever the kernel time)."""
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize(self.device)
+        torch.cuda._sleep(int(min(MAX_HOLD_US, calls * 200.0) * self._cycles_per_us))
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per_call = (time.perf_counter() - t0) / calls * 1e6
+        torch.cuda.synchronize(self.device)
+        return per_call
+
     def eager(self, fn: Callable[[], object]) -> Timing:
         """Kernel time of ``fn`` launched from Python (includes its host-side launch work only
         where that work is slower than the preceding flush)."""
