@@ -120,8 +120,8 @@ def _speed_rows(rows, dtype, shape, args, ref_fn):
                          ratio=ref_ms / ms, tflops=2 * m * n * k / ms / 1e9, err_vs_cublas=err))
 
 
-def speed(rows, quick):
-    fp8_ms = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192) if not quick else (128, 1024, 4096)
+def speed(rows, quick, fp8_ms=None, bf16=True):
+    fp8_ms = fp8_ms or ((16, 64, 128, 256, 512, 1024, 2048, 4096, 8192) if not quick else (128, 1024, 4096))
     for m in fp8_ms:
         n = k = 4096
         a, b, sa, sb = fp8_problem(m, n, k)
@@ -130,7 +130,7 @@ def speed(rows, quick):
         _speed_rows(rows, "fp8", (m, n, k), args,
                     lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=True))
         print(f"fp8 M={m} done", flush=True)
-    for s in ((4096,) if quick else (4096, 8192)):
+    for s in ((4096,) if quick else (4096, 8192)) if bf16 else ():
         a = torch.randn(s, s, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(s, s, device="cuda", dtype=torch.bfloat16)
         out = torch.empty(s, s, device="cuda", dtype=torch.bfloat16)
@@ -208,6 +208,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--skip-correctness", action="store_true", help="the pytest GPU suite covers it")
+    parser.add_argument("--fp8-m", default="", help="comma-separated M values of the fp8 speed rows (bf16 rows skipped)")
+    parser.add_argument("--host-only", action="store_true", help="host time per call only, no speed table")
     opts = parser.parse_args()
     global _timer
     _timer = Timer(torch.device("cuda"))
@@ -224,7 +226,9 @@ def main():
         host_times(rows)
     except Exception as e:  # keep the speed table even if a measurement path breaks
         print("host times failed:", type(e).__name__, str(e)[:300], flush=True)
-    speed(rows, opts.quick)
+    if not opts.host_only:
+        fp8_ms = tuple(int(x) for x in opts.fp8_m.split(",") if x)
+        speed(rows, opts.quick, fp8_ms, bf16=not fp8_ms)
     print(f"speed done {time.time() - t:.0f}s", flush=True)
     out = os.environ.get("OUT")
     if out:

@@ -30,7 +30,7 @@ import torch
 
 from .. import device as _device
 from ..dispatch import GemmArgs, Variant
-from ..jit.runtime import current_stream
+from ..jit.runtime import stream_getter
 from ..tma import MapsByAddress, params_for_tensor
 
 _ALIGN = 16  # bytes: TMA base address and row strides
@@ -298,10 +298,12 @@ class _Launch:
         self._block = (config.threads, 1, 1)
         self._smem = config.smem_bytes(out_size)
         self._kernel.reserve_shared_memory(self._smem)
+        self._other_devices = torch.cuda.device_count() > 1
+        self._stream = stream_getter()
         self._lock = threading.Lock()
 
     def __call__(self, args: GemmArgs, c: torch.Tensor | None = None) -> None:
-        if torch.cuda.current_device() != self._device_index:
+        if self._other_devices and torch.cuda.current_device() != self._device_index:
             with torch.cuda.device(self._device_index):  # the kernel lives in that device's context
                 return self(args, c)
         with self._lock:  # the maps and the parameter block are shared by every call of the plan
@@ -313,7 +315,7 @@ class _Launch:
             params.scale_a = args.scale_a.data_ptr() if args.scale_a is not None else None
             params.scale_b = args.scale_b.data_ptr() if args.scale_b is not None else None
             params.bias = args.bias.data_ptr() if args.bias is not None else None
-            self._kernel.launch_packed(self._grid, self._block, self._smem, current_stream(self._device_index),
+            self._kernel.launch_packed(self._grid, self._block, self._smem, self._stream(self._device_index),
                                        pointers, self._cluster)
 
 

@@ -37,16 +37,18 @@ def _launch_fn():
 
 
 @functools.lru_cache(maxsize=1)
-def _raw_stream():
+def stream_getter():
+    """``device_index -> handle of torch's current stream there``: Triton's driver hook, one C
+    call (building a ``torch.cuda.Stream`` object per launch costs several times more). Hot
+    paths keep the returned function."""
     import triton
 
     return triton.runtime.driver.active.get_current_stream
 
 
 def current_stream(device_index: int) -> int:
-    """Handle of torch's current stream on ``device_index`` through Triton's driver hook (one C
-    call; building a ``torch.cuda.Stream`` object per launch costs several times more)."""
-    return _raw_stream()(device_index)
+    """Handle of torch's current stream on ``device_index``."""
+    return stream_getter()(device_index)
 
 
 def _driver():

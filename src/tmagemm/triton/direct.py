@@ -30,7 +30,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .. import tma
 from ..inspection import launch_metadata
 from ..jit.compiler import Module
-from ..jit.runtime import current_stream
+from ..jit.runtime import stream_getter
 
 _ENTRY = re.compile(r"\.entry\s+(\w+)\s*\((.*?)\)", re.S)
 _PARAM = re.compile(r"\.param\s+(?:\.align\s+(\d+)\s+)?\.(\w+)\s+(?:\.ptr\s+(?:\.\w+\s+)*)?\w+(?:\[(\d+)\])?")
@@ -185,14 +185,18 @@ class DirectLaunch:
         self._grid = grid
         self._block = block
         self._smem = smem
-        self._slots = slots  # (operand position, param index, tma.MapsByAddress | None)
         self._holders = [ctypes.c_uint64(0) for _ in range(n_params)]
         self._pointers = (ctypes.c_void_p * max(n_params, 1))()
         for i, holder in enumerate(self._holders):
             self._pointers[i] = ctypes.addressof(holder)
         for index, value in fixed:
-            self._holders[index].value = value & (2**64 - 1)
+            self._holders[index].value = value & (2**64 - 1)  # b32 params read the low half
+        # Per call: pointer params get the operand's address, map params point at its map.
+        self._pointer_slots = [(pos, self._holders[index]) for pos, index, slot in slots if slot is None]
+        self._map_slots = [(pos, index, slot) for pos, index, slot in slots if slot is not None]
         self._device_index = device_index
+        self._other_devices = torch.cuda.device_count() > 1
+        self._stream = stream_getter()
         self._lock = threading.Lock()
 
     @classmethod
@@ -219,15 +223,13 @@ class DirectLaunch:
         return cls(kernel, grid3, block, smem, slots, n_params, fixed, torch.cuda.current_device())
 
     def __call__(self, *operands: torch.Tensor | None) -> None:
-        if torch.cuda.current_device() != self._device_index:
+        if self._other_devices and torch.cuda.current_device() != self._device_index:
             with torch.cuda.device(self._device_index):  # the function lives in that device's context
                 return self(*operands)
         with self._lock:  # the holders and retargeted maps are shared by every call of the plan
-            for pos, index, slot in self._slots:
-                address = operands[pos].data_ptr()
-                if slot is None:
-                    self._holders[index].value = address
-                else:
-                    self._pointers[index] = slot.get(address).address
-            stream = current_stream(self._device_index)
-            self._kernel.launch_packed(self._grid, self._block, self._smem, stream, self._pointers)
+            for pos, holder in self._pointer_slots:
+                holder.value = operands[pos].data_ptr()
+            for pos, index, slot in self._map_slots:
+                self._pointers[index] = slot.get(operands[pos].data_ptr()).address
+            self._kernel.launch_packed(self._grid, self._block, self._smem, self._stream(self._device_index),
+                                       self._pointers)
