@@ -183,3 +183,28 @@ def test_api_uses_direct_launch_and_tracks_new_operands(seeded):
         assert_close(out, reference(a, b, sa, sb), 1e-2, f"step {step}")
     launchers = [p for p in dispatch._plans.values() if getattr(p, "direct", False)]
     assert launchers, "no plan took the direct launch path"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (16, 576, 14336), (5, 2112, 7168), (32, 1024, 512)])
+def test_splitk_direct_launch_equals_tritons(m, n, k, seeded):
+    """Split-K keeps M, split_k and iters_per_split unspecialized (M = 1, split 1 stay parameters)
+    and takes the calling stream's workspace per call."""
+    from tmagemm.dispatch import GemmArgs
+    from tmagemm.triton import matmul_splitk
+
+    a, b = fp8_operands(m, n, k, "cuda")
+    sa, sb = torch.rand(m, device="cuda") + 0.5, torch.rand(1, device="cuda") + 0.5
+    expected = poisoned((m, n), torch.bfloat16, "cuda")
+    matmul_splitk.run(GemmArgs(a, b, expected, sa, sb))
+    assert_close(expected, reference(a, b, sa, sb), 1e-2, "split-K via Triton's launcher")
+    launcher = matmul_splitk.prepare(GemmArgs(a, b, expected, sa, sb))
+    assert launcher.direct
+    side = torch.cuda.Stream()
+    for stream in (torch.cuda.current_stream(), side, torch.cuda.current_stream()):
+        out = poisoned((m, n), torch.bfloat16, "cuda")
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            launcher(GemmArgs(a, b, out, sa, sb))
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)  # deterministic reduction: bitwise equal

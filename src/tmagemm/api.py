@@ -208,7 +208,8 @@ def run_gemm(
 def _key(t: torch.Tensor | None):
     if t is None:
         return None
-    return (type(t), t.device, t.dtype, t.shape, t.stride(), t.data_ptr() % 16)
+    # get_device() is -1 off CUDA, and only CUDA calls are remembered, so it tells devices apart.
+    return (type(t), t.get_device(), t.dtype, t.shape, t.stride(), t.data_ptr() % 16)
 
 
 def _remember(key: tuple | None, args: GemmArgs, backend: str, out_shape, out_dtype, device) -> None:
@@ -217,17 +218,24 @@ def _remember(key: tuple | None, args: GemmArgs, backend: str, out_shape, out_dt
         return  # CPU tensors (interpreter, tests) always take the checked path
     launcher = plan(args, backend)
     copies = tuple(t is not None and _scale_operand(t) is not t for t in (args.scale_a, args.scale_b))
-    if any(copies) or (args.bias is not None and not args.bias.is_contiguous()):
-        def prepare(a, b, out, scale_a, scale_b, bias, fast_accum):
-            return _gemm_args(a, b, out, scale_a, scale_b, bias, fast_accum)
-    else:
-        prepare = GemmArgs
+    as_given = not any(copies) and (args.bias is None or args.bias.is_contiguous())
+    operands = getattr(launcher, "operands", None)  # launchers that take the tensors without GemmArgs
+    if as_given and operands is not None:
 
-    def call(a, b, scale_a, scale_b, bias, fast_accum, out):
-        if out is None:
-            out = torch.empty(out_shape, dtype=out_dtype, device=device)
-        launcher(prepare(a, b, out, scale_a, scale_b, bias, fast_accum))
-        return out
+        def call(a, b, scale_a, scale_b, bias, fast_accum, out):
+            if out is None:
+                out = torch.empty(out_shape, dtype=out_dtype, device=device)
+            operands(a, b, out, scale_a, scale_b, bias)
+            return out
+
+    else:
+        prepare = GemmArgs if as_given else _gemm_args
+
+        def call(a, b, scale_a, scale_b, bias, fast_accum, out):
+            if out is None:
+                out = torch.empty(out_shape, dtype=out_dtype, device=device)
+            launcher(prepare(a, b, out, scale_a, scale_b, bias, fast_accum))
+            return out
 
     _calls[key] = call
 

@@ -125,20 +125,30 @@ def get(name: str) -> Variant:
 MID_M = 512
 
 
+def _splitk_first(args: GemmArgs) -> bool:
+    """Small M where split-K measured ahead of the tile kernel (scripts/gpu/small_m_pick.py,
+    H200, graph-timed vs cuBLAS fp8): fp8 at M <= 16 on every shape tried (N = K = 4096: 0.87-0.91x
+    vs 0.79-0.89x; long-K projections ~1.0x vs 0.76-0.87x), and at M <= 32 when K > 8192 (the
+    tile kernel then walks a long K on few CTAs) or the weight is >= 100 MB (earlier H100 sweep)."""
+    if args.m <= 32 and args.n * args.k * args.b.element_size() >= 100e6:
+        return True
+    return args.is_fp8 and (args.m <= 16 or (args.m <= 32 and args.k > 8192))
+
+
 def preference(args: GemmArgs) -> tuple[str, ...]:
     """Variants "auto" tries, best first, from the side-by-side measurements in BENCHMARKS.md.
 
     A variant is skipped when it is not registered or its supports() refuses the problem; the
     pointer kernel accepts everything.
-    - M <= 32 with >= 100 MB of weight: split-K streams more of HBM than any tile kernel.
+    - small M (see :func:`_splitk_first`): split-K, whose partial sums keep enough CTAs streaming
+      the weight.
     - M <= 512: the non-persistent Triton kernel with host-encoded tensor maps, launched through
       ``triton/direct.py`` (maps cached per address, so no per-call encode); its device-built-map
       twin ``triton.tma_device`` costs ~2.5 us more GPU time and stays a fallback.
     - larger M: the native persistent cooperative kernel, then the Triton persistent one.
     """
     tma = ("triton.tma", "triton.tma_device")
-    weight_bytes = args.n * args.k * args.b.element_size()
-    if args.m <= 32 and weight_bytes >= 100e6:
+    if _splitk_first(args):
         return ("triton.splitk", *tma, "triton.persistent", "triton.ptr")
     if args.m <= MID_M:
         return (*tma, "triton.persistent", "cuda.persistent_coop", "triton.ptr")

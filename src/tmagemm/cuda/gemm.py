@@ -303,18 +303,22 @@ class _Launch:
         self._lock = threading.Lock()
 
     def __call__(self, args: GemmArgs, c: torch.Tensor | None = None) -> None:
+        self.operands(args.a, args.b, args.out, args.scale_a, args.scale_b, args.bias, c)
+
+    def operands(self, a, b, out, scale_a, scale_b, bias, c: torch.Tensor | None = None) -> None:
+        """The launch on these operands (the public API's remembered calls use this form)."""
         if self._other_devices and torch.cuda.current_device() != self._device_index:
             with torch.cuda.device(self._device_index):  # the kernel lives in that device's context
-                return self(args, c)
+                return self.operands(a, b, out, scale_a, scale_b, bias, c)
         with self._lock:  # the maps and the parameter block are shared by every call of the plan
             pointers, params = self._pointers, self._params
-            pointers[0] = self._maps[0].get(args.a.data_ptr()).address
-            pointers[1] = self._maps[1].get(args.b.data_ptr()).address
-            pointers[2] = self._maps[2].get(args.out.data_ptr()).address
+            pointers[0] = self._maps[0].get(a.data_ptr()).address
+            pointers[1] = self._maps[1].get(b.data_ptr()).address
+            pointers[2] = self._maps[2].get(out.data_ptr()).address
             params.c = c.data_ptr() if self._uses_c else None
-            params.scale_a = args.scale_a.data_ptr() if args.scale_a is not None else None
-            params.scale_b = args.scale_b.data_ptr() if args.scale_b is not None else None
-            params.bias = args.bias.data_ptr() if args.bias is not None else None
+            params.scale_a = scale_a.data_ptr() if scale_a is not None else None
+            params.scale_b = scale_b.data_ptr() if scale_b is not None else None
+            params.bias = bias.data_ptr() if bias is not None else None
             self._kernel.launch_packed(self._grid, self._block, self._smem, self._stream(self._device_index),
                                        pointers, self._cluster)
 

@@ -67,15 +67,16 @@ def entry_params(ptx: str) -> tuple[str, list[Param | str]]:
     return match.group(1), params
 
 
-def _int_params(value: int) -> list[Param]:
-    if value == 1:
-        return []  # Triton specializes an int equal to 1 into a constant
+def _int_params(value: int, specialized: bool) -> list[Param]:
+    if value == 1 and specialized:
+        return []  # Triton turns an int equal to 1 into a constant (unless told not to specialize)
     return [B32] if -(2**31) <= value < 2**31 else [B64]
 
 
-def expected_params(args: Sequence[Any], n_operands: int) -> list[Param] | str:
+def expected_params(args: Sequence[Any], n_operands: int, unspecialized: frozenset = frozenset()) -> list[Param] | str:
     """The parameters Triton generates for ``args`` (without its trailing scratch pointers), or
-    why this module cannot launch them."""
+    why this module cannot launch them. ``unspecialized``: positions of the kernel's
+    ``do_not_specialize`` ints."""
     out: list[Param] = []
     for i, arg in enumerate(args):
         if arg is None:
@@ -89,7 +90,7 @@ def expected_params(args: Sequence[Any], n_operands: int) -> list[Param] | str:
             else:
                 return f"operand {i} is a {type(arg).__name__}, not a tensor or TensorDescriptor"
         elif isinstance(arg, int) and not isinstance(arg, bool):
-            out += _int_params(arg)
+            out += _int_params(arg, i not in unspecialized)
         else:
             return f"argument {i} is a {type(arg).__name__}; only ints follow the operands"
     return out
@@ -106,12 +107,13 @@ def _launch_reason(metadata) -> str | None:
     return None
 
 
-def parameter_plan(ptx: str, metadata: dict, args: Sequence[Any], n_operands: int):
+def parameter_plan(ptx: str, metadata: dict, args: Sequence[Any], n_operands: int,
+                   unspecialized: frozenset = frozenset()):
     """Check a compiled kernel (its PTX and :func:`tmagemm.inspection.launch_metadata`) against
     the arguments it was specialized for and lay out its parameters: ``(name, number of params, operand slots, fixed values)`` or the reason it cannot
     be launched here. Operand slots are ``(position in args, param index, tma.MapsByAddress | None)``;
     fixed values ``(param index, int)``."""
-    expected = expected_params(args, n_operands)
+    expected = expected_params(args, n_operands, unspecialized)
     if isinstance(expected, str):
         return expected
     reason = _launch_reason(metadata)
@@ -139,7 +141,7 @@ def parameter_plan(ptx: str, metadata: dict, args: Sequence[Any], n_operands: in
         elif isinstance(arg, torch.Tensor):
             slots.append((pos, index, None))
             index += 1
-        elif arg != 1:
+        elif arg != 1 or pos in unspecialized:
             fixed.append((index, int(arg)))
             index += 1
     if n_desc != len(metas):
@@ -200,15 +202,17 @@ class DirectLaunch:
         self._lock = threading.Lock()
 
     @classmethod
-    def build(cls, fn, grid: tuple[int, ...], args: Sequence[Any], n_operands: int, **kwargs) -> "DirectLaunch | str":
+    def build(cls, fn, grid: tuple[int, ...], args: Sequence[Any], n_operands: int, unspecialized: frozenset = frozenset(),
+              **kwargs) -> "DirectLaunch | str":
         """Compile (or fetch) the kernel Triton would run for ``fn[grid](*args, **kwargs)`` and
-        return a DirectLaunch for it, or the reason it must stay on Triton's launcher."""
-        reason = expected_params(args, n_operands)
+        return a DirectLaunch for it, or the reason it must stay on Triton's launcher.
+        ``unspecialized``: argument positions the kernel marks ``do_not_specialize``."""
+        reason = expected_params(args, n_operands, unspecialized)
         if isinstance(reason, str):
             return reason
         compiled = fn.warmup(*args, grid=grid, **kwargs)
         metadata = launch_metadata(compiled.metadata)
-        plan = parameter_plan(compiled.asm["ptx"], metadata, args, n_operands)
+        plan = parameter_plan(compiled.asm["ptx"], metadata, args, n_operands, unspecialized)
         if isinstance(plan, str):
             return plan
         name, n_params, slots, fixed = plan

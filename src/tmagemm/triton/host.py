@@ -150,7 +150,8 @@ def _operands(args: GemmArgs) -> tuple:
     return (args.a, args.b, args.out, args.out, args.scale_a, args.scale_b, args.bias)
 
 
-def _direct(name: str, args: GemmArgs, call) -> DirectLaunch | None:
+def direct_launch(name: str, args: GemmArgs, call, n_operands: int = GEMM_OPERANDS,
+                  unspecialized: frozenset = frozenset()) -> DirectLaunch | None:
     """The plan's launch through :mod:`.direct`, or None to keep Triton's launcher (CPU, a
     capture in progress, the knob off, or a kernel whose ABI the direct path does not cover)."""
     if not args.out.is_cuda or envs.interpret() or not envs.direct_launch_enabled():
@@ -158,7 +159,7 @@ def _direct(name: str, args: GemmArgs, call) -> DirectLaunch | None:
     if torch.cuda.is_current_stream_capturing():  # loading a module is not a capturable call
         return None
     fn, grid, positional, constexprs = call
-    built = DirectLaunch.build(fn, grid, positional, GEMM_OPERANDS, **constexprs)
+    built = DirectLaunch.build(fn, grid, positional, n_operands, unspecialized, **constexprs)
     if isinstance(built, str):
         warnings.warn(f"{name}: using Triton's launcher ({built})", RuntimeWarning, stacklevel=3)
         return None
@@ -195,11 +196,13 @@ def tma_planner(name: str, candidates, heuristic, kernel_call, *, direct: bool =
 
     def prepare(args: GemmArgs, config=None):
         layout, config = resolve(args, config)
-        fast = _direct(name, args, kernel_call(args, config, layout, **call_options)) if direct else None
+        fast = direct_launch(name, args, kernel_call(args, config, layout, **call_options)) if direct else None
         if fast is not None:
 
             def launcher(problem: GemmArgs) -> None:
                 fast(*_operands(problem))
+
+            launcher.operands = lambda a, b, out, scale_a, scale_b, bias: fast(a, b, out, out, scale_a, scale_b, bias)
 
         else:
 

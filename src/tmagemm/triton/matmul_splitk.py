@@ -31,7 +31,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from tmagemm import device as _device
 from tmagemm import envs
 from tmagemm.dispatch import GemmArgs, Variant
+from tmagemm.jit.runtime import stream_getter
 from tmagemm.triton.common import scale_bias_epilogue, scale_mode
+from tmagemm.triton.host import direct_launch, triton_launch
 
 MAX_M = 128
 
@@ -288,8 +290,8 @@ _retired: list[_Workspace] = []
 def _stream_key(dev: torch.device) -> tuple:
     if dev.type != "cuda":
         return (dev.type, None, None)
-    stream = torch.cuda.current_stream(dev)
-    return (dev.type, stream.device_index, stream.cuda_stream)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    return (dev.type, index, stream_getter()(index))  # looked up on every call: keep it cheap
 
 
 def _workspace(dev: torch.device, partials: int, locks: int) -> _Workspace:
@@ -409,11 +411,17 @@ def _check_gpu_config(config: SplitKConfig, itemsize: int) -> None:
         )
 
 
-def _launch(args: GemmArgs, config: SplitKConfig) -> None:
+# Per-call operands of _splitk_kernel, first in its signature: a, a's descriptor (or None), the
+# weight's descriptor, out, the scales, the bias, the stream's workspace (partials, counters).
+_OPERANDS = 9
+# Positions of the kernel's do_not_specialize ints (M, split_k, iters_per_split).
+_UNSPECIALIZED = frozenset({9, 16, 17})
+
+
+def _kernel_call(args: GemmArgs, config: SplitKConfig, ws: _Workspace):
+    """``(kernel, grid, positional args, constexprs)`` of one launch on workspace ``ws``."""
     a, b, out = args.a, args.b, args.out
     m, n, k = args.m, args.n, args.k
-    if a.device.type == "cuda":
-        _check_gpu_config(config, a.element_size())
     kmajor = _weight_kmajor(b)
     w_desc = _weight_desc(b, kmajor, config.block_n, config.block_k)
     if config.a_tma:
@@ -425,27 +433,11 @@ def _launch(args: GemmArgs, config: SplitKConfig) -> None:
     k_iters = _cdiv(k, config.block_k)
     iters_per_split = _cdiv(k_iters, config.split_k)
     split = _cdiv(k_iters, iters_per_split)
-    need = tiles * split * config.block_m * config.block_n if split > 1 else 0
-    ws = _workspace(a.device, need, tiles if split > 1 else 0)
-    _splitk_kernel[(split, tiles)](
-        a,
-        a_desc,
-        w_desc,
-        out,
-        args.scale_a,
-        args.scale_b,
-        args.bias,
-        ws.partials,
-        ws.locks,
-        m,
-        n,
-        k,
-        a.stride(0),
-        a.stride(1),
-        out.stride(0),
-        out.stride(1),
-        split,
-        iters_per_split,
+    positional = (
+        a, a_desc, w_desc, out, args.scale_a, args.scale_b, args.bias, ws.partials, ws.locks,
+        m, n, k, a.stride(0), a.stride(1), out.stride(0), out.stride(1), split, iters_per_split,
+    )
+    constexprs = dict(
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
@@ -460,6 +452,22 @@ def _launch(args: GemmArgs, config: SplitKConfig) -> None:
         num_stages=config.num_stages,
         num_warps=config.num_warps,
     )
+    return _splitk_kernel, (split, tiles), positional, constexprs
+
+
+def _workspace_need(args: GemmArgs, config: SplitKConfig) -> tuple[int, int]:
+    """(fp32 partials, counters) one launch needs; nothing without a K split."""
+    tiles = _cdiv(args.m, config.block_m) * _cdiv(args.n, config.block_n)
+    k_iters = _cdiv(args.k, config.block_k)
+    split = _cdiv(k_iters, _cdiv(k_iters, config.split_k))
+    return (tiles * split * config.block_m * config.block_n, tiles) if split > 1 else (0, 0)
+
+
+def _launch(args: GemmArgs, config: SplitKConfig) -> None:
+    if args.a.device.type == "cuda":
+        _check_gpu_config(config, args.a.element_size())
+    ws = _workspace(args.a.device, *_workspace_need(args, config))
+    triton_launch(_kernel_call(args, config, ws))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -469,8 +477,54 @@ def _cached_config(m: int, n: int, k: int, dtype: torch.dtype, sms: int) -> Spli
 
 
 
+def _prepare_zero_k(args: GemmArgs):
+    def launcher(problem: GemmArgs) -> None:
+        if problem.bias is None:  # empty sum: out = bias (or 0); scales multiply zero
+            problem.out.zero_()
+        else:
+            problem.out.copy_(problem.bias.expand(problem.m, problem.n))
+
+    return launcher
+
+
+def prepare(args: GemmArgs, config: SplitKConfig | None = None):
+    """The launch of one problem signature: heuristic config, and the kernel launched directly
+    (``triton/direct.py``) with the calling stream's workspace looked up per call."""
+    if args.m == 0 or args.n == 0:
+        return lambda problem: None
+    if args.k == 0:
+        return _prepare_zero_k(args)
+    if config is None:
+        config = _cached_config(args.m, args.n, args.k, args.a.dtype, _device.sms_of(args.a.device))
+    if args.a.device.type == "cuda":
+        _check_gpu_config(config, args.a.element_size())
+    need = _workspace_need(args, config)
+    fast = direct_launch("triton.splitk", args, _kernel_call(args, config, _workspace(args.a.device, *need)),
+                         _OPERANDS, _UNSPECIALIZED)
+    if fast is None:
+
+        def launcher(problem: GemmArgs) -> None:
+            _launch(problem, config)
+
+    else:
+        a_operand = config.a_tma  # the descriptor over A takes A's address, like the A pointer
+
+        def operands(a, b, out, scale_a, scale_b, bias):
+            ws = _workspace(out.device, *need)
+            fast(a, a if a_operand else None, b, out, scale_a, scale_b, bias, ws.partials, ws.locks)
+
+        def launcher(problem: GemmArgs) -> None:
+            operands(problem.a, problem.b, problem.out, problem.scale_a, problem.scale_b, problem.bias)
+
+        launcher.operands = operands
+    launcher.direct = fast is not None
+    launcher.config = config
+    return launcher
+
+
 def run(args: GemmArgs, config: SplitKConfig | None = None) -> None:
-    """Write ``args.out``; ``config`` overrides the heuristic (tests, benchmarks).
+    """Write ``args.out`` through Triton's launcher; ``config`` overrides the heuristic (tests,
+    benchmarks).
 
     CUDA graphs: the first call on a stream allocates that stream's workspace (16 MiB partials,
     64 KiB counters). Capture is safe once one eager call has run on the capture stream; a call
@@ -479,11 +533,8 @@ def run(args: GemmArgs, config: SplitKConfig | None = None) -> None:
     m, n, k = args.m, args.n, args.k
     if m == 0 or n == 0:
         return
-    if k == 0:  # empty sum: out = bias (or 0); scales multiply zero
-        if args.bias is None:
-            args.out.zero_()
-        else:
-            args.out.copy_(args.bias.expand(m, n))
+    if k == 0:
+        _prepare_zero_k(args)(args)
         return
     if config is None:
         config = _cached_config(m, n, k, args.a.dtype, _device.sms_of(args.a.device))
@@ -497,5 +548,6 @@ VARIANTS = [
         description="small-M (<=128) decode GEMM: TMA weight stream, swap-AB, deterministic split-K",
         supports=supports,
         run=run,
+        prepare=prepare,
     )
 ]
