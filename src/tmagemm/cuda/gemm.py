@@ -287,17 +287,15 @@ class _Launch:
         self._pointers[3] = ctypes.addressof(params)
 
         self._device_index = args.out.get_device()
-        self._kernel = _kernel(config, args.a.dtype, args.out.dtype, b_k_major, self._device_index)
+        kernel = _kernel(config, args.a.dtype, args.out.dtype, b_k_major, self._device_index)
         cm = config.cluster_m
         tiles = -(-args.m // (128 * cm)) * -(-args.n // config.block_n)  # cluster tiles
         if config.kernel == "persistent":
             grid = cm * min(tiles, (config.ctas or _device.sm_count(self._device_index)) // cm)
         else:
             grid = tiles
-        self._grid, self._cluster = (grid, 1, 1), (cm, 1, 1)
-        self._block = (config.threads, 1, 1)
-        self._smem = config.smem_bytes(out_size)
-        self._kernel.reserve_shared_memory(self._smem)
+        self._launch = kernel.packed((grid, 1, 1), (config.threads, 1, 1), config.smem_bytes(out_size),
+                                     self._pointers, (cm, 1, 1))
         self._other_devices = torch.cuda.device_count() > 1
         self._stream = stream_getter()
         self._lock = threading.Lock()
@@ -319,8 +317,7 @@ class _Launch:
             params.scale_a = scale_a.data_ptr() if scale_a is not None else None
             params.scale_b = scale_b.data_ptr() if scale_b is not None else None
             params.bias = bias.data_ptr() if bias is not None else None
-            self._kernel.launch_packed(self._grid, self._block, self._smem, self._stream(self._device_index),
-                                       pointers, self._cluster)
+            self._launch(self._stream(self._device_index))
 
 
 def run(

@@ -183,10 +183,6 @@ class DirectLaunch:
     """
 
     def __init__(self, kernel, grid, block, smem, slots, n_params, fixed, device_index):
-        self._kernel = kernel
-        self._grid = grid
-        self._block = block
-        self._smem = smem
         self._holders = [ctypes.c_uint64(0) for _ in range(n_params)]
         self._pointers = (ctypes.c_void_p * max(n_params, 1))()
         for i, holder in enumerate(self._holders):
@@ -196,6 +192,7 @@ class DirectLaunch:
         # Per call: pointer params get the operand's address, map params point at its map.
         self._pointer_slots = [(pos, self._holders[index]) for pos, index, slot in slots if slot is None]
         self._map_slots = [(pos, index, slot) for pos, index, slot in slots if slot is not None]
+        self._launch = kernel.packed(grid, block, smem, self._pointers)
         self._device_index = device_index
         self._other_devices = torch.cuda.device_count() > 1
         self._stream = stream_getter()
@@ -220,7 +217,6 @@ class DirectLaunch:
                         compile_seconds=0.0, cache_hit=True, options=())
         kernel = module.function(name)  # loaded on torch's current device, which launches it
         smem = int(metadata["shared"])
-        kernel.reserve_shared_memory(smem)
         block = (32 * int(metadata["num_warps"]), 1, 1)
         grid3 = tuple(grid) + (1,) * (3 - len(grid))
         # Trailing scratch pointers stay 0: parameter_plan refused kernels that use scratch.
@@ -235,5 +231,4 @@ class DirectLaunch:
                 holder.value = operands[pos].data_ptr()
             for pos, index, slot in self._map_slots:
                 self._pointers[index] = slot.get(operands[pos].data_ptr()).address
-            self._kernel.launch_packed(self._grid, self._block, self._smem, self._stream(self._device_index),
-                                       self._pointers)
+            self._launch(self._stream(self._device_index))

@@ -509,8 +509,13 @@ def prepare(args: GemmArgs, config: SplitKConfig | None = None):
     else:
         a_operand = config.a_tma  # the descriptor over A takes A's address, like the A pointer
 
+        index = args.out.get_device()
+        stream_of = stream_getter()
+
         def operands(a, b, out, scale_a, scale_b, bias):
-            ws = _workspace(out.device, *need)
+            ws = _workspaces.get(("cuda", index, stream_of(index)))  # this stream's, if big enough
+            if ws is None or ws.partials.numel() < need[0] or ws.locks.numel() < need[1]:
+                ws = _workspace(out.device, *need)
             fast(a, a if a_operand else None, b, out, scale_a, scale_b, bias, ws.partials, ws.locks)
 
         def launcher(problem: GemmArgs) -> None:
