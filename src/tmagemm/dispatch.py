@@ -126,13 +126,15 @@ MID_M = 512
 
 
 def _splitk_first(args: GemmArgs) -> bool:
-    """Small M where split-K measured ahead of the tile kernel (scripts/gpu/small_m_pick.py,
-    H200, graph-timed vs cuBLAS fp8): fp8 at M <= 16 on every shape tried (N = K = 4096: 0.87-0.91x
-    vs 0.79-0.89x; long-K projections ~1.0x vs 0.76-0.87x), and at M <= 32 when K > 8192 (the
-    tile kernel then walks a long K on few CTAs) or the weight is >= 100 MB (earlier H100 sweep)."""
+    """Small M where split-K measured ahead of the tile kernel (H200, graph-timed vs cuBLAS fp8;
+    scripts/gpu/small_m_pick.py and stream_floor.py, BENCHMARKS.md): fp8 at M <= 16 with K >= 4096
+    (N = K = 4096: 0.88-0.92x vs 0.82-0.87x; long-K projections 0.97-1.04x vs 0.73-0.88x; with a
+    short K, e.g. K = 512-1536 and N = 24-32K, the tile kernel was ahead), fp8 at M <= 32 with
+    K > 8192 (the tile kernel then walks a long K on few CTAs), and any M <= 32 with >= 100 MB of
+    weight (earlier H100 sweep)."""
     if args.m <= 32 and args.n * args.k * args.b.element_size() >= 100e6:
         return True
-    return args.is_fp8 and (args.m <= 16 or (args.m <= 32 and args.k > 8192))
+    return args.is_fp8 and ((args.m <= 16 and args.k >= 4096) or (args.m <= 32 and args.k > 8192))
 
 
 def preference(args: GemmArgs) -> tuple[str, ...]:
