@@ -132,6 +132,19 @@ def test_remembered_calls_still_check_what_changed(seeded):
     assert_close(tmagemm.scaled_mm(a2, b, sa, sb), reference(a, b, sa, sb), 1e-2, "unaligned a")
 
 
+def test_remembered_calls_copy_strided_scales_and_bias(seeded):
+    """A row-wise scale or a bias that is a strided view must be copied on every call, also once
+    the call is remembered (the kernels read them contiguously)."""
+    a, b, _, _ = _fp8(24, 48, 64)
+    for step in range(3):
+        sa = (torch.rand(24, 2, device=DEVICE) + 0.5)[:, :1]  # (M, 1), stride (2, 1)
+        sb = (torch.rand(2, 48, device=DEVICE) + 0.5)[:1]
+        bias = torch.randn(96, device=DEVICE, dtype=torch.bfloat16)[::2]  # (N,), stride 2
+        out = poisoned((24, 48), torch.bfloat16, DEVICE)
+        tmagemm.scaled_mm(a, b, sa, sb, bias=bias, out=out)
+        assert_close(out, reference(a, b, sa, sb, bias), 1e-2, f"step {step}")
+
+
 @pytest.mark.gpu
 def test_cuda_calls_are_remembered_outside_capture(monkeypatch, seeded):
     from tmagemm import dispatch

@@ -181,20 +181,26 @@ def run_gemm(
     backend: str,
 ) -> torch.Tensor:
     """Write the GEMM into ``out`` (already checked) and return it."""
+    _run(a, b, out, scale_a, scale_b, bias, fast_accum, backend)
+    return out
+
+
+def _run(a, b, out, scale_a, scale_b, bias, fast_accum, backend) -> GemmArgs | None:
+    """run_gemm's work; returns the planned problem (None when a zero size needed no kernel)."""
     m, k = a.shape
     n = b.shape[1]
     _check_runtime_device(a.device)
     if m == 0 or n == 0:
-        return out
+        return None
     if k == 0:
         # An empty sum: zeros, plus the bias (scales multiply zero).
         out.zero_()
         if bias is not None:
             out.add_(bias.to(out.dtype))
-        return out
+        return None
     args = _gemm_args(a, b, out, scale_a, scale_b, bias, fast_accum)
     plan(args, backend)(args)
-    return out
+    return args
 
 
 # ------------------------------------------------------------------ repeated calls (host time)
@@ -212,13 +218,19 @@ def _key(t: torch.Tensor | None):
     return (type(t), t.get_device(), t.dtype, t.shape, t.stride(), t.data_ptr() % 16)
 
 
-def _remember(key: tuple | None, args: GemmArgs, backend: str, out_shape, out_dtype, device) -> None:
-    """Store a direct path for ``key`` when the plan for ``args`` is a cached one."""
-    if key is None or not args.out.is_cuda or torch.cuda.is_current_stream_capturing():
-        return  # CPU tensors (interpreter, tests) always take the checked path
+def _as_given(scale: torch.Tensor | None) -> bool:
+    """True when the kernels can read ``scale`` without :func:`_scale_operand` copying it."""
+    return scale is None or scale.numel() == 1 or scale.reshape(-1).stride(0) == 1
+
+
+def _remember(key: tuple, args: GemmArgs, backend: str, user_tensors: tuple, out_dtype) -> None:
+    """Store a direct path for ``key`` (the plan for ``args`` is cached). ``user_tensors`` are the
+    caller's (scale_a, scale_b, bias) before normalisation: a remembered call passes tensors as
+    given only when they need no copy."""
     launcher = plan(args, backend)
-    copies = tuple(t is not None and _scale_operand(t) is not t for t in (args.scale_a, args.scale_b))
-    as_given = not any(copies) and (args.bias is None or args.bias.is_contiguous())
+    scale_a, scale_b, bias = user_tensors
+    as_given = _as_given(scale_a) and _as_given(scale_b) and (bias is None or bias.is_contiguous())
+    out_shape, device = tuple(args.out.shape), args.out.device
     operands = getattr(launcher, "operands", None)  # launchers that take the tensors without GemmArgs
     if as_given and operands is not None:
 
@@ -241,14 +253,14 @@ def _remember(key: tuple | None, args: GemmArgs, backend: str, out_shape, out_dt
 
 
 def _first_call(key, a, b, scale_a, scale_b, bias, fast_accum, out, out_dtype, backend) -> torch.Tensor:
-    """The checked path of an unseen call key (arguments already validated)."""
+    """The checked path of an unseen call key (arguments already validated); remembers the key
+    for CUDA calls outside graph capture (CPU calls, for the interpreter, always come here)."""
     if out is None:
         out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
-    result = run_gemm(a, b, out, scale_a, scale_b, bias, fast_accum, backend)
-    if a.shape[0] and b.shape[1] and a.shape[1]:
-        args = _gemm_args(a, b, out, scale_a, scale_b, bias, fast_accum)
-        _remember(key, args, backend, (a.shape[0], b.shape[1]), out_dtype, a.device)
-    return result
+    args = _run(a, b, out, scale_a, scale_b, bias, fast_accum, backend)
+    if args is not None and key is not None and out.is_cuda and not torch.cuda.is_current_stream_capturing():
+        _remember(key, args, backend, (scale_a, scale_b, bias), out_dtype)
+    return out
 
 
 def scaled_mm(
