@@ -10,6 +10,7 @@ cuda.persistent_coop       persistent ws, grouped static scheduler, both consume
                            per-shape config from coop_config (the dispatcher's choice)
 cuda.persistent_coop_mc    the same on 2x1 clusters, B multicast by TMA to both CTAs
 cuda.persistent_pingpong   persistent ws, consumers alternate 128x128 tiles (epilogue hidden)
+cuda.persistent_pingpong_mc  the same on 2x1 clusters, B multicast by TMA to both CTAs
 =========================  =====================================================================
 
 Layouts: A (M, K) row-major; B (K, N) either N-major (row-major, the torch default) or K-major
@@ -44,8 +45,8 @@ class NativeGemmConfig:
     """One rung's launch shape. ``kernel``: "seed" | "ws" | "persistent"; ``pingpong`` picks the
     persistent consumer schedule; ``stages``: depth of the TMA ring; ``group_m``: rows of tiles
     per L2 group of the grouped order (columns of tiles with ``raster_n``); ``ctas``: persistent grid size (0 = one CTA per SM; tests
-    use a few to make every CTA walk several tiles); ``cluster_m``: 2 = persistent cooperative
-    CTA pairs multicasting B; ``epi_passes``: 2 = the persistent cooperative epilogue stages
+    use a few to make every CTA walk several tiles); ``cluster_m``: 2 = persistent CTA pairs
+    multicasting B (grid capped at the clusters that fit at once); ``epi_passes``: 2 = the persistent cooperative epilogue stages
     its output in two column halves (half the staging memory, one more ring stage). Block M is
     always 128 and block K one 128-byte row."""
 
@@ -92,7 +93,7 @@ class NativeGemmConfig:
             and self.group_m >= 1
             and (self.kernel == "persistent" or not (self.pingpong or self.ctas))
             and self.ctas >= 0
-            and (self.cluster_m == 1 or (self.cluster_m == 2 and self.kernel == "persistent" and not self.pingpong))
+            and (self.cluster_m == 1 or (self.cluster_m == 2 and self.kernel == "persistent"))
             and (self.epi_passes == 1 or (self.epi_passes == 2 and self.kernel == "persistent" and not self.pingpong))
             and self.smem_bytes(out_itemsize) + 256 <= _device.SM90_SMEM_PER_BLOCK
         )
@@ -112,6 +113,7 @@ RUNGS: dict[str, NativeGemmConfig] = {
     "cuda.persistent_coop": NativeGemmConfig("persistent", block_n=256, stages=4, epi_passes=2),
     "cuda.persistent_coop_mc": NativeGemmConfig("persistent", block_n=256, stages=4, cluster_m=2, epi_passes=2),
     "cuda.persistent_pingpong": NativeGemmConfig("persistent", block_n=128, stages=5, pingpong=True),
+    "cuda.persistent_pingpong_mc": NativeGemmConfig("persistent", block_n=128, stages=5, pingpong=True, cluster_m=2),
 }
 
 _SOURCES = {"seed": "gemm_sm90_seed.cu", "ws": "gemm_sm90_ws.cu", "persistent": "gemm_sm90_persistent.cu"}
@@ -290,12 +292,15 @@ class _Launch:
         kernel = _kernel(config, args.a.dtype, args.out.dtype, b_k_major, self._device_index)
         cm = config.cluster_m
         tiles = -(-args.m // (128 * cm)) * -(-args.n // config.block_n)  # cluster tiles
+        smem, block, cluster = config.smem_bytes(out_size), (config.threads, 1, 1), (cm, 1, 1)
         if config.kernel == "persistent":
-            grid = cm * min(tiles, (config.ctas or _device.sm_count(self._device_index)) // cm)
+            clusters = (config.ctas or _device.sm_count(self._device_index)) // cm
+            if cm > 1:  # never more clusters than fit at once: the extra ones would form a second wave
+                clusters = min(clusters, kernel.max_active_clusters(block, smem, cluster))
+            grid = cm * min(tiles, clusters)
         else:
             grid = tiles
-        self._launch = kernel.packed((grid, 1, 1), (config.threads, 1, 1), config.smem_bytes(out_size),
-                                     self._pointers, (cm, 1, 1))
+        self._launch = kernel.packed((grid, 1, 1), block, smem, self._pointers, cluster)
         self._other_devices = torch.cuda.device_count() > 1
         self._stream = stream_getter()
         self._lock = threading.Lock()
@@ -434,4 +439,5 @@ VARIANTS = [
     _variant("cuda.persistent_pingpong", "native persistent WS, ping-pong consumers, 128x128 tiles (rung 3)"),
     _variant("cuda.seed", "native seed TMA + wgmma, one warpgroup, 128x128 tiles, 3 stages (rung 1)"),
     _variant("cuda.persistent_coop_mc", "native persistent WS, cooperative, 2x1 clusters with B multicast (rung 3)"),
+    _variant("cuda.persistent_pingpong_mc", "native persistent WS, ping-pong, 2x1 clusters with B multicast (rung 3)"),
 ]

@@ -10,11 +10,12 @@
 //                  so one warpgroup's epilogue hides behind the other's mainloop.
 // Each consumer stages its output in a dedicated buffer (the ring keeps streaming meanwhile).
 //
-// TMAGEMM_CLUSTER_M = 2 (cooperative only): CTA pairs of a 2x1 cluster take vertically adjacent
+// TMAGEMM_CLUSTER_M = 2 (either schedule): CTA pairs of a 2x1 cluster take vertically adjacent
 // tiles with the same columns and multicast halves of the shared B tile to each other, halving
 // B's L2 -> SM traffic. A stage is then overwritten by the peer's TMA too, so each consumer
-// warpgroup releases it in both CTAs, and a producer only exits once every arrival, local or
-// remote, has landed on its barriers.
+// warpgroup that reads it releases it in both CTAs, and a producer only exits once every
+// arrival, local or remote, has landed on its barriers. Both CTAs walk the same local tile
+// sequence, so in ping-pong the same consumer of each CTA reads a given stage.
 #include "tmagemm/gemm_sm90.cuh"
 
 #if !defined(TMAGEMM_PINGPONG) || !defined(TMAGEMM_CLUSTER_M) || !defined(TMAGEMM_EPI_PASSES)
@@ -27,7 +28,7 @@ using namespace tmagemm::gemm;
 namespace {
 constexpr bool kPingPong = TMAGEMM_PINGPONG != 0;
 constexpr int kCluster = TMAGEMM_CLUSTER_M;
-static_assert(kCluster == 1 || (kCluster == 2 && !kPingPong), "2-CTA clusters with the cooperative schedule only");
+static_assert(kCluster == 1 || kCluster == 2, "1 or 2 CTAs per cluster");
 constexpr int kConsumers = 2;
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kFrags = kPingPong ? 2 : 1;  // 64-row fragments per consumer
@@ -43,25 +44,21 @@ constexpr int kEpiPasses = TMAGEMM_EPI_PASSES;
 static_assert(kEpiPasses == 1 || !kPingPong, "ping-pong stages whole fragments");
 constexpr int kEpiBytesPerConsumer = kFrags * kFragBytes / kEpiPasses;
 // Arrivals that free a stage. Single CTA: every thread that read it (both consumers in the
-// cooperative schedule, the tile's owner in ping-pong). Cluster: one arrival per consumer
-// warpgroup of every CTA whose TMA writes into the stage, sent after its wgmma wait.
-constexpr int kStageReaders = kCluster > 1 ? kCluster * kConsumers : (kPingPong ? 128 : 128 * kConsumers);
+// cooperative schedule, the tile's owner in ping-pong). Cluster: one arrival per reading
+// consumer warpgroup of every CTA whose TMA writes into the stage, sent after its wgmma wait.
+constexpr int kReadersPerCta = kPingPong ? 1 : kConsumers;  // consumer warpgroups reading a stage
+constexpr int kStageReaders = kCluster > 1 ? kCluster * kReadersPerCta : 128 * kReadersPerCta;
 
+// A stage is released after wgmma.wait_group retired every read of it, so the arrival publishes
+// nothing and needs no cluster-scope release (that one costs a MEMBAR.ALL.GPU per k-block), and
+// the producer's wait on `empty` needs no cluster-scope acquire (that one invalidates L1): it
+// only orders its next TMA write after reads that are already complete.
 __device__ __forceinline__ void release_stage(u64* empty) {
   if constexpr (kCluster == 1) {
     ptx::mbarrier_arrive(empty);
   } else {
     const int t = threadIdx.x % 128;
-    if (t < kCluster) ptx::mbarrier_arrive_cluster(empty, t);  // thread t signals CTA t
-  }
-}
-
-__device__ __forceinline__ void wait_empty(u64* empty, u32 phase) {
-  // Cluster: the arrivals come from other CTAs, so acquire at cluster scope.
-  if constexpr (kCluster == 1) {
-    ptx::mbarrier_wait(empty, phase);
-  } else {
-    ptx::mbarrier_wait_cluster(empty, phase);
+    if (t < kCluster) ptx::mbarrier_arrive_remote(empty, t);  // thread t signals CTA t
   }
 }
 // Named barriers: 0 is __syncthreads; 1 + i private to consumer i; 3 and 4 order the mainloops
@@ -127,7 +124,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       for (int i = 0; i < my_tiles; ++i) {
         const TileCoord tile = tile_coord(i);
         for (int kt = 0; kt < k_tiles; ++kt) {
-          wait_empty(&empty[write.index], write.phase ^ 1);
+          ptx::mbarrier_wait(&empty[write.index], write.phase ^ 1);
           load_stage<kCluster>(smem + write.index * kStageBytes, &full[write.index], &map_a, &map_b, kt, tile.m0,
                                tile.n0, rank);
           write.advance();
@@ -137,7 +134,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         // Producer tail: wait until every stage was released by both CTAs, i.e. no remote
         // arrival can still target this CTA's barriers, before it may exit.
         for (int s = 0; s < kStages; ++s) {
-          wait_empty(&empty[write.index], write.phase ^ 1);
+          ptx::mbarrier_wait(&empty[write.index], write.phase ^ 1);
           write.advance();
         }
       }

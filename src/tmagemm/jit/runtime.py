@@ -194,6 +194,17 @@ class Kernel:
             f"launch of {self.name} grid={(gx, gy, gz)} block={(bx, by, bz)} cluster={(cx, cy, cz)} smem={smem_bytes}",
         )
 
+    def max_active_clusters(self, block: tuple[int, int, int], smem_bytes: int, cluster: tuple[int, int, int]) -> int:
+        """How many clusters of this shape can be resident on the device at once
+        (cuOccupancyMaxActiveClusters). A GPC holds whole clusters, so with large shared-memory
+        footprints this can be below SMs / cluster size; a persistent grid larger than it would
+        run its last clusters as a second wave."""
+        self.reserve_shared_memory(smem_bytes)
+        config = _launch_config((cluster[0], cluster[1], cluster[2]), block, cluster, smem_bytes, 0)
+        result, count = _driver().cuOccupancyMaxActiveClusters(self._function, config)
+        _check(result, f"cuOccupancyMaxActiveClusters for {self.name} block={block} cluster={cluster} smem={smem_bytes}")
+        return int(count)
+
     def packed(self, grid: tuple[int, int, int], block: tuple[int, int, int], smem_bytes: int, pointers,
                cluster: tuple[int, int, int] = (1, 1, 1)) -> Callable[[int], None]:
         """A launcher for callers that keep their own argument array (a ``ctypes`` ``void*[]``
@@ -202,10 +213,16 @@ class Kernel:
         once; a call converts only the stream (about half the cost of a typed ctypes call)."""
         self.reserve_shared_memory(smem_bytes)
         if cluster != (1, 1, 1):
-            return lambda stream: _check(
-                self._launch_cluster(grid, block, cluster, smem_bytes, stream, pointers),
-                f"launch of {self.name} grid={grid} block={block} cluster={cluster} smem={smem_bytes}",
-            )
+            driver = _driver()
+            config = _launch_config(grid, block, cluster, smem_bytes, 0)
+            address = ctypes.addressof(pointers)
+
+            def launch_cluster(stream: int) -> None:
+                config.hStream = driver.CUstream(stream)
+                _check(driver.cuLaunchKernelEx(config, self._function, address, 0)[0],
+                       f"launch of {self.name} grid={grid} block={block} cluster={cluster} smem={smem_bytes}")
+
+            return launch_cluster
         fn = _launch_untyped()
         head = (ctypes.c_void_p(self._handle),) + tuple(ctypes.c_uint(v) for v in (*grid, *block, smem_bytes))
 
@@ -217,19 +234,25 @@ class Kernel:
         return launch
 
     def _launch_cluster(self, grid, block, cluster, smem_bytes, handle, pointers):
-        driver = _driver()
-        config = driver.CUlaunchConfig()
-        config.gridDimX, config.gridDimY, config.gridDimZ = grid
-        config.blockDimX, config.blockDimY, config.blockDimZ = block
-        config.sharedMemBytes = smem_bytes
-        config.hStream = driver.CUstream(handle)
-        attr = driver.CUlaunchAttribute()
-        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
-        config.attrs = [attr]
-        config.numAttrs = 1
-        (result,) = driver.cuLaunchKernelEx(config, self._function, ctypes.addressof(pointers), 0)
+        config = _launch_config(grid, block, cluster, smem_bytes, handle)
+        (result,) = _driver().cuLaunchKernelEx(config, self._function, ctypes.addressof(pointers), 0)
         return result
+
+
+def _launch_config(grid, block, cluster, smem_bytes: int, stream: int):
+    """A cuLaunchKernelEx configuration with a cluster-dimension attribute."""
+    driver = _driver()
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = block
+    config.sharedMemBytes = smem_bytes
+    config.hStream = driver.CUstream(stream)
+    attr = driver.CUlaunchAttribute()
+    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
+    config.attrs = [attr]
+    config.numAttrs = 1
+    return config
 
 
 @functools.lru_cache(maxsize=None)

@@ -108,6 +108,16 @@ __device__ __forceinline__ void mbarrier_arrive_cluster(unsigned long long* bar,
                : "memory");
 }
 
+// Arrive on the barrier at the same shared offset in CTA `cta_rank` with release at CTA scope
+// only. For a consumer freeing a pipeline stage whose only accesses were wgmma reads already
+// retired by wgmma.wait_group, there is nothing to publish: the cluster-scope release above
+// compiles to MEMBAR.ALL.GPU (+ ERRBAR), which stalls the warp on every k-block, while this
+// form is a bare remote SYNCS arrive.
+__device__ __forceinline__ void mbarrier_arrive_remote(unsigned long long* bar, unsigned cta_rank) {
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(mapa_shared(smem_u32(bar), cta_rank))
+               : "memory");
+}
+
 // True once the phase with parity `phase` (0 or 1) has completed. try_wait may suspend the
 // thread for a system-defined time before returning false, so a spin on it is cheap.
 __device__ __forceinline__ bool mbarrier_try_wait_parity(unsigned long long* bar, unsigned phase) {
