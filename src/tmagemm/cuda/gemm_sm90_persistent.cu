@@ -43,21 +43,22 @@ constexpr int kFragBytes = 64 * kBlockN * kOutBytes;
 constexpr int kEpiPasses = TMAGEMM_EPI_PASSES;
 static_assert(kEpiPasses == 1 || !kPingPong, "ping-pong stages whole fragments");
 constexpr int kEpiBytesPerConsumer = kFrags * kFragBytes / kEpiPasses;
-// Arrivals that free a stage. Single CTA: every thread that read it (both consumers in the
-// cooperative schedule, the tile's owner in ping-pong). Cluster: one arrival per reading
-// consumer warpgroup of every CTA whose TMA writes into the stage, sent after its wgmma wait.
-constexpr int kReadersPerCta = kPingPong ? 1 : kConsumers;  // consumer warpgroups reading a stage
-constexpr int kStageReaders = kCluster > 1 ? kCluster * kReadersPerCta : 128 * kReadersPerCta;
+// Arrivals that free a stage: one per reading consumer warpgroup (both in the cooperative
+// schedule, the tile's owner in ping-pong) of every CTA whose TMA writes into the stage. One
+// thread arrives for its warpgroup: wgmma groups are tracked per warpgroup, so once its
+// wgmma.wait_group returns, every read of the stage by the whole warpgroup has retired.
+constexpr int kReadersPerCta = kPingPong ? 1 : kConsumers;
+constexpr int kStageReaders = kCluster * kReadersPerCta;
 
 // A stage is released after wgmma.wait_group retired every read of it, so the arrival publishes
 // nothing and needs no cluster-scope release (that one costs a MEMBAR.ALL.GPU per k-block), and
 // the producer's wait on `empty` needs no cluster-scope acquire (that one invalidates L1): it
 // only orders its next TMA write after reads that are already complete.
 __device__ __forceinline__ void release_stage(u64* empty) {
+  const int t = threadIdx.x % 128;
   if constexpr (kCluster == 1) {
-    ptx::mbarrier_arrive(empty);
+    if (t == 0) ptx::mbarrier_arrive(empty);
   } else {
-    const int t = threadIdx.x % 128;
     if (t < kCluster) ptx::mbarrier_arrive_remote(empty, t);  // thread t signals CTA t
   }
 }
@@ -147,6 +148,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   const int consumer = warpgroup - 1;
   const bool leader = threadIdx.x % 128 == 0;
   unsigned char* my_epi = epi + consumer * kEpiBytesPerConsumer;
+  const EpilogueOp op = epilogue_op(params);
   float acc[kFrags][kAccRegs];
 
   PipelineState read;
@@ -202,7 +204,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     // ---- epilogue (overlaps the producer's loads and, in ping-pong, the other's mainloop) ------
     if constexpr (kPingPong) {
 #pragma unroll
-      for (int f = 0; f < kFrags; ++f) epilogue_apply<kBlockN>(acc[f], tile.m0 + 64 * f, tile.n0, params);
+      for (int f = 0; f < kFrags; ++f) epilogue_apply<kBlockN>(acc[f], tile.m0 + 64 * f, tile.n0, params, op);
       if (leader) ptx::tma_store_wait_group_read<0>();
       named_barrier_sync(kBarConsumer0 + consumer, 128);
 #pragma unroll
@@ -215,7 +217,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           epilogue_issue_store<kBlockN>(&map_d, my_epi + f * kFragBytes, tile.m0 + 64 * f, tile.n0);
       }
     } else {
-      epilogue_fragment<kBlockN, kEpiPasses>(acc[0], my_epi, &map_d, tile.m0 + 64 * consumer, tile.n0, params,
+      epilogue_fragment<kBlockN, kEpiPasses>(acc[0], my_epi, &map_d, tile.m0 + 64 * consumer, tile.n0, params, op,
                                  kBarConsumer0 + consumer, leader);
     }
   }

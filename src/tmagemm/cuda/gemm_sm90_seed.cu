@@ -59,6 +59,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   __syncwarp();
 
   // ---- mainloop -----------------------------------------------------------------------------
+  const EpilogueOp op = epilogue_op(params);
   float acc[2][kAccRegs];
 #pragma unroll
   for (int f = 0; f < 2; ++f)
@@ -105,7 +106,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   const int kFragBytes = 64 * kBlockN * kOutBytes;
 #pragma unroll
   for (int f = 0; f < 2; ++f) {
-    epilogue_apply<kBlockN>(acc[f], tile.m0 + 64 * f, tile.n0, params);
+    epilogue_apply<kBlockN>(acc[f], tile.m0 + 64 * f, tile.n0, params, op);
     epilogue_to_smem<kBlockN>(acc[f], ptx::smem_u32(smem + f * kFragBytes));
   }
   ptx::fence_proxy_async_shared();

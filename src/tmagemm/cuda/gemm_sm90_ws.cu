@@ -78,6 +78,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   // ---- consumers -------------------------------------------------------------------------------
   ptx::warpgroup_reg_alloc<kConsumerRegs>();
   const int consumer = warpgroup - 1;
+  const EpilogueOp op = epilogue_op(params);
   float acc[kAccRegs];
 #pragma unroll
   for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.0f;
@@ -108,7 +109,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   // The other consumer may still be reading the ring with wgmma: wait for both before reusing it.
   named_barrier_sync(kBarConsumers, 128 * kConsumers);
   const bool leader = threadIdx.x % 128 == 0;
-  epilogue_fragment<kBlockN>(acc, smem + consumer * kFragBytes, &map_d, tile.m0 + 64 * consumer, tile.n0, params,
+  epilogue_fragment<kBlockN>(acc, smem + consumer * kFragBytes, &map_d, tile.m0 + 64 * consumer, tile.n0, params, op,
                              kBarConsumer0 + consumer, leader);
   // Shared memory must outlive the bulk reads of the stores.
   if (leader) ptx::tma_store_wait_group<0>();

@@ -191,18 +191,32 @@ __device__ __forceinline__ float load_as_float(const void* ptr, i64 index, int t
   return out;
 }
 
+// What the epilogue does to every tile, decided once per kernel before the mainloop: the
+// scalar loads then overlap the pipeline fill instead of stalling each tile's epilogue on an L2
+// round trip while the tensor cores wait.
+struct EpilogueOp {
+  int kind;     // kIdentity, kScale (one multiply: alpha and tensor-wise scales) or kGeneral
+  float scale;  // kScale: alpha * scale_a * scale_b
+};
+enum : int { kIdentity = 0, kScale = 1, kGeneral = 2 };
+
+__device__ __forceinline__ EpilogueOp epilogue_op(const Params& p) {
+  if (p.alpha == 1.0f && p.scale_a == nullptr && p.scale_b == nullptr && p.bias == nullptr && p.beta == 0.0f)
+    return {kIdentity, 1.0f};
+  if (!p.scale_a_rowwise && !p.scale_b_colwise && p.bias == nullptr && p.beta == 0.0f)
+    return {kScale, p.alpha * (p.scale_a ? p.scale_a[0] : 1.0f) * (p.scale_b ? p.scale_b[0] : 1.0f)};
+  return {kGeneral, 0.0f};
+}
+
 // alpha, scales, bias and beta * C, in fp32 on the accumulators. Index loads are clamped
 // to the problem; rows/columns past the edge are computed but never stored.
 template <int kN>
-__device__ __forceinline__ void epilogue_apply(float (&acc)[kN / 2], int row0, int col0, const Params& p) {
-  const bool identity = p.alpha == 1.0f && p.scale_a == nullptr && p.scale_b == nullptr &&
-                        p.bias == nullptr && p.beta == 0.0f;
-  if (identity) return;  // uniform branch: the plain GEMM pays nothing
-  if (!p.scale_a_rowwise && !p.scale_b_colwise && p.bias == nullptr && p.beta == 0.0f) {
-    // Tensor-wise scales (the usual fp8 case): one multiply per element.
-    const float s = p.alpha * (p.scale_a ? p.scale_a[0] : 1.0f) * (p.scale_b ? p.scale_b[0] : 1.0f);
+__device__ __forceinline__ void epilogue_apply(float (&acc)[kN / 2], int row0, int col0, const Params& p,
+                                               EpilogueOp op) {
+  if (op.kind == kIdentity) return;  // uniform branch: the plain GEMM pays nothing
+  if (op.kind == kScale) {
 #pragma unroll
-    for (int i = 0; i < kN / 2; ++i) acc[i] *= s;
+    for (int i = 0; i < kN / 2; ++i) acc[i] *= op.scale;
     return;
   }
   const int t = threadIdx.x % 128;
@@ -313,9 +327,10 @@ __device__ __forceinline__ void epilogue_passes(const float (&acc)[kN / 2], unsi
 // (and waits on) stores.
 template <int kN, int kPasses = 1>
 __device__ __forceinline__ void epilogue_fragment(float (&acc)[kN / 2], unsigned char* smem, const CUtensorMap* map_d,
-                                                  int row0, int col0, const Params& p, int bar_id, bool leader) {
+                                                  int row0, int col0, const Params& p, EpilogueOp op, int bar_id,
+                                                  bool leader) {
   static_assert((kN / kEpiCols) % kPasses == 0, "epilogue passes must split the chunks evenly");
-  epilogue_apply<kN>(acc, row0, col0, p);
+  epilogue_apply<kN>(acc, row0, col0, p, op);
   epilogue_passes<kN, kPasses>(acc, smem, map_d, row0, col0, bar_id, leader);
 }
 
