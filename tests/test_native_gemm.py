@@ -82,6 +82,13 @@ def test_invalid_configs_are_refused():
     assert not native.NativeGemmConfig("ws", block_n=256, stages=4, cluster_m=2).is_valid(2)
     assert not native.NativeGemmConfig("persistent", block_n=128, stages=5, pingpong=True, cluster_m=4).is_valid(2)
     assert not native.NativeGemmConfig("persistent", block_n=128, stages=5, pingpong=True, epi_passes=2).is_valid(2)
+    coop = native.RUNGS["cuda.persistent_coop"]
+    assert not replace(coop, epi_passes=1, epi_buffers=2).is_valid(2)  # nothing to alternate
+    assert not replace(coop, epi_passes=8).is_valid(2)  # 4 chunks of 128 bytes per row
+    assert coop.epi_passes == 4 and coop.fitted(4).is_valid(4)  # fp32 out: 8 chunks, 3 stages
+    assert not replace(coop, block_n=128, epi_passes=4).is_valid(2)  # 2 chunks
+    assert not replace(coop, epi_buffers=3).is_valid(2)
+    assert not native.NativeGemmConfig("ws", block_n=256, stages=3, epi_passes=2, epi_buffers=2).is_valid(2)
 
 
 # Shapes for the per-shape heuristic: ragged, tiny, tall, wide, and the benchmark targets.

@@ -30,9 +30,9 @@ FP8_M = [1024, 2048, 4096, 8192]
 
 # Config variants measured next to the default rungs (name -> config), to pick defaults from data.
 EXTRA = {
-    "coop.s3": replace(native.RUNGS["cuda.persistent_coop"], stages=3, epi_passes=1),
+    "coop.s3": replace(native.RUNGS["cuda.persistent_coop"], stages=3, epi_passes=1, epi_buffers=1),
     "coop.g16": replace(native.RUNGS["cuda.persistent_coop"], group_m=16),
-    "mc.s3": replace(native.RUNGS["cuda.persistent_coop_mc"], stages=3, epi_passes=1),
+    "mc.s3": replace(native.RUNGS["cuda.persistent_coop_mc"], stages=3, epi_passes=1, epi_buffers=1),
     "ws.g16": replace(native.RUNGS["cuda.ws"], group_m=16),
 }
 

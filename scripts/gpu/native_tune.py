@@ -41,18 +41,17 @@ def candidates() -> dict[str, native.NativeGemmConfig]:
     for the clusters (their group is counted in cluster rows)."""
     return {
         "coop": COOP,
+        "coop.p2b1": replace(COOP, epi_passes=2, epi_buffers=1),  # one half-tile buffer (before)
         "coop.c128": replace(COOP, ctas=128),
+        "coop.c128.p2b1": replace(COOP, ctas=128, epi_passes=2, epi_buffers=1),
         "coop.mc": COOP_MC,
-        "coop.mc.s3": replace(COOP_MC, stages=3, epi_passes=1),
-        "coop.mc.g4": replace(COOP_MC, group_m=4),
-        "coop.mc.g16": replace(COOP_MC, group_m=16),
+        "coop.mc.s3": replace(COOP_MC, stages=3, epi_passes=1, epi_buffers=1),
+        "coop.mc.p2b1": replace(COOP_MC, epi_passes=2, epi_buffers=1),
         "coop.mc.rn": replace(COOP_MC, raster_n=True),
         "n128": N128,
         "n128.mc": replace(N128, cluster_m=2),
         "pp": PP,
         "pp.mc": PP_MC,
-        "pp.mc.g16": replace(PP_MC, group_m=16),
-        "pp.mc.rn": replace(PP_MC, raster_n=True),
     }
 
 
@@ -122,7 +121,7 @@ def main() -> None:
     except ImportError:
         pass
     meta["max_active_clusters"] = {
-        name: max_active_clusters(CONFIGS[name], F8, BF16, True) for name in ("coop.mc", "coop.mc.s3", "pp.mc", "n128.mc")
+        name: max_active_clusters(CONFIGS[name], F8, BF16, True) for name in ("coop.mc", "pp.mc", "n128.mc")
     }
     print(json.dumps({k: v for k, v in meta.items() if k != "configs"}), flush=True)
 

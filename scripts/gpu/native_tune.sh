@@ -2,7 +2,7 @@
 # Config sweep of the native persistent GEMMs for the device machine (one `run` call):
 #   1. build every swept config and every test variant in parallel (NVRTC, CPU),
 #   2. the sweep (scripts/gpu/native_tune.py: graph-timed, L2 flushed, vs cuBLAS, two phases),
-#   3. the native GPU tests with the time left, 4. compute-sanitizer on the multicast rungs.
+#   3. the native GPU tests with the time left, 4. compute-sanitizer on the persistent rungs.
 # Details go under $OUT (native_tune.json, tune.log, pytest.log); the compact tables print last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -35,12 +35,12 @@ if [ "$LEFT" -gt 20 ]; then
 else
   echo "tests skipped: no time left"
 fi
-echo "== sanitizer, multicast rungs ($((SECONDS - T0))s)"
+echo "== sanitizer, persistent rungs ($((SECONDS - T0))s)"
 CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n 1)
 for tool in memcheck synccheck racecheck; do
   [ -n "$CS" ] && [ $((SECONDS - T0)) -lt 500 ] || { echo "$tool skipped"; continue; }
   timeout 40 "$CS" --tool "$tool" --report-api-errors no --print-limit 5 python scripts/gpu/native_sanitize.py \
-    cuda.persistent_coop_mc cuda.persistent_pingpong_mc > "$OUT/sanitize_$tool.log" 2>&1
+    cuda.persistent_coop cuda.persistent_coop_mc cuda.persistent_pingpong_mc > "$OUT/sanitize_$tool.log" 2>&1
   echo "$tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | head -n 2 | tr '\n' ' ')"
 done
 

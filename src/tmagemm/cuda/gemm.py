@@ -44,11 +44,13 @@ _ROW_BYTES = 128  # one k-block is one 128-byte swizzle row of A and B
 class NativeGemmConfig:
     """One rung's launch shape. ``kernel``: "seed" | "ws" | "persistent"; ``pingpong`` picks the
     persistent consumer schedule; ``stages``: depth of the TMA ring; ``group_m``: rows of tiles
-    per L2 group of the grouped order (columns of tiles with ``raster_n``); ``ctas``: persistent grid size (0 = one CTA per SM; tests
-    use a few to make every CTA walk several tiles); ``cluster_m``: 2 = persistent CTA pairs
-    multicasting B (grid capped at the clusters that fit at once); ``epi_passes``: 2 = the persistent cooperative epilogue stages
-    its output in two column halves (half the staging memory, one more ring stage). Block M is
-    always 128 and block K one 128-byte row."""
+    per L2 group of the grouped order (columns of tiles with ``raster_n``); ``ctas``: persistent
+    grid size (0 = one CTA per SM; tests use a few to make every CTA walk several tiles);
+    ``cluster_m``: 2 = persistent CTA pairs multicasting B (grid capped at the clusters that fit
+    at once); ``epi_passes`` / ``epi_buffers``: the persistent cooperative epilogue stores its
+    output in ``epi_passes`` column slices through ``epi_buffers`` (1 or 2, alternating) slice
+    buffers, so staging takes ``epi_buffers / epi_passes`` of the tile (2 passes x 1 buffer or 4 x
+    2 leave room for a 4th ring stage). Block M is always 128 and block K one 128-byte row."""
 
     kernel: str
     block_n: int
@@ -58,6 +60,7 @@ class NativeGemmConfig:
     ctas: int = 0
     cluster_m: int = 1
     epi_passes: int = 1
+    epi_buffers: int = 1
     raster_n: bool = False
 
     @property
@@ -72,7 +75,7 @@ class NativeGemmConfig:
         128 x block_n tile shared by the cooperative consumers, one each in ping-pong."""
         if self.kernel != "persistent":
             return 0
-        return (2 if self.pingpong else 1) * 128 * self.block_n * out_itemsize // self.epi_passes
+        return (2 if self.pingpong else 1) * 128 * self.block_n * out_itemsize * self.epi_buffers // self.epi_passes
 
     def smem_bytes(self, out_itemsize: int) -> int:
         ring = self.stages * self.stage_bytes()
@@ -94,7 +97,11 @@ class NativeGemmConfig:
             and (self.kernel == "persistent" or not (self.pingpong or self.ctas))
             and self.ctas >= 0
             and (self.cluster_m == 1 or (self.cluster_m == 2 and self.kernel == "persistent"))
-            and (self.epi_passes == 1 or (self.epi_passes == 2 and self.kernel == "persistent" and not self.pingpong))
+            and (self.epi_passes == 1 or (self.kernel == "persistent" and not self.pingpong))
+            and self.epi_passes in (1, 2, 4)
+            and (self.block_n * out_itemsize // _ROW_BYTES) % self.epi_passes == 0  # whole 128-byte chunks
+            and self.epi_buffers in (1, 2)
+            and (self.epi_buffers == 1 or self.epi_passes >= 2)
             and self.smem_bytes(out_itemsize) + 256 <= _device.SM90_SMEM_PER_BLOCK
         )
 
@@ -110,8 +117,9 @@ class NativeGemmConfig:
 RUNGS: dict[str, NativeGemmConfig] = {
     "cuda.seed": NativeGemmConfig("seed", block_n=128, stages=3),
     "cuda.ws": NativeGemmConfig("ws", block_n=256, stages=4),
-    "cuda.persistent_coop": NativeGemmConfig("persistent", block_n=256, stages=4, epi_passes=2),
-    "cuda.persistent_coop_mc": NativeGemmConfig("persistent", block_n=256, stages=4, cluster_m=2, epi_passes=2),
+    "cuda.persistent_coop": NativeGemmConfig("persistent", block_n=256, stages=4, epi_passes=4, epi_buffers=2),
+    "cuda.persistent_coop_mc": NativeGemmConfig("persistent", block_n=256, stages=4, cluster_m=2, epi_passes=4,
+                                                epi_buffers=2),
     "cuda.persistent_pingpong": NativeGemmConfig("persistent", block_n=128, stages=5, pingpong=True),
     "cuda.persistent_pingpong_mc": NativeGemmConfig("persistent", block_n=128, stages=5, pingpong=True, cluster_m=2),
 }
@@ -222,6 +230,7 @@ def _defines(config: NativeGemmConfig, ab_dtype: torch.dtype, out_dtype: torch.d
         defines["TMAGEMM_PINGPONG"] = int(config.pingpong)
         defines["TMAGEMM_CLUSTER_M"] = config.cluster_m
         defines["TMAGEMM_EPI_PASSES"] = config.epi_passes
+        defines["TMAGEMM_EPI_BUFFERS"] = config.epi_buffers
     return defines
 
 

@@ -18,8 +18,9 @@
 // sequence, so in ping-pong the same consumer of each CTA reads a given stage.
 #include "tmagemm/gemm_sm90.cuh"
 
-#if !defined(TMAGEMM_PINGPONG) || !defined(TMAGEMM_CLUSTER_M) || !defined(TMAGEMM_EPI_PASSES)
-#error "gemm_sm90_persistent.cu needs TMAGEMM_PINGPONG (0 cooperative, 1 ping-pong), TMAGEMM_CLUSTER_M (1, 2), TMAGEMM_EPI_PASSES"
+#if !defined(TMAGEMM_PINGPONG) || !defined(TMAGEMM_CLUSTER_M) || !defined(TMAGEMM_EPI_PASSES) || \
+    !defined(TMAGEMM_EPI_BUFFERS)
+#error "gemm_sm90_persistent.cu needs TMAGEMM_PINGPONG (0 cooperative, 1 ping-pong), TMAGEMM_CLUSTER_M (1, 2), TMAGEMM_EPI_PASSES, TMAGEMM_EPI_BUFFERS"
 #endif
 
 using namespace tmagemm;
@@ -38,11 +39,13 @@ constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;
 static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= 65536, "register file");
 constexpr int kFragBytes = 64 * kBlockN * kOutBytes;
-// Cooperative: the output fragment is staged in TMAGEMM_EPI_PASSES column slices; 2 halves the
-// staging buffers, which buys a 4th ring stage for 128x256 tiles.
+// Cooperative: the output fragment is staged in TMAGEMM_EPI_PASSES column slices through
+// TMAGEMM_EPI_BUFFERS slice buffers. Staging less than the fragment buys a 4th ring stage for
+// 128x256 tiles; two buffers let a slice be written while the previous one is still being stored.
 constexpr int kEpiPasses = TMAGEMM_EPI_PASSES;
-static_assert(kEpiPasses == 1 || !kPingPong, "ping-pong stages whole fragments");
-constexpr int kEpiBytesPerConsumer = kFrags * kFragBytes / kEpiPasses;
+constexpr int kEpiBuffers = TMAGEMM_EPI_BUFFERS;
+static_assert((kEpiPasses == 1 && kEpiBuffers == 1) || !kPingPong, "ping-pong stages whole fragments");
+constexpr int kEpiBytesPerConsumer = kFrags * kFragBytes / kEpiPasses * kEpiBuffers;
 // Arrivals that free a stage: one per reading consumer warpgroup (both in the cooperative
 // schedule, the tile's owner in ping-pong) of every CTA whose TMA writes into the stage. One
 // thread arrives for its warpgroup: wgmma groups are tracked per warpgroup, so once its
@@ -217,7 +220,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
           epilogue_issue_store<kBlockN>(&map_d, my_epi + f * kFragBytes, tile.m0 + 64 * f, tile.n0);
       }
     } else {
-      epilogue_fragment<kBlockN, kEpiPasses>(acc[0], my_epi, &map_d, tile.m0 + 64 * consumer, tile.n0, params, op,
+      epilogue_fragment<kBlockN, kEpiPasses, kEpiBuffers>(acc[0], my_epi, &map_d, tile.m0 + 64 * consumer, tile.n0, params, op,
                                  kBarConsumer0 + consumer, leader);
     }
   }

@@ -301,37 +301,42 @@ __device__ __forceinline__ void epilogue_issue_store(const CUtensorMap* map_d, c
   ptx::tma_store_commit_group();
 }
 
-// Stage and store column slice kPass of kPasses, then the following ones.
-template <int kN, int kPasses, int kPass = 0>
+// Stage and store column slice kPass of kPasses, then the following ones. Slices alternate over
+// kBuffers staging buffers of one slice each.
+template <int kN, int kPasses, int kBuffers, int kPass = 0>
 __device__ __forceinline__ void epilogue_passes(const float (&acc)[kN / 2], unsigned char* smem,
                                                 const CUtensorMap* map_d, int row0, int col0, int bar_id,
                                                 bool leader) {
   if constexpr (kPass < kPasses) {
     constexpr int kCount = kN / kEpiCols / kPasses;
-    // The staging buffer may still be read by the previous store (the previous slice, or the
-    // previous tile in persistent kernels): the leader waits for it, the barrier tells everyone.
-    if (leader) ptx::tma_store_wait_group_read<0>();
+    unsigned char* buffer = smem + (kPass % kBuffers) * kCount * kEpiChunkBytes;
+    // The buffer may still be read by the store issued kBuffers slices ago (in persistent
+    // kernels, maybe by the previous tile): the leader waits until at most the kBuffers - 1
+    // newer stores are reading, the barrier tells everyone. With two buffers that store was
+    // issued a whole slice earlier, so the wait rarely stalls.
+    if (leader) ptx::tma_store_wait_group_read<kBuffers - 1>();
     named_barrier_sync(bar_id, 128);
-    epilogue_to_smem<kN, kPass * kCount, kCount>(acc, ptx::smem_u32(smem));
+    epilogue_to_smem<kN, kPass * kCount, kCount>(acc, ptx::smem_u32(buffer));
     // Generic-proxy writes must be ordered before the async-proxy (TMA) read of the same bytes.
     ptx::fence_proxy_async_shared();
     named_barrier_sync(bar_id, 128);
-    if (leader) epilogue_issue_store<kN, kPass * kCount, kCount>(map_d, smem, row0, col0);
-    epilogue_passes<kN, kPasses, kPass + 1>(acc, smem, map_d, row0, col0, bar_id, leader);
+    if (leader) epilogue_issue_store<kN, kPass * kCount, kCount>(map_d, buffer, row0, col0);
+    epilogue_passes<kN, kPasses, kBuffers, kPass + 1>(acc, smem, map_d, row0, col0, bar_id, leader);
   }
 }
 
 // The whole epilogue of one warpgroup fragment, staged in kPasses column slices so the staging
-// buffer (64 x kN / kPasses outputs) can be smaller than the fragment. `bar_id` is a named
-// barrier private to the warpgroup; `leader` is one of its threads, the only one that issues
-// (and waits on) stores.
-template <int kN, int kPasses = 1>
+// memory (kBuffers slices of 64 x kN / kPasses outputs) can be smaller than the fragment.
+// `bar_id` is a named barrier private to the warpgroup; `leader` is one of its threads, the only
+// one that issues (and waits on) stores.
+template <int kN, int kPasses = 1, int kBuffers = 1>
 __device__ __forceinline__ void epilogue_fragment(float (&acc)[kN / 2], unsigned char* smem, const CUtensorMap* map_d,
                                                   int row0, int col0, const Params& p, EpilogueOp op, int bar_id,
                                                   bool leader) {
   static_assert((kN / kEpiCols) % kPasses == 0, "epilogue passes must split the chunks evenly");
+  static_assert(kBuffers == 1 || (kBuffers == 2 && kPasses >= 2), "one buffer, or two alternating slices");
   epilogue_apply<kN>(acc, row0, col0, p, op);
-  epilogue_passes<kN, kPasses>(acc, smem, map_d, row0, col0, bar_id, leader);
+  epilogue_passes<kN, kPasses, kBuffers>(acc, smem, map_d, row0, col0, bar_id, leader);
 }
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
