@@ -105,7 +105,7 @@ def main() -> None:
     from tmagemm.bench.timing import Timer
 
     start = time.time()
-    timer = Timer(torch.device("cuda"), budget_ms=20.0, min_reps=8, max_reps=40)
+    timer = Timer(torch.device("cuda"), budget_ms=60.0, min_reps=15, max_reps=80)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     meta = {
         "device": torch.cuda.get_device_name(), "sms": sms, "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -171,7 +171,7 @@ def main() -> None:
         finalists = list(dict.fromkeys(ranked[:3] + [nm for nm in (DEFAULT, heur_name) if nm in calls]))
         rounds = {nm: [] for nm in finalists}
         peer_rounds = []
-        for _ in range(3):
+        for _ in range(5):
             peer_rounds.append(graph_us(fn))
             for nm in finalists:
                 rounds[nm].append(graph_us(calls[nm]))
