@@ -28,8 +28,8 @@ def _args(m, n, k, dtype=F8):
         (256, 4096, 4096, F8, "triton.tma"),
         (257, 4096, 4096, F8, "cuda.persistent_coop"),  # 128x128 tiles (coop_config)
         (512, 4096, 4096, F8, "cuda.persistent_coop"),
-        (512, 4096, 4096, torch.bfloat16, "triton.tma"),
-        (513, 4096, 4096, torch.bfloat16, "cuda.persistent_coop"),
+        (256, 4096, 4096, torch.bfloat16, "triton.tma"),
+        (512, 4096, 4096, torch.bfloat16, "cuda.persistent_coop"),
         (8, 4096, 4096, torch.bfloat16, "triton.tma"),  # bf16 at small M: not measured to favour split-K
         (8, 28672, 4096, torch.bfloat16, "triton.splitk"),  # ... unless the weight is >= 100 MB
         (4096, 4096, 4096, torch.bfloat16, "cuda.persistent_coop"),

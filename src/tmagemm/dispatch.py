@@ -122,10 +122,11 @@ def get(name: str) -> Variant:
     return registry[name]
 
 
-# Largest M the non-persistent Triton kernel is preferred for: fp8 512 x 4096 x 4096 ran at 0.91x
-# cuBLAS there and at 0.99x on the native cooperative kernel with 128x128 tiles (H200); fp8 256 at
-# 1.02x on Triton. bf16/fp16 in between were not measured to favour the native kernel.
-MID_M = {"fp8": 256, "16-bit": 512}
+# Largest M the non-persistent Triton kernel is preferred for (H200, graph-timed vs cuBLAS,
+# BENCHMARKS.md): at M = 384-512, N = K = 4096 the native cooperative kernel with 128x128 tiles
+# ran at 0.91-0.99x (fp8) and 1.04x (bf16 512) against 0.84-0.91x and 0.90x on Triton; at M = 256
+# Triton was ahead (fp8 1.01-1.02x).
+MID_M = 256
 
 
 def _splitk_first(args: GemmArgs) -> bool:
@@ -147,15 +148,16 @@ def preference(args: GemmArgs) -> tuple[str, ...]:
     pointer kernel accepts everything.
     - small M (see :func:`_splitk_first`): split-K, whose partial sums keep enough CTAs streaming
       the weight.
-    - M <= MID_M (256 fp8, 512 16-bit): the non-persistent Triton kernel with host-encoded tensor maps, launched through
+    - M <= MID_M (256): the non-persistent Triton kernel with host-encoded tensor maps, launched through
       ``triton/direct.py`` (maps cached per address, so no per-call encode); its device-built-map
       twin ``triton.tma_device`` costs ~2.5 us more GPU time and stays a fallback.
-    - larger M: the native persistent cooperative kernel, then the Triton persistent one.
+    - larger M: the native persistent cooperative kernel (per-shape config, ``coop_config``), then
+      the Triton persistent one.
     """
     tma = ("triton.tma", "triton.tma_device")
     if _splitk_first(args):
         return ("triton.splitk", *tma, "triton.persistent", "triton.ptr")
-    if args.m <= MID_M["fp8" if args.is_fp8 else "16-bit"]:
+    if args.m <= MID_M:
         return (*tma, "triton.persistent", "cuda.persistent_coop", "triton.ptr")
     return ("cuda.persistent_coop", "triton.persistent", *tma, "triton.ptr")
 
