@@ -106,6 +106,13 @@ class Layout:
     scale_b: int
     has_bias: bool
 
+    def constexprs(self, fast_accum: bool) -> dict:
+        """The kernels' layout and epilogue constexprs (same names in every TMA kernel)."""
+        return dict(
+            A_ROW_MAJOR=self.a_row_major, B_ROW_MAJOR=self.b_row_major, TMA_STORE=self.tma_store,
+            SCALE_A=self.scale_a, SCALE_B=self.scale_b, HAS_BIAS=self.has_bias, FAST_ACCUM=fast_accum,
+        )
+
 
 def tma_layout(args: GemmArgs) -> Layout | str:
     """Layout flags for the TMA kernels, or the reason TMA cannot describe the operands."""

@@ -194,8 +194,7 @@ def kernel_call(args: GemmArgs, config: TritonGemmConfig, layout: Layout, device
     )
     constexprs = dict(
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        A_ROW_MAJOR=layout.a_row_major, B_ROW_MAJOR=layout.b_row_major, TMA_STORE=layout.tma_store,
-        SCALE_A=layout.scale_a, SCALE_B=layout.scale_b, HAS_BIAS=layout.has_bias, FAST_ACCUM=args.fast_accum,
+        **layout.constexprs(args.fast_accum),
         DEVICE_DESC=device_desc, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return tma_gemm_kernel, grid, positional, constexprs
