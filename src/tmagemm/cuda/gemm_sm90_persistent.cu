@@ -46,25 +46,12 @@ constexpr int kEpiPasses = TMAGEMM_EPI_PASSES;
 constexpr int kEpiBuffers = TMAGEMM_EPI_BUFFERS;
 static_assert((kEpiPasses == 1 && kEpiBuffers == 1) || !kPingPong, "ping-pong stages whole fragments");
 constexpr int kEpiBytesPerConsumer = kFrags * kFragBytes / kEpiPasses * kEpiBuffers;
-// Arrivals that free a stage: one per reading consumer warpgroup (both in the cooperative
-// schedule, the tile's owner in ping-pong) of every CTA whose TMA writes into the stage. One
-// thread arrives for its warpgroup: wgmma groups are tracked per warpgroup, so once its
-// wgmma.wait_group returns, every read of the stage by the whole warpgroup has retired.
+// Arrivals that free a stage (release_stage): one per reading consumer warpgroup (both in the
+// cooperative schedule, the tile's owner in ping-pong) of every CTA whose TMA writes into it.
+// The producer's wait on `empty` needs no cluster-scope acquire either (that one invalidates L1):
+// it only orders its next TMA write after reads that are already complete.
 constexpr int kReadersPerCta = kPingPong ? 1 : kConsumers;
 constexpr int kStageReaders = kCluster * kReadersPerCta;
-
-// A stage is released after wgmma.wait_group retired every read of it, so the arrival publishes
-// nothing and needs no cluster-scope release (that one costs a MEMBAR.ALL.GPU per k-block), and
-// the producer's wait on `empty` needs no cluster-scope acquire (that one invalidates L1): it
-// only orders its next TMA write after reads that are already complete.
-__device__ __forceinline__ void release_stage(u64* empty) {
-  const int t = threadIdx.x % 128;
-  if constexpr (kCluster == 1) {
-    if (t == 0) ptx::mbarrier_arrive(empty);
-  } else {
-    if (t < kCluster) ptx::mbarrier_arrive_remote(empty, t);  // thread t signals CTA t
-  }
-}
 // Named barriers: 0 is __syncthreads; 1 + i private to consumer i; 3 and 4 order the mainloops
 // of consumer 0 -> 1 and 1 -> 0 (ping-pong only).
 constexpr int kBarConsumer0 = 1;
@@ -88,30 +75,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   const int rank = kCluster > 1 ? static_cast<int>(ptx::cluster_ctarank()) : 0;
   const int cluster = blockIdx.x / kCluster;
   const int clusters = gridDim.x / kCluster;
-  const int tiles_m = ceil_div(params.m, kBlockM * kCluster);
-  const int tiles_n = ceil_div(params.n, kBlockN);
-  const int tiles = tiles_m * tiles_n;
+  const int tiles = ceil_div(params.m, kBlockM * kCluster) * ceil_div(params.n, kBlockN);
   const int k_tiles = ceil_div(params.k, kBlockK);
   // Tiles this cluster runs: local tile i is cluster tile cluster + i * clusters.
   const int my_tiles = cluster < tiles ? (tiles - cluster + clusters - 1) / clusters : 0;
   const int warpgroup = threadIdx.x / 128;
-  auto tile_coord = [&](int i) {
-    const TileIndex index = grouped_tile(cluster + i * clusters, tiles_m, tiles_n, params.group_m, params.raster_n);
-    return TileCoord{(index.m * kCluster + rank) * kBlockM, index.n * kBlockN};
-  };
+  auto tile_coord = [&](int i) { return tile_origin<kCluster>(cluster + i * clusters, params, rank); };
 
   // ---- descriptor prefetch, barrier init + fence + sync ------------------------------------
-  if (threadIdx.x == 0) {
-    ptx::tma_prefetch_descriptor(&map_a);
-    ptx::tma_prefetch_descriptor(&map_b);
-    ptx::tma_prefetch_descriptor(&map_d);
-#pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      ptx::mbarrier_init(&full[s], 1);
-      ptx::mbarrier_init(&empty[s], kStageReaders);
-    }
-    ptx::fence_barrier_init();
-  }
+  if (threadIdx.x == 0) init_pipeline(full, empty, kStageReaders, &map_a, &map_b, &map_d);
   if constexpr (kCluster > 1) {
     // The peer's barriers must be initialised before our multicasts and remote arrivals.
     ptx::cluster_arrive();
@@ -188,7 +160,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int f = 0; f < kFrags; ++f) wgmma::fence_operand(acc[f]);
       if (kt > 0) {
-        release_stage(&empty[release.index]);
+        release_stage<kCluster>(&empty[release.index]);
         release.advance();
       }
       read.advance();
@@ -200,7 +172,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     wgmma::wait_group<0>();
 #pragma unroll
     for (int f = 0; f < kFrags; ++f) wgmma::fence_operand(acc[f]);
-    if (k_tiles > 0) release_stage(&empty[release.index]);
+    if (k_tiles > 0) release_stage<kCluster>(&empty[release.index]);
     if (kPingPong)
       for (int kt = 0; kt < k_tiles; ++kt) read.advance();
 

@@ -29,26 +29,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   __shared__ alignas(8) u64 full[kStages];   // TMA bytes landed (1 arrival + tx bytes)
   __shared__ alignas(8) u64 empty[kStages];  // all 128 threads finished reading the stage
 
-  const int tiles_m = ceil_div(params.m, kBlockM);
-  const int tiles_n = ceil_div(params.n, kBlockN);
-  const TileIndex index = grouped_tile(blockIdx.x, tiles_m, tiles_n, params.group_m, params.raster_n);
-  const TileCoord tile{index.m * kBlockM, index.n * kBlockN};
+  const TileCoord tile = tile_origin(blockIdx.x, params);
   const int k_tiles = ceil_div(params.k, kBlockK);
   const bool producer = threadIdx.x == 0;
 
   // ---- descriptor prefetch, barrier init + fence + sync ------------------------------------
-  if (producer) {
-    ptx::tma_prefetch_descriptor(&map_a);
-    ptx::tma_prefetch_descriptor(&map_b);
-    ptx::tma_prefetch_descriptor(&map_d);
-#pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      ptx::mbarrier_init(&full[s], 1);
-      ptx::mbarrier_init(&empty[s], kThreads);
-    }
-    // Make the initialised barriers visible to the TMA unit before the first copy.
-    ptx::fence_barrier_init();
-  }
+  if (producer) init_pipeline(full, empty, kThreads, &map_a, &map_b, &map_d);
   __syncthreads();
 
   // ---- prologue: fill the ring -------------------------------------------------------------

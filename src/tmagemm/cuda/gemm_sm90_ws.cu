@@ -36,27 +36,14 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = aligned_smem(smem_raw);
   __shared__ alignas(8) u64 full[kStages];   // producer arrival + TMA bytes
-  __shared__ alignas(8) u64 empty[kStages];  // every consumer thread released the stage
+  __shared__ alignas(8) u64 empty[kStages];  // both consumer warpgroups released the stage
 
-  const int tiles_m = ceil_div(params.m, kBlockM);
-  const int tiles_n = ceil_div(params.n, kBlockN);
-  const TileIndex index = grouped_tile(blockIdx.x, tiles_m, tiles_n, params.group_m, params.raster_n);
-  const TileCoord tile{index.m * kBlockM, index.n * kBlockN};
+  const TileCoord tile = tile_origin(blockIdx.x, params);
   const int k_tiles = ceil_div(params.k, kBlockK);
   const int warpgroup = threadIdx.x / 128;
 
   // ---- descriptor prefetch, barrier init + fence + sync ------------------------------------
-  if (threadIdx.x == 0) {
-    ptx::tma_prefetch_descriptor(&map_a);
-    ptx::tma_prefetch_descriptor(&map_b);
-    ptx::tma_prefetch_descriptor(&map_d);
-#pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      ptx::mbarrier_init(&full[s], 1);
-      ptx::mbarrier_init(&empty[s], 128 * kConsumers);
-    }
-    ptx::fence_barrier_init();
-  }
+  if (threadIdx.x == 0) init_pipeline(full, empty, kConsumers, &map_a, &map_b, &map_d);
   __syncthreads();
 
   if (warpgroup == 0) {
@@ -97,7 +84,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     wgmma::wait_group<1>();
     wgmma::fence_operand(acc);
     if (kt > 0) {
-      ptx::mbarrier_arrive(&empty[release.index]);
+      release_stage(&empty[release.index]);
       release.advance();
     }
     read.advance();

@@ -99,6 +99,8 @@ __device__ __forceinline__ void named_barrier_sync(int id, int count) {
 // walk `group` columns of tiles row by row (better when B is the larger operand to keep in L2,
 // or when there are few rows of tiles). Returns tile indices (row, column).
 // ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
 struct TileIndex {
   int m, n;
 };
@@ -117,6 +119,49 @@ __device__ __forceinline__ TileIndex grouped_tile(int tile, int tiles_m, int til
   const int in_group = tile % group_size;
   const int a = first + in_group % lines, b = in_group / lines;
   return raster_n ? TileIndex{b, a} : TileIndex{a, b};
+}
+
+// Origin of output tile `tile` in grouped order. kCluster > 1: the order walks cluster tiles of
+// kCluster vertically adjacent CTA tiles, and CTA `rank` of the cluster takes row `rank`.
+template <int kCluster = 1>
+__device__ __forceinline__ TileCoord tile_origin(int tile, const Params& p, int rank = 0) {
+  const TileIndex index =
+      grouped_tile(tile, ceil_div(p.m, kBlockM * kCluster), ceil_div(p.n, kBlockN), p.group_m, p.raster_n);
+  return TileCoord{(index.m * kCluster + rank) * kBlockM, index.n * kBlockN};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernel start, by one thread: prefetch the three tensor maps and initialise the ring's
+// barriers (full: the producer's arrival plus the TMA bytes; empty: `releases` arrivals), then
+// fence so the TMA unit, and the other CTAs of a cluster, see the initialised barriers. The
+// caller then syncs the CTA (or the cluster) before any thread uses them.
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ void init_pipeline(u64* full, u64* empty, unsigned releases, const CUtensorMap* map_a,
+                                              const CUtensorMap* map_b, const CUtensorMap* map_d) {
+  ptx::tma_prefetch_descriptor(map_a);
+  ptx::tma_prefetch_descriptor(map_b);
+  ptx::tma_prefetch_descriptor(map_d);
+#pragma unroll
+  for (int s = 0; s < kStages; ++s) {
+    ptx::mbarrier_init(&full[s], 1);
+    ptx::mbarrier_init(&empty[s], releases);
+  }
+  ptx::fence_barrier_init();
+}
+
+// A consumer warpgroup frees a stage once wgmma.wait_group has retired its reads of it. wgmma
+// groups are tracked per warpgroup, so one thread arrives for all 128 (the empty barrier counts
+// warpgroups). kCluster > 1: the peers' TMA writes into the stage too, so thread t arrives on
+// CTA t's barrier. The reads are already complete, so the arrival publishes nothing: a
+// cluster-scope release there would compile to a MEMBAR.ALL.GPU per k-block.
+template <int kCluster = 1>
+__device__ __forceinline__ void release_stage(u64* empty) {
+  const int t = threadIdx.x % 128;
+  if constexpr (kCluster == 1) {
+    if (t == 0) ptx::mbarrier_arrive(empty);
+  } else {
+    if (t < kCluster) ptx::mbarrier_arrive_remote(empty, t);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -338,8 +383,6 @@ __device__ __forceinline__ void epilogue_fragment(float (&acc)[kN / 2], unsigned
   epilogue_apply<kN>(acc, row0, col0, p, op);
   epilogue_passes<kN, kPasses, kBuffers>(acc, smem, map_d, row0, col0, bar_id, leader);
 }
-
-__device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 // Dynamic shared memory rounded up to 1 KB: 128-byte swizzled TMA boxes and wgmma atoms need
 // 1 KB alignment, which the dynamic window does not promise (the host asks for 1 KB extra).
