@@ -294,6 +294,7 @@ def test_tma_fp8_small_m_tiles_ragged(m, seeded):
 @pytest.mark.parametrize("dtype", [F8, torch.bfloat16], ids=["fp8", "bf16"])
 @pytest.mark.parametrize("nk", [(4096, 4096), (1000, 4000), (72, 176)], ids=lambda s: f"n{s[0]}k{s[1]}")
 def test_gpu_every_m(dtype, nk, seeded):
+    """Heuristic configs with fp32-promoted fp8 accumulation (use_fast_accum=False)."""
     n, k = nk
     a_all, b = _operands(130, n, k, dtype)
     scale_b = (torch.rand(n, device="cuda") + 0.5) if dtype == F8 else None
@@ -303,7 +304,7 @@ def test_gpu_every_m(dtype, nk, seeded):
         a = a_all[:m]
         scale_a = (torch.rand(m, device="cuda") + 0.5) if dtype == F8 else None
         out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-        args = GemmArgs(a, b, out, scale_a, scale_b, bias)
+        args = GemmArgs(a, b, out, scale_a, scale_b, bias, fast_accum=False)
         if m > sk.MAX_M:
             assert sk.supports(args) is not None
             continue
@@ -314,6 +315,31 @@ def test_gpu_every_m(dtype, nk, seeded):
         _assert_close(out, ref, rtol=2.0**-7, atol=2.0**-10 * float(ref.abs().max()))
         worst = max(worst, float(((out.double() - ref).abs() / (ref.abs() + 1)).max()))
     assert worst > 0.0, "a check that compared nothing"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 17, 64])
+def test_gpu_fp8_fast_accumulation(m, seeded):
+    """use_fast_accum=True (the GemmArgs default) runs the heuristic config unpromoted: wgmma's
+    own fp8 accumulation over all of K, bounded like the native kernels' (2^-10 x sum |a||b|)."""
+    n, k = 4096, 4000
+    a, b = _operands(m, n, k, F8)
+    out = torch.empty(m, n, device="cuda", dtype=torch.float32)
+    args = GemmArgs(a, b, out)
+    assert sk.prepare(args).config.fast_accum
+    _run(args)
+    ref = _reference(a, b)
+    err = (out.double() - ref).abs()
+    bound = 2.0**-10 * (a.double().abs() @ b.double().abs())
+    assert bool((err <= bound).all()), f"max error / bound = {float((err / bound).max()):.3f}"
+
+
+@pytest.mark.parametrize("m", [1, 16, 100])
+def test_heuristic_follows_use_fast_accum(m):
+    """Only fp8 has an accumulation mode to choose; the caller's flag picks it."""
+    assert sk.choose_config(m, 4096, 4096, F8, 132, fast_accum=True).fast_accum
+    assert not sk.choose_config(m, 4096, 4096, F8, 132, fast_accum=False).fast_accum
+    assert not sk.choose_config(m, 4096, 4096, torch.bfloat16, 132, fast_accum=True).fast_accum
 
 
 @pytest.mark.gpu
