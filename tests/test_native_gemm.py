@@ -128,6 +128,24 @@ def test_coop_config_choices():
     assert native.coop_config(17, 72, 336, 2, False, 132) == default  # one tile either way
 
 
+@pytest.mark.parametrize("shape", _HEURISTIC_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_coop_config_promotes_fp8_without_fast_accum(shape):
+    m, n, k = shape
+    config = native.coop_config(m, n, k, 1, True, 132, fast_accum=False)
+    assert config.promote and config.block_n == 128 and not config.pingpong, config
+    assert config.is_valid(2) and config.fitted(4).is_valid(4)
+    assert not native.coop_config(m, n, k, 1, True, 132).promote
+    assert native.coop_config(m, n, k, 2, False, 132, fast_accum=False) == native.coop_config(m, n, k, 2, False, 132)
+
+
+def test_promote_needs_cooperative_128_wide_tiles():
+    promote = native.NativeGemmConfig("persistent", block_n=128, stages=6, promote=True)
+    assert promote.is_valid(2)
+    assert not replace(promote, block_n=256, stages=4, epi_passes=4, epi_buffers=2).is_valid(2)  # 3 x 128 regs
+    assert not replace(promote, pingpong=True, stages=5).is_valid(2)
+    assert not replace(promote, kernel="ws", stages=4).is_valid(2)
+
+
 def test_coop_variant_resolves_its_config_in_prepare():
     variant = next(v for v in native.VARIANTS if v.name == "cuda.persistent_coop")
     assert variant.prepare is not None  # dispatch.plan caches the per-shape choice
@@ -203,6 +221,8 @@ def test_rung_builds_for_sm90a(name, family):
     # one in the pipeline (e.g. a cluster-scope release on every stage release) stalls the
     # issuing warp for microseconds per k-block.
     assert _count(sass, "MEMBAR.ALL.GPU") <= (1 if config.cluster_m > 1 else 0), "GPU-wide barrier in the pipeline"
+    # ptxas C7514/C7515: registers of an in-flight wgmma touched, so it waits after every wgmma.
+    assert "are serialized" not in module.log, "ptxas serialized the wgmmas"
     if config.kernel == "seed":
         assert "USETMAXREG" not in sass
     else:
@@ -211,6 +231,37 @@ def test_rung_builds_for_sm90a(name, family):
         assert usage.registers == 168
         assert re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", sass)
         assert re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, 0xe8\b", sass)
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("out", [torch.bfloat16, torch.float32])
+def test_promoted_fp8_builds_for_sm90a(out):
+    """use_fast_accum=False: one wgmma batch per k-block into scratch registers, then 64 adds
+    into the fp32 accumulators, without spills or ptxas serializing the wgmmas."""
+    from tmagemm import jit
+
+    config = native.coop_config(4096, 4096, 4096, 1, True, 132, fast_accum=False)
+    module = native.compile_module(config, FP8, out, True)
+    sass = jit.sass(module.cubin)
+    assert _count(sass, "QGMMA") == 4 and "QGMMA.64x128x32.F32.E4M3.E4M3" in sass
+    assert _count(sass, "FADD") >= 64, "the promotion adds"
+    assert _count(sass, "LDL") == 0 and _count(sass, "STL") == 0
+    assert "are serialized" not in module.log, "ptxas serialized the wgmmas"
+    assert jit.resource_usage(module.cubin, native.kernel_name(config)).registers == 168
+
+
+def test_fast_accum_false_is_accepted_only_by_promoting_configs():
+    a = torch.randn(64, 128).to(FP8)
+    args = GemmArgs(a, a.t(), torch.empty(64, 64, dtype=torch.bfloat16), fast_accum=False)
+    if torch.cuda.is_available() and native._device.hopper_available() is None:
+        args = GemmArgs(a.cuda(), a.cuda().t(), args.out.cuda(), fast_accum=False)
+        assert "use_fast_accum=False" in native.unsupported_reason(args, native.RUNGS["cuda.ws"])
+        assert native.unsupported_reason(args, native._COOP_PROMOTE) is None
+        coop = next(v for v in native.VARIANTS if v.name == "cuda.persistent_coop")
+        assert coop.supports(args) is None
+        assert native._coop_prepare(args).config.promote
+    else:  # without a Hopper GPU every native config refuses first, naming the device
+        assert native.unsupported_reason(args, native._COOP_PROMOTE) is not None
 
 
 # ------------------------------------------------------------------------------- GPU
@@ -356,6 +407,73 @@ def test_beta_in_place_and_tensorwise_fp8(seeded):
     torch.cuda.synchronize()
     ref = (a.double() @ b.double()) * 0.75 + before
     _assert_close(out, ref, rtol=1e-5, atol=1e-3 + 0.75 * _fp8_accum_atol(a, b), what="fp8 tensor-wise, in-place beta")
+
+
+# use_fast_accum=False: wgmma sums only one 128-deep k-block before each fp32 add. Measured worst
+# error / (|A| @ |B|) on the H200 (scripts/gpu/exact_accum.py, identical to cuBLAS's promoted
+# path): 1.8e-5 at K = 4096, 9e-6 at K = 16384, 7e-5 at K = 336 (one k-block's partial sums are
+# then a larger part of the total); the fast path reaches 4.4e-4 - 6.1e-4 at K >= 4096.
+_PROMOTED_ATOL = 2.0**-12
+
+
+def _promoted_run(m, n, k, config=None):
+    """fp8 with row-wise scales and a bias through the promoting cooperative kernel, fp32 out in a
+    poisoned buffer; returns (big, out, ref, |error| bound)."""
+    a, b = _operands(m, n, k, FP8, True)
+    big, out = _poisoned_out(m, n, torch.float32)
+    scale_a = torch.rand(m, device="cuda") + 0.5
+    scale_b = torch.rand(n, device="cuda") + 0.5
+    bias = torch.randn(n, device="cuda", dtype=torch.float32)
+    args = GemmArgs(a, b, out, scale_a, scale_b, bias, fast_accum=False)
+    if config is None:
+        launcher = next(v for v in native.VARIANTS if v.name == "cuda.persistent_coop").prepare(args)
+        assert launcher.config.promote
+        launcher(args)
+    else:
+        native.run(args, config)
+    torch.cuda.synchronize()
+    scales = scale_a.double()[:, None] * scale_b.double()[None, :]
+    ref = (a.double() @ b.double()) * scales + bias.double()
+    bound = _PROMOTED_ATOL * (a.double().abs() @ b.double().abs()) * scales + 2.0**-22 * ref.abs()
+    return big, out, ref, bound
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 264, 4096), (300, 1000, 1104), (727, 520, 4224)], ids=lambda s: "x".join(map(str, s)))
+def test_promoted_fp8_matches_float64(shape, seeded):
+    m, n, k = shape
+    big, out, ref, bound = _promoted_run(m, n, k)
+    _assert_close(out, ref, rtol=0.0, atol=bound, what=f"promoted fp8 {shape}")
+    _check_untouched(big, m, n)
+
+
+@pytest.mark.gpu
+def test_promoted_fp8_ctas_walk_many_tiles(seeded):
+    m, n, k = 727, 1000, 336  # 3 CTAs for 48 tiles of 128x128: phases carry across tiles
+    big, out, ref, bound = _promoted_run(m, n, k, replace(native._COOP_PROMOTE, ctas=3, group_m=4))
+    _assert_close(out, ref, rtol=0.0, atol=bound, what="promoted fp8, 3 CTAs")
+    _check_untouched(big, m, n)
+
+
+@pytest.mark.gpu
+def test_promotion_bound_rejects_fast_accumulation(seeded):
+    """The bound above is tight enough to tell the modes apart: on the same inputs the fast
+    path (wgmma accumulating all of K) exceeds it somewhere."""
+    m, n, k = 512, 512, 8192
+    a, b = _operands(m, n, k, FP8, True)
+    ref = a.double() @ b.double()
+    bound = _PROMOTED_ATOL * (a.double().abs() @ b.double().abs())
+    errors = {}
+    for fast in (True, False):
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float32)
+        args = GemmArgs(a, b, out, fast_accum=fast)
+        launcher = next(v for v in native.VARIANTS if v.name == "cuda.persistent_coop").prepare(args)
+        assert launcher.config.promote is not fast
+        launcher(args)
+        torch.cuda.synchronize()
+        errors[fast] = (out.double() - ref).abs()
+    assert bool((errors[False] <= bound).all()), f"promoted: worst error / bound {float((errors[False] / bound).max()):.3f}"
+    assert bool((errors[True] > bound).any()), f"fast: worst error / bound {float((errors[True] / bound).max()):.3f}"
 
 
 @pytest.mark.gpu

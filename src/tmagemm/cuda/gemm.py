@@ -50,7 +50,10 @@ class NativeGemmConfig:
     at once); ``epi_passes`` / ``epi_buffers``: the persistent cooperative epilogue stores its
     output in ``epi_passes`` column slices through ``epi_buffers`` (1 or 2, alternating) slice
     buffers, so staging takes ``epi_buffers / epi_passes`` of the tile (2 passes x 1 buffer or 4 x
-    2 leave room for a 4th ring stage). Block M is always 128 and block K one 128-byte row."""
+    2 leave room for a 4th ring stage); ``promote``: fp8 with fp32-promoted accumulation (each
+    k-block's wgmma sum is added into fp32 registers: the ``use_fast_accum=False`` semantics),
+    persistent cooperative 128x128 tiles only. Block M is always 128 and block K one 128-byte
+    row."""
 
     kernel: str
     block_n: int
@@ -62,6 +65,7 @@ class NativeGemmConfig:
     epi_passes: int = 1
     epi_buffers: int = 1
     raster_n: bool = False
+    promote: bool = False
 
     @property
     def threads(self) -> int:
@@ -102,6 +106,8 @@ class NativeGemmConfig:
             and (self.block_n * out_itemsize // _ROW_BYTES) % self.epi_passes == 0  # whole 128-byte chunks
             and self.epi_buffers in (1, 2)
             and (self.epi_buffers == 1 or self.epi_passes >= 2)
+            # promotion's scratch fragments fit the registers beside 64 accumulators only
+            and (not self.promote or (self.kernel == "persistent" and not self.pingpong and self.block_n == 128))
             and self.smem_bytes(out_itemsize) + 256 <= _device.SM90_SMEM_PER_BLOCK
         )
 
@@ -193,8 +199,11 @@ def unsupported_reason(args: GemmArgs, config: NativeGemmConfig) -> str | None:
         return f"bias dtype {args.bias.dtype} not supported (bf16, fp16, fp32)"
     if (args.scale_a is not None or args.scale_b is not None) and not args.is_fp8:
         return "scales are only applied to fp8 problems"
-    if args.is_fp8 and not args.fast_accum:
-        return "use_fast_accum=False (fp32 promotion of fp8 partial sums) is not implemented in the native kernels"
+    if args.is_fp8 and not args.fast_accum and not config.promote:
+        return ("use_fast_accum=False needs fp32 promotion of the fp8 partial sums: "
+                "a config with promote=True (cuda.persistent_coop picks one)")
+    if config.promote and not args.is_fp8:
+        return "promote applies to fp8 only (16-bit wgmma accumulates in fp32)"
     reason = _row_major_reason(args.a, "a")
     if reason:
         return reason
@@ -231,6 +240,7 @@ def _defines(config: NativeGemmConfig, ab_dtype: torch.dtype, out_dtype: torch.d
         defines["TMAGEMM_CLUSTER_M"] = config.cluster_m
         defines["TMAGEMM_EPI_PASSES"] = config.epi_passes
         defines["TMAGEMM_EPI_BUFFERS"] = config.epi_buffers
+        defines["TMAGEMM_PROMOTE"] = int(config.promote)
     return defines
 
 
@@ -266,7 +276,7 @@ class _Launch:
         if reason is not None:
             raise ValueError(f"native GEMM {config}: {reason}")
         out_size = args.out.element_size()
-        config = config.fitted(out_size)
+        config = self.config = config.fitted(out_size)
         if beta != 0.0:
             if c is None:
                 raise ValueError("beta != 0 needs c")
@@ -363,10 +373,15 @@ _PINGPONG_FP8_MIN = (4096, 8192, 8192)  # fp8 M, N, K from which ping-pong beat 
 # Cooperative 128x128 tiles (6 stages): for problems whose 128x256 tiles would leave at least half
 # of the SMs idle (fp8 512 x 4096 x 4096: 64 tiles -> 128; 0.99x cuBLAS instead of 0.66x, H200).
 _COOP_N128 = NativeGemmConfig("persistent", block_n=128, stages=6)
+# fp8 with use_fast_accum=False: the same tiles with per-k-block fp32 promotion (registers allow
+# it beside 128-wide tiles only).
+_COOP_PROMOTE = replace(_COOP_N128, promote=True)
 
 
 @functools.lru_cache(maxsize=4096)
-def coop_config(m: int, n: int, k: int, ab_itemsize: int, b_k_major: bool, sms: int) -> NativeGemmConfig:
+def coop_config(
+    m: int, n: int, k: int, ab_itemsize: int, b_k_major: bool, sms: int, fast_accum: bool = True
+) -> NativeGemmConfig:
     """The persistent config ``cuda.persistent_coop`` runs for one problem: a pure function of the
     shape, the operand width (1 = e4m3, 2 = bf16/fp16), B's layout and the SM count, fitted to
     one H100 sweep (scripts/gpu/native_tune.py; docs/native-gemm.md has the table). No call-time
@@ -380,13 +395,16 @@ def coop_config(m: int, n: int, k: int, ab_itemsize: int, b_k_major: bool, sms: 
     * 128x256 tiles for at most half the SMs, where 128x128 tiles are more: cooperative 128x128
       tiles (twice the CTAs at work).
     * otherwise the 4-stage cooperative default (1 CTA per SM).
+    * fp8 without ``fast_accum``: cooperative 128x128 tiles with fp32 promotion, with the same
+      balanced grid rule.
     """
+    promote = ab_itemsize == 1 and not fast_accum
     min_m, min_n, min_k = _PINGPONG_FP8_MIN
-    if ab_itemsize == 1 and m >= min_m and n >= min_n and k >= min_k:
+    if not promote and ab_itemsize == 1 and m >= min_m and n >= min_n and k >= min_k:
         return RUNGS["cuda.persistent_pingpong"]
-    config = RUNGS["cuda.persistent_coop"]
+    config = _COOP_PROMOTE if promote else RUNGS["cuda.persistent_coop"]
     tiles = -(-m // 128) * -(-n // config.block_n)
-    if 2 * tiles <= sms and -(-m // 128) * -(-n // _COOP_N128.block_n) > tiles:
+    if not promote and 2 * tiles <= sms and -(-m // 128) * -(-n // _COOP_N128.block_n) > tiles:
         return _COOP_N128
     waves = -(-tiles // sms)
     if 2 <= waves <= _BALANCE_MAX_WAVES and k * ab_itemsize <= _BALANCE_MAX_K_BYTES:
@@ -399,7 +417,8 @@ def coop_config(m: int, n: int, k: int, ab_itemsize: int, b_k_major: bool, sms: 
 def _coop_prepare(args: GemmArgs):
     """The per-shape config and its launch, once per problem signature (dispatch.plan caches it)."""
     config = coop_config(
-        args.m, args.n, args.k, args.a.element_size(), _b_k_major(args.b), _device.sm_count(args.out.get_device())
+        args.m, args.n, args.k, args.a.element_size(), _b_k_major(args.b), _device.sm_count(args.out.get_device()),
+        args.fast_accum,
     )
     return _Launch(args, config)
 
@@ -407,14 +426,22 @@ def _coop_prepare(args: GemmArgs):
 def _variant(name: str, description: str) -> Variant:
     config = RUNGS[name]
     if name == "cuda.persistent_coop":  # the dispatcher's choice at large M: per-shape configs
+
+        def supports(args: GemmArgs) -> str | None:
+            return unsupported_reason(args, _COOP_PROMOTE if args.is_fp8 and not args.fast_accum else config)
+
         prepare = _coop_prepare
     else:
+
+        def supports(args: GemmArgs) -> str | None:
+            return unsupported_reason(args, config)
+
         prepare = functools.partial(_Launch, config=config)
     return Variant(
         name=name,
         backend="cuda",
         description=description,
-        supports=lambda args: unsupported_reason(args, config),
+        supports=supports,
         run=lambda args: prepare(args)(args),
         prepare=prepare,
     )
@@ -449,7 +476,8 @@ VARIANTS = [
     _variant(
         "cuda.persistent_coop",
         "native persistent WS, per-shape config (coop_config): cooperative 128x256 tiles, 4 stages, "
-        "balanced grid for short K; ping-pong for large fp8 (rung 3)",
+        "balanced grid for short K; ping-pong for large fp8; 128x128 tiles with fp32 promotion for fp8 "
+        "without fast accumulation (rung 3)",
     ),
     _variant("cuda.ws", "native warp-specialized TMA + wgmma, 128x256 tiles, setmaxnreg (rung 2)"),
     _variant("cuda.persistent_pingpong", "native persistent WS, ping-pong consumers, 128x128 tiles (rung 3)"),

@@ -19,8 +19,8 @@
 #include "tmagemm/gemm_sm90.cuh"
 
 #if !defined(TMAGEMM_PINGPONG) || !defined(TMAGEMM_CLUSTER_M) || !defined(TMAGEMM_EPI_PASSES) || \
-    !defined(TMAGEMM_EPI_BUFFERS)
-#error "gemm_sm90_persistent.cu needs TMAGEMM_PINGPONG (0 cooperative, 1 ping-pong), TMAGEMM_CLUSTER_M (1, 2), TMAGEMM_EPI_PASSES, TMAGEMM_EPI_BUFFERS"
+    !defined(TMAGEMM_EPI_BUFFERS) || !defined(TMAGEMM_PROMOTE)
+#error "gemm_sm90_persistent.cu needs TMAGEMM_PINGPONG (0 cooperative, 1 ping-pong), TMAGEMM_CLUSTER_M (1, 2), TMAGEMM_EPI_PASSES, TMAGEMM_EPI_BUFFERS, TMAGEMM_PROMOTE (0, 1)"
 #endif
 
 using namespace tmagemm;
@@ -35,6 +35,14 @@ constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kFrags = kPingPong ? 2 : 1;  // 64-row fragments per consumer
 constexpr int kAccRegs = kBlockN / 2;
 static_assert(kFrags * kAccRegs <= 128, "a consumer holds at most 128 fp32 accumulators per thread");
+// TMAGEMM_PROMOTE = 1 (fp8, use_fast_accum=False): wgmma's fp8 accumulator keeps fewer mantissa
+// bits than fp32, so each k-block's 128-deep products are summed by wgmma into a scratch fragment
+// (its first instruction overwrites it) and added into the fp32 accumulators once that group has
+// retired. 64 accumulators + 64 scratch registers fit the consumer budget beside 128-wide
+// cooperative tiles only.
+constexpr bool kPromote = TMAGEMM_PROMOTE != 0;
+static_assert(!kPromote || (kAbType == wgmma::kE4M3 && !kPingPong && kAccRegs == 64),
+              "promotion: fp8, cooperative schedule, BLOCK_N = 128");
 constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;
 static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= 65536, "register file");
@@ -145,36 +153,58 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     // the barrier, which parity waits require.
     if (kPingPong && i > 0) named_barrier_sync(consumer == 0 ? kBarTurnTo0 : kBarTurnTo1, 256);
 
-    PipelineState release = read;
-    for (int kt = 0; kt < k_tiles; ++kt) {
-      ptx::mbarrier_wait(&full[read.index], read.phase);
-      const u32 a = ptx::smem_u32(smem + read.index * kStageBytes) + (kPingPong ? 0 : consumer * 64 * kRowBytes);
-      const u32 b = ptx::smem_u32(smem + read.index * kStageBytes + kStageBytesA);
+    if constexpr (kPromote) {
+      float part[kAccRegs];
+      for (int kt = 0; kt < k_tiles; ++kt) {
+        ptx::mbarrier_wait(&full[read.index], read.phase);
+        const u32 a = ptx::smem_u32(smem + read.index * kStageBytes) + consumer * 64 * kRowBytes;
+        const u32 b = ptx::smem_u32(smem + read.index * kStageBytes + kStageBytesA);
+        wgmma::fence_operand(part);  // the adds of the previous k-block read it first
+        wgmma::fence();
+        mma_stage<kBlockN, true>(part, a, b);
+        wgmma::commit_group();
+        // The adds read the scratch registers, so its group must be complete (wait 0; a deeper
+        // wait would make ptxas serialize every wgmma). The other consumer's wgmmas keep the
+        // tensor core busy meanwhile.
+        wgmma::wait_group<0>();
+        wgmma::fence_operand(part);
 #pragma unroll
-      for (int f = 0; f < kFrags; ++f) wgmma::fence_operand(acc[f]);
-      wgmma::fence();
-#pragma unroll
-      for (int f = 0; f < kFrags; ++f) mma_stage<kBlockN>(acc[f], a + f * 64 * kRowBytes, b);
-      wgmma::commit_group();
-      wgmma::wait_group<1>();
-#pragma unroll
-      for (int f = 0; f < kFrags; ++f) wgmma::fence_operand(acc[f]);
-      if (kt > 0) {
-        release_stage<kCluster>(&empty[release.index]);
-        release.advance();
+        for (int r = 0; r < kAccRegs; ++r) acc[0][r] += part[r];
+        release_stage<kCluster>(&empty[read.index]);
+        read.advance();
       }
-      read.advance();
-    }
-    // Hand the tensor cores over as soon as the last batch is issued (if the other has a tile).
-    if (kPingPong && i + 1 < my_tiles) {
-      asm volatile("bar.arrive %0, %1;\n" ::"r"(consumer == 0 ? kBarTurnTo1 : kBarTurnTo0), "r"(256) : "memory");
-    }
-    wgmma::wait_group<0>();
+    } else {
+      PipelineState release = read;
+      for (int kt = 0; kt < k_tiles; ++kt) {
+        ptx::mbarrier_wait(&full[read.index], read.phase);
+        const u32 a = ptx::smem_u32(smem + read.index * kStageBytes) + (kPingPong ? 0 : consumer * 64 * kRowBytes);
+        const u32 b = ptx::smem_u32(smem + read.index * kStageBytes + kStageBytesA);
 #pragma unroll
-    for (int f = 0; f < kFrags; ++f) wgmma::fence_operand(acc[f]);
-    if (k_tiles > 0) release_stage<kCluster>(&empty[release.index]);
-    if (kPingPong)
-      for (int kt = 0; kt < k_tiles; ++kt) read.advance();
+        for (int f = 0; f < kFrags; ++f) wgmma::fence_operand(acc[f]);
+        wgmma::fence();
+#pragma unroll
+        for (int f = 0; f < kFrags; ++f) mma_stage<kBlockN>(acc[f], a + f * 64 * kRowBytes, b);
+        wgmma::commit_group();
+        wgmma::wait_group<1>();
+#pragma unroll
+        for (int f = 0; f < kFrags; ++f) wgmma::fence_operand(acc[f]);
+        if (kt > 0) {
+          release_stage<kCluster>(&empty[release.index]);
+          release.advance();
+        }
+        read.advance();
+      }
+      // Hand the tensor cores over as soon as the last batch is issued (if the other has a tile).
+      if (kPingPong && i + 1 < my_tiles) {
+        asm volatile("bar.arrive %0, %1;\n" ::"r"(consumer == 0 ? kBarTurnTo1 : kBarTurnTo0), "r"(256) : "memory");
+      }
+      wgmma::wait_group<0>();
+#pragma unroll
+      for (int f = 0; f < kFrags; ++f) wgmma::fence_operand(acc[f]);
+      if (k_tiles > 0) release_stage<kCluster>(&empty[release.index]);
+      if (kPingPong)
+        for (int kt = 0; kt < k_tiles; ++kt) read.advance();
+    }
 
     // ---- epilogue (overlaps the producer's loads and, in ping-pong, the other's mainloop) ------
     if constexpr (kPingPong) {

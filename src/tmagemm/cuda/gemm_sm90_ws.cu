@@ -89,8 +89,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     }
     read.advance();
   }
-  wgmma::wait_group<0>();
-  wgmma::fence_operand(acc);
+  // Only after a mainloop: on the K = 0 path the zero-filled registers would meet an in-flight
+  // wgmma's at this wait, and ptxas would then serialize every wgmma of the kernel.
+  if (k_tiles > 0) {
+    wgmma::wait_group<0>();
+    wgmma::fence_operand(acc);
+  }
 
   // ---- epilogue ---------------------------------------------------------------------------------
   // The other consumer may still be reading the ring with wgmma: wait for both before reusing it.

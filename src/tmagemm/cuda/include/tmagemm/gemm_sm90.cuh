@@ -206,9 +206,10 @@ __device__ __forceinline__ void load_stage(unsigned char* stage, u64* full, cons
 }
 
 // ---------------------------------------------------------------------------------------------
-// Consumer step: acc(64 x kN) += A(64 rows at a_addr) * B(kN columns at b_addr) over one stage.
+// Consumer step: acc(64 x kN) += A(64 rows at a_addr) * B(kN columns at b_addr) over one stage;
+// with kOverwrite, acc = A * B over the stage (the first instruction ignores acc's contents).
 // ---------------------------------------------------------------------------------------------
-template <int kN>
+template <int kN, bool kOverwrite = false>
 __device__ __forceinline__ void mma_stage(float (&acc)[kN / 2], u32 a_addr, u32 b_addr) {
   const u64 desc_a = wgmma::desc_k_major(a_addr);
   const u64 desc_b = kBKMajor ? wgmma::desc_k_major(b_addr) : wgmma::desc_mn_major(b_addr);
@@ -218,7 +219,8 @@ __device__ __forceinline__ void mma_stage(float (&acc)[kN / 2], u32 a_addr, u32 
     // advanced address). MN-major: the next 16 K-rows of 128 bytes.
     const u32 b_step = kBKMajor ? 32 : 16 * kRowBytes;
     wgmma::Mma<kN, kAbType>::template run<kBKMajor ? 0 : 1>(acc, wgmma::desc_advance(desc_a, kk * 32),
-                                                            wgmma::desc_advance(desc_b, kk * b_step));
+                                                            wgmma::desc_advance(desc_b, kk * b_step),
+                                                            kOverwrite && kk == 0 ? 0 : 1);
   }
 }
 

@@ -108,19 +108,21 @@ __device__ __forceinline__ void fence_operand(float (&acc)[kRegs]) {
 template <int kN, int kType>
 struct Mma;
 
-// scale-d is a predicate set from 1: the accumulators are zero-filled before the first
-// k-block, so every instruction accumulates (and K = 0 still yields zeros).
+// scale-d is a predicate from `accumulate`: 1 (the default) adds to D, which the fast path
+// zero-fills before the first k-block (so K = 0 still yields zeros); 0 overwrites D with A*B,
+// which the promoting mainloop uses to start each k-block's scratch sum.
 #define TMAGEMM_DEFINE_MMA_16BIT(N, NREG, TYPE_ID, PTX_TYPE, DA, DB, SD, TB)                         \
   template <>                                                                                       \
   struct Mma<N, TYPE_ID> {                                                                          \
     static constexpr int kRegs = NREG;                                                              \
     template <int kTransB>                                                                          \
-    __device__ __forceinline__ static void run(float (&d)[NREG], u64 desc_a, u64 desc_b) {         \
+    __device__ __forceinline__ static void run(float (&d)[NREG], u64 desc_a, u64 desc_b,          \
+                                               int accumulate = 1) {                                \
       asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SD ", 0;\n"                                  \
                    "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE " {"     \
                    TMAGEMM_WGMMA_D##NREG "}, " DA ", " DB ", p, 1, 1, 0, " TB ";\n}\n"              \
                    : TMAGEMM_F##NREG(d, 0)                                                          \
-                   : "l"(desc_a), "l"(desc_b), "r"(1), "n"(kTransB));                               \
+                   : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransB));                      \
     }                                                                                               \
   };
 
@@ -129,13 +131,14 @@ struct Mma;
   struct Mma<N, kE4M3> {                                                                            \
     static constexpr int kRegs = NREG;                                                              \
     template <int kTransB>                                                                          \
-    __device__ __forceinline__ static void run(float (&d)[NREG], u64 desc_a, u64 desc_b) {         \
+    __device__ __forceinline__ static void run(float (&d)[NREG], u64 desc_a, u64 desc_b,          \
+                                               int accumulate = 1) {                                \
       static_assert(kTransB == 0, "FP8 wgmma reads K-major B only");                               \
       asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SD ", 0;\n"                                  \
                    "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 {"                     \
                    TMAGEMM_WGMMA_D##NREG "}, " DA ", " DB ", p, 1, 1;\n}\n"                         \
                    : TMAGEMM_F##NREG(d, 0)                                                          \
-                   : "l"(desc_a), "l"(desc_b), "r"(1));                                             \
+                   : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                    \
     }                                                                                               \
   };
 
