@@ -102,14 +102,17 @@ def _provider(name, args):
 
 
 def _speed_rows(rows, dtype, shape, args, ref_fn):
+    """One row per variant; cuBLAS is re-timed right before each variant, so every ratio pairs two
+    measurements taken at the same clocks (on large shapes the GPU heats up during a group, and a
+    single cuBLAS time taken first made the variants timed last read 3-10% low)."""
     m, n, k = shape
     ref = ref_fn()
-    ref_ms = graph_ms(ref_fn)
     names = [nm for nm in SPEED_VARIANTS if nm == "tmagemm.auto" or nm in {v.name for v in dispatch.variants()}]
     for name in names:
         try:
             fn = _provider(name, args)
             fn()  # compiles and tunes outside the timed region
+            ref_ms = graph_ms(ref_fn)
             ms = graph_ms(fn)
             eager = bench(fn)
             err = rel_err(args.out, ref.double())
