@@ -144,6 +144,7 @@ def test_promote_needs_cooperative_128_wide_tiles():
     assert not replace(promote, block_n=256, stages=4, epi_passes=4, epi_buffers=2).is_valid(2)  # 3 x 128 regs
     assert not replace(promote, pingpong=True, stages=5).is_valid(2)
     assert not replace(promote, kernel="ws", stages=4).is_valid(2)
+    assert not replace(promote, cluster_m=2).is_valid(2)  # not built or tested on clusters
 
 
 def test_coop_variant_resolves_its_config_in_prepare():

@@ -52,8 +52,8 @@ class NativeGemmConfig:
     buffers, so staging takes ``epi_buffers / epi_passes`` of the tile (2 passes x 1 buffer or 4 x
     2 leave room for a 4th ring stage); ``promote``: fp8 with fp32-promoted accumulation (each
     k-block's wgmma sum is added into fp32 registers: the ``use_fast_accum=False`` semantics),
-    persistent cooperative 128x128 tiles only. Block M is always 128 and block K one 128-byte
-    row."""
+    persistent cooperative 128x128 tiles without clusters only. Block M is always 128 and block K
+    one 128-byte row."""
 
     kernel: str
     block_n: int
@@ -107,7 +107,8 @@ class NativeGemmConfig:
             and self.epi_buffers in (1, 2)
             and (self.epi_buffers == 1 or self.epi_passes >= 2)
             # promotion's scratch fragments fit the registers beside 64 accumulators only
-            and (not self.promote or (self.kernel == "persistent" and not self.pingpong and self.block_n == 128))
+            and (not self.promote or (self.kernel == "persistent" and not self.pingpong and self.block_n == 128
+                                      and self.cluster_m == 1))
             and self.smem_bytes(out_itemsize) + 256 <= _device.SM90_SMEM_PER_BLOCK
         )
 
