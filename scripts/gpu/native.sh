@@ -33,7 +33,7 @@ CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2
 if [ -n "$CS" ] && [ -n "$OK" ]; then
   for tool in memcheck synccheck racecheck; do
     [ $((SECONDS - T0)) -lt 370 ] || { echo "$tool skipped: no time"; continue; }
-    timeout 45 "$CS" --tool "$tool" --report-api-errors no --print-limit 5 python scripts/gpu/native_sanitize.py ${OK//,/ } > "$OUT/sanitize_$tool.log" 2>&1
+    timeout 45 "$CS" --tool "$tool" --report-api-errors no --print-limit 5 python scripts/gpu/native_sanitize.py ${OK//,/ } cuda.persistent_coop+promote > "$OUT/sanitize_$tool.log" 2>&1
     echo "$tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|Error|error' "$OUT/sanitize_$tool.log" | head -n 3 | tr '\n' ' ')"
   done
 else
