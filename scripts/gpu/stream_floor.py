@@ -28,14 +28,19 @@ def main():
     copy_gbs = copy_bandwidth_gbs(dev)
     rows = []
     print(f"large copy bandwidth (read + write): {copy_gbs:.0f} GB/s")
+    # What any graph-timed launch costs here (launch, events, flush aftermath): an empty kernel.
+    empty_us = timer.graph(lambda: torch.cuda._sleep(1)).median_us
+    print(f"empty kernel: {empty_us:.1f} us")
     for label, (n, k) in SHAPES.items():
         weight = torch.randn(n, k, device="cuda").to(FP8)
         as_int = weight.view(torch.int32)
         sink = torch.empty_like(weight)
         read_us = timer.graph(lambda: as_int.sum(dtype=torch.int64)).median_us
         copy_us = timer.graph(lambda: sink.copy_(weight)).median_us
+        write_us = timer.graph(lambda: sink.zero_()).median_us
         floor_us = min(read_us, copy_us / 2)
-        print(f"{label}: weight {weight.numel() / 1e6:.1f} MB fp8; read {read_us:.1f} us, copy {copy_us:.1f} us")
+        print(f"{label}: weight {weight.numel() / 1e6:.1f} MB fp8; read {read_us:.1f} us, copy {copy_us:.1f} us, "
+              f"write {write_us:.1f} us")
         for m in (1, 16, 64, 128):
             a = torch.randn(m, k, device="cuda").to(FP8)
             sa = torch.tensor([0.5], device="cuda")
@@ -45,7 +50,8 @@ def main():
             tmagemm.scaled_mm(a, weight.t(), sa, sb)
             ours = timer.graph(lambda: tmagemm.scaled_mm(a, weight.t(), sa, sb)).median_us
             traffic = weight.numel() + a.numel() + 2 * m * n
-            row = dict(shape=label, m=m, read_us=read_us, copy_us=copy_us, cublas_us=cublas, ours_us=ours,
+            row = dict(shape=label, m=m, read_us=read_us, copy_us=copy_us, write_us=write_us, empty_us=empty_us,
+                       cublas_us=cublas, ours_us=ours,
                        cublas_pct_copy=100 * traffic / cublas / 1e3 / copy_gbs,
                        ours_pct_copy=100 * traffic / ours / 1e3 / copy_gbs,
                        best_possible_vs_cublas=cublas / floor_us)
