@@ -30,10 +30,7 @@ namespace {
 constexpr bool kPingPong = TMAGEMM_PINGPONG != 0;
 constexpr int kCluster = TMAGEMM_CLUSTER_M;
 static_assert(kCluster == 1 || kCluster == 2, "1 or 2 CTAs per cluster");
-constexpr int kConsumers = 2;
-constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kFrags = kPingPong ? 2 : 1;  // 64-row fragments per consumer
-constexpr int kAccRegs = kBlockN / 2;
 static_assert(kFrags * kAccRegs <= 128, "a consumer holds at most 128 fp32 accumulators per thread");
 // TMAGEMM_PROMOTE = 1 (fp8, use_fast_accum=False): wgmma's fp8 accumulator keeps fewer mantissa
 // bits than fp32, so each k-block's 128-deep products are summed by wgmma into a scratch fragment
@@ -43,10 +40,6 @@ static_assert(kFrags * kAccRegs <= 128, "a consumer holds at most 128 fp32 accum
 constexpr bool kPromote = TMAGEMM_PROMOTE != 0;
 static_assert(!kPromote || (kAbType == wgmma::kE4M3 && !kPingPong && kAccRegs == 64),
               "promotion: fp8, cooperative schedule, BLOCK_N = 128");
-constexpr int kProducerRegs = 40;
-constexpr int kConsumerRegs = 232;
-static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= 65536, "register file");
-constexpr int kFragBytes = 64 * kBlockN * kOutBytes;
 // Cooperative: the output fragment is staged in TMAGEMM_EPI_PASSES column slices through
 // TMAGEMM_EPI_BUFFERS slice buffers. Staging less than the fragment buys a 4th ring stage for
 // 128x256 tiles; two buffers let a slice be written while the previous one is still being stored.
@@ -58,7 +51,7 @@ constexpr int kEpiBytesPerConsumer = kFrags * kFragBytes / kEpiPasses * kEpiBuff
 // cooperative schedule, the tile's owner in ping-pong) of every CTA whose TMA writes into it.
 // The producer's wait on `empty` needs no cluster-scope acquire either (that one invalidates L1):
 // it only orders its next TMA write after reads that are already complete.
-constexpr int kReadersPerCta = kPingPong ? 1 : kConsumers;
+constexpr int kReadersPerCta = kPingPong ? 1 : kWsConsumers;
 constexpr int kStageReaders = kCluster * kReadersPerCta;
 // Named barriers: 0 is __syncthreads; 1 + i private to consumer i; 3 and 4 order the mainloops
 // of consumer 0 -> 1 and 1 -> 0 (ping-pong only).
@@ -67,7 +60,7 @@ constexpr int kBarTurnTo1 = 3;
 constexpr int kBarTurnTo0 = 4;
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(kThreads, 1)
+extern "C" __global__ void __launch_bounds__(kWsThreads, 1)
     tmagemm_gemm_sm90_persistent(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                                  const __grid_constant__ CUtensorMap map_d, const __grid_constant__ Params params) {
   // ---- shared-memory plan: STAGES x [A | B] ring, then one epilogue buffer per consumer ------
@@ -137,7 +130,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   PipelineState read;
   // Ping-pong: consumer 1 starts at the second tile's first k-block; both skip the other's tiles.
   const int first = kPingPong ? consumer : 0;
-  const int step = kPingPong ? kConsumers : 1;
+  const int step = kPingPong ? kWsConsumers : 1;
   if (kPingPong && consumer == 1)
     for (int kt = 0; kt < k_tiles; ++kt) read.advance();
 
@@ -153,12 +146,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     // the barrier, which parity waits require.
     if (kPingPong && i > 0) named_barrier_sync(consumer == 0 ? kBarTurnTo0 : kBarTurnTo1, 256);
 
-    if constexpr (kPromote) {
-      float part[kAccRegs];
-      for (int kt = 0; kt < k_tiles; ++kt) {
-        ptx::mbarrier_wait(&full[read.index], read.phase);
-        const u32 a = ptx::smem_u32(smem + read.index * kStageBytes) + consumer * 64 * kRowBytes;
-        const u32 b = ptx::smem_u32(smem + read.index * kStageBytes + kStageBytesA);
+    float part[kAccRegs];  // promotion scratch: one k-block's wgmma sum (kPromote only)
+    PipelineState release = read;
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      ptx::mbarrier_wait(&full[read.index], read.phase);
+      const u32 a = ptx::smem_u32(smem + read.index * kStageBytes) + (kPingPong ? 0 : consumer * 64 * kRowBytes);
+      const u32 b = ptx::smem_u32(smem + read.index * kStageBytes + kStageBytesA);
+      if constexpr (kPromote) {
         wgmma::fence_operand(part);  // the adds of the previous k-block read it first
         wgmma::fence();
         mma_stage<kBlockN, true>(part, a, b);
@@ -171,14 +165,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int r = 0; r < kAccRegs; ++r) acc[0][r] += part[r];
         release_stage<kCluster>(&empty[read.index]);
-        read.advance();
-      }
-    } else {
-      PipelineState release = read;
-      for (int kt = 0; kt < k_tiles; ++kt) {
-        ptx::mbarrier_wait(&full[read.index], read.phase);
-        const u32 a = ptx::smem_u32(smem + read.index * kStageBytes) + (kPingPong ? 0 : consumer * 64 * kRowBytes);
-        const u32 b = ptx::smem_u32(smem + read.index * kStageBytes + kStageBytesA);
+      } else {
 #pragma unroll
         for (int f = 0; f < kFrags; ++f) wgmma::fence_operand(acc[f]);
         wgmma::fence();
@@ -188,12 +175,15 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         wgmma::wait_group<1>();
 #pragma unroll
         for (int f = 0; f < kFrags; ++f) wgmma::fence_operand(acc[f]);
+        // One batch stays in flight; the one before it has retired and its stage goes back.
         if (kt > 0) {
           release_stage<kCluster>(&empty[release.index]);
           release.advance();
         }
-        read.advance();
       }
+      read.advance();
+    }
+    if constexpr (!kPromote) {
       // Hand the tensor cores over as soon as the last batch is issued (if the other has a tile).
       if (kPingPong && i + 1 < my_tiles) {
         asm volatile("bar.arrive %0, %1;\n" ::"r"(consumer == 0 ? kBarTurnTo1 : kBarTurnTo0), "r"(256) : "memory");

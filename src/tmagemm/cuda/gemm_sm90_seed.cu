@@ -13,7 +13,6 @@ using namespace tmagemm::gemm;
 
 namespace {
 constexpr int kThreads = 128;
-constexpr int kAccRegs = kBlockN / 2;  // per 64-row fragment
 // The epilogue reuses the operand ring, which must hold both staged fragments.
 constexpr int kEpiBytes = kBlockM * kBlockN * kOutBytes;
 static_assert(kStages * kStageBytes >= kEpiBytes, "operand ring too small to stage the output tile");
@@ -89,7 +88,6 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   // ---- epilogue -------------------------------------------------------------------------------
   // All loads were consumed and all wgmma retired: the ring is free to stage the output.
   __syncthreads();
-  const int kFragBytes = 64 * kBlockN * kOutBytes;
 #pragma unroll
   for (int f = 0; f < 2; ++f) {
     epilogue_apply<kBlockN>(acc[f], tile.m0 + 64 * f, tile.n0, params, op);

@@ -13,23 +13,14 @@ using namespace tmagemm;
 using namespace tmagemm::gemm;
 
 namespace {
-constexpr int kConsumers = 2;
-constexpr int kThreads = 128 * (1 + kConsumers);
-constexpr int kAccRegs = kBlockN / 2;
-// Register split: 65536 registers / 384 threads = 168 each at launch; the producer drops to 40
-// so each consumer thread can hold 128 fp32 accumulators plus addressing and the epilogue.
-constexpr int kProducerRegs = 40;
-constexpr int kConsumerRegs = 232;
-static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= 65536, "register file");
 // The epilogue stages each consumer's 64 x BLOCK_N fragment in the (then idle) operand ring.
-constexpr int kFragBytes = 64 * kBlockN * kOutBytes;
-static_assert(kStages * kStageBytes >= kConsumers * kFragBytes, "operand ring too small to stage the output tile");
+static_assert(kStages * kStageBytes >= kWsConsumers * kFragBytes, "operand ring too small to stage the output tile");
 // Named barriers: 0 is __syncthreads, 1 spans both consumers, 2 + i is consumer i alone.
 constexpr int kBarConsumers = 1;
 constexpr int kBarConsumer0 = 2;
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(kThreads, 1)
+extern "C" __global__ void __launch_bounds__(kWsThreads, 1)
     tmagemm_gemm_sm90_ws(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                          const __grid_constant__ CUtensorMap map_d, const __grid_constant__ Params params) {
   // ---- shared-memory plan: STAGES x [A 128 x 128 B | B BLOCK_N x 128 B], 1 KB aligned -------
@@ -43,7 +34,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   const int warpgroup = threadIdx.x / 128;
 
   // ---- descriptor prefetch, barrier init + fence + sync ------------------------------------
-  if (threadIdx.x == 0) init_pipeline(full, empty, kConsumers, &map_a, &map_b, &map_d);
+  if (threadIdx.x == 0) init_pipeline(full, empty, kWsConsumers, &map_a, &map_b, &map_d);
   __syncthreads();
 
   if (warpgroup == 0) {
@@ -98,7 +89,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 
   // ---- epilogue ---------------------------------------------------------------------------------
   // The other consumer may still be reading the ring with wgmma: wait for both before reusing it.
-  named_barrier_sync(kBarConsumers, 128 * kConsumers);
+  named_barrier_sync(kBarConsumers, 128 * kWsConsumers);
   const bool leader = threadIdx.x % 128 == 0;
   epilogue_fragment<kBlockN>(acc, smem + consumer * kFragBytes, &map_d, tile.m0 + 64 * consumer, tile.n0, params, op,
                              kBarConsumer0 + consumer, leader);

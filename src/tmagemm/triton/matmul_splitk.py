@@ -478,8 +478,6 @@ def _cached_config(m: int, n: int, k: int, dtype: torch.dtype, sms: int, fast_ac
     return choose_config(m, n, k, dtype, sms, fast_accum)
 
 
-
-
 def _prepare_zero_k(args: GemmArgs):
     def launcher(problem: GemmArgs) -> None:
         if problem.bias is None:  # empty sum: out = bias (or 0); scales multiply zero

@@ -143,8 +143,6 @@ _FP8_SMALL_M_TILES = ((64, 6), (128, 4))
 _SMALL_M_BLOCK = 64  # one wgmma M=64 warpgroup tile: rows past M are TMA zero-fill, never read from HBM
 
 
-
-
 def _fp8_small_m(args: GemmArgs, sms: int) -> TritonGemmConfig:
     """Small and medium M are bound by streaming the weight: what counts is how many CTAs pull
     B at once and how many bytes each keeps in flight. So: 64-row tiles, 256-deep K steps

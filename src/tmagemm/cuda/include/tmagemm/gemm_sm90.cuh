@@ -45,6 +45,18 @@ constexpr int kMmaPerStage = kRowBytes / 32;
 constexpr int kStageBytesA = kBlockM * kRowBytes;
 constexpr int kStageBytesB = kBlockN * kRowBytes;
 constexpr int kStageBytes = kStageBytesA + kStageBytesB;
+// A warpgroup's wgmma fragment is 64 rows x kBlockN columns: kAccRegs fp32 accumulators per
+// thread, kFragBytes once converted to the output type.
+constexpr int kAccRegs = kBlockN / 2;
+constexpr int kFragBytes = 64 * kBlockN * kOutBytes;
+// Warp-specialized rungs (ws, persistent): one producer warpgroup and kWsConsumers consumers.
+// 65536 registers / 384 threads = 168 each at launch; the producer gives back down to 40 so each
+// consumer thread can hold 128 fp32 accumulators plus addressing and the epilogue.
+constexpr int kWsConsumers = 2;
+constexpr int kWsThreads = 128 * (1 + kWsConsumers);
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;
+static_assert(128 * kProducerRegs + 128 * kWsConsumers * kConsumerRegs <= 65536, "register file");
 // Epilogue tiles are staged as 64-row chunks one 128-byte swizzle row wide, which is also the
 // TMA store box: 64 columns of 16-bit output or 32 of fp32.
 constexpr int kEpiCols = kRowBytes / kOutBytes;
