@@ -96,7 +96,7 @@ def test_non_hopper_gpu_message(monkeypatch):
     monkeypatch.setattr(api.device, "capability", lambda index: (8, 0))
     monkeypatch.setattr(api.device, "name", lambda index: "NVIDIA A100")
     with pytest.raises(ValueError, match="sm_80.*need a Hopper GPU"):
-        api._check_runtime_device(torch.device("cuda", 0))
+        api._check_runtime_device(torch.device("cuda", 0), torch.float8_e4m3fn)
 
 
 # ------------------------------------------------------------------------------ repeated calls
@@ -147,22 +147,22 @@ def test_remembered_calls_copy_strided_scales_and_bias(seeded):
 
 @pytest.mark.gpu
 def test_cuda_calls_are_remembered_outside_capture(monkeypatch, seeded):
-    from tmagemm import dispatch
+    from tmagemm import plan
 
     monkeypatch.setenv("TMAGEMM_AUTOTUNE", "0")  # capture and eager then share the heuristic kernel
-    dispatch.clear_plans()
+    plan.clear_plans()
     a, b, sa, sb = _fp8()
     tmagemm.scaled_mm(a, b, sa, sb)  # compiles and loads the kernel outside the capture
-    dispatch.clear_plans()
+    plan.clear_plans()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = tmagemm.scaled_mm(a, b, sa, sb)  # planned during capture: not remembered
-    assert len(dispatch.remembered_calls) == 0
+    assert len(plan._calls) == 0
     graph.replay()
     assert_close(out, reference(a, b, sa, sb), 1e-2, "replay")
     tmagemm.scaled_mm(a, b, sa, sb)
-    assert len(dispatch.remembered_calls) == 1
-    dispatch.clear_plans()
+    assert len(plan._calls) == 1
+    plan.clear_plans()
 
 
 # ------------------------------------------------------------------------------ zero sizes
@@ -225,9 +225,9 @@ def test_backend_choice(backend, seeded):
 
 
 def test_backend_env_knob(monkeypatch):
-    from tmagemm import dispatch
+    from tmagemm import plan
 
-    dispatch.clear_plans()  # knobs are read when a problem signature is first planned
+    plan.clear_plans()  # knobs are read when a problem signature is first planned
     monkeypatch.setenv("TMAGEMM_BACKEND", "bogus")
     with pytest.raises(ValueError, match="TMAGEMM_BACKEND='bogus'"):
         tmagemm.matmul(torch.randn(8, 16, device=DEVICE).half(), torch.randn(16, 8, device=DEVICE).half())

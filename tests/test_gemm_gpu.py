@@ -8,8 +8,8 @@ import torch
 from gemm_ref import FP8, assert_close, fp8_operands, poisoned, reference
 
 import tmagemm
-from tmagemm import dispatch, tuning
-from tmagemm.dispatch import GemmArgs
+from tmagemm import plan, tuning
+from tmagemm.plan import GemmArgs
 
 pytestmark = pytest.mark.gpu
 TOL = {torch.float32: 2e-4, torch.float16: 1.5e-3, torch.bfloat16: 6e-3}
@@ -96,9 +96,9 @@ def test_each_variant_large(name, seeded):
     sa, sb = _scales("row", m, n)
     out = poisoned((m, n), torch.bfloat16, "cuda")
     args = GemmArgs(a, b, out, sa.reshape(-1), sb.reshape(-1))
-    if name not in {v.name for v in dispatch.variants()}:
-        pytest.skip(f"{name} not registered: {dispatch.unavailable()}")
-    dispatch.get(name).run(args)
+    if name not in {v.name for v in plan.variants()}:
+        pytest.skip(f"{name} not registered: {plan.unavailable()}")
+    plan.get(name).run(args)
     assert_close(out, reference(a, b, sa, sb), TOL[torch.bfloat16], name)
 
 
@@ -172,7 +172,7 @@ def test_tuning_persists_to_disk(monkeypatch, tmp_path, seeded):
     monkeypatch.setenv("TMAGEMM_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(tuning, "_memory", {})
     monkeypatch.setattr(tuning, "_disk_loaded", set())
-    dispatch.clear_plans()
+    plan.clear_plans()
     m, n, k = 1024, 1024, 1024
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
@@ -185,15 +185,15 @@ def test_tuning_persists_to_disk(monkeypatch, tmp_path, seeded):
     # A fresh process (empty memory) reads the stored choice instead of tuning again.
     monkeypatch.setattr(tuning, "_memory", {})
     monkeypatch.setattr(tuning, "_disk_loaded", set())
-    dispatch.clear_plans()
+    plan.clear_plans()
     monkeypatch.setattr(tuning.triton.testing, "do_bench", lambda *a, **k: pytest.fail("re-tuned"))
     tmagemm.matmul(a, b, backend="triton", out=out)
 
 
 def test_forced_backends(seeded):
     """backend="cuda" runs a native kernel or says why none fits; "triton" never runs a native one."""
-    if not any(v.backend == "cuda" for v in dispatch.variants()):
-        pytest.skip(f"native backend not importable: {dispatch.unavailable()}")
+    if not any(v.backend == "cuda" for v in plan.variants()):
+        pytest.skip(f"native backend not importable: {plan.unavailable()}")
     m, n, k = 1024, 1024, 1024
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
@@ -202,7 +202,7 @@ def test_forced_backends(seeded):
         tmagemm.matmul(a, b, out=out, backend=backend)
         assert_close(out, reference(a, b), TOL[torch.bfloat16], backend)
         args = GemmArgs(a, b, out)
-        assert dispatch.choose(args, backend).backend == backend
+        assert plan.choose(args, backend).backend == backend
     with pytest.raises(ValueError, match="no 'cuda' tmagemm kernel accepts this problem"):
         tmagemm.matmul(a.t().contiguous().t(), b, backend="cuda")  # native kernels need A row-major
 

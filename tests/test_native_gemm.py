@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from tmagemm.cuda import gemm as native
-from tmagemm.dispatch import GemmArgs
+from tmagemm import tma
+from tmagemm.plan import GemmArgs
 
 FP8 = torch.float8_e4m3fn
 
@@ -147,11 +148,6 @@ def test_promote_needs_cooperative_128_wide_tiles():
     assert not replace(promote, cluster_m=2).is_valid(2)  # not built or tested on clusters
 
 
-def test_coop_variant_resolves_its_config_in_prepare():
-    variant = next(v for v in native.VARIANTS if v.name == "cuda.persistent_coop")
-    assert variant.prepare is not None  # dispatch.plan caches the per-shape choice
-
-
 @needs_nvrtc
 @pytest.mark.parametrize("dtype", ["fp8", "bf16", "fp16"])
 def test_aot_source_matches_the_launcher_build(dtype):
@@ -182,10 +178,10 @@ def test_cpu_tensors_are_refused_with_a_reason():
 
 def test_b_layout_detection():
     w = torch.randn(72, 64)  # (N, K) weight
-    assert native._b_k_major(w.t())
-    assert not native._b_k_major(torch.randn(64, 72))
-    assert native._b_k_major(torch.randn(64, 1))  # one column: describe it as a (1, K) row
-    assert not native._b_k_major(torch.randn(1, 72))
+    assert tma.b_is_k_major(w.t())
+    assert not tma.b_is_k_major(torch.randn(64, 72))
+    assert tma.b_is_k_major(torch.randn(64, 1))  # one column: describe it as a (1, K) row
+    assert not tma.b_is_k_major(torch.randn(1, 72))
 
 
 # ------------------------------------------------------------------------------- CPU: builds
@@ -427,7 +423,7 @@ def _promoted_run(m, n, k, config=None):
     bias = torch.randn(n, device="cuda", dtype=torch.float32)
     args = GemmArgs(a, b, out, scale_a, scale_b, bias, fast_accum=False)
     if config is None:
-        launcher = next(v for v in native.VARIANTS if v.name == "cuda.persistent_coop").prepare(args)
+        launcher = next(v for v in native.VARIANTS if v.name == "cuda.persistent_coop").build(args)
         assert launcher.config.promote
         launcher(args)
     else:
@@ -468,7 +464,7 @@ def test_promotion_bound_rejects_fast_accumulation(seeded):
     for fast in (True, False):
         out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float32)
         args = GemmArgs(a, b, out, fast_accum=fast)
-        launcher = next(v for v in native.VARIANTS if v.name == "cuda.persistent_coop").prepare(args)
+        launcher = next(v for v in native.VARIANTS if v.name == "cuda.persistent_coop").build(args)
         assert launcher.config.promote is not fast
         launcher(args)
         torch.cuda.synchronize()

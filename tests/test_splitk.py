@@ -9,11 +9,11 @@ CUDA-graph capture.
 import pytest
 import torch
 
-from tmagemm import envs
-from tmagemm.dispatch import GemmArgs
+from tmagemm import envs, plan, workspace
+from tmagemm.plan import GemmArgs
 from tmagemm.triton import matmul_splitk as sk
 from tmagemm.triton import matmul_tma
-from tmagemm.triton.host import tma_layout, triton_launch
+from tmagemm.triton.host import tma_layout
 
 F8 = torch.float8_e4m3fn
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -61,7 +61,7 @@ interpreter_only = pytest.mark.skipif(not envs.interpret(), reason="interpreter-
 def _run(args, config=None):
     assert sk.supports(args) is None, sk.supports(args)
     args.out.fill_(float("nan"))  # poison: any element the kernel skips fails the check
-    sk.run(args, config)
+    sk.build(args, config)(args)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -141,25 +141,26 @@ def test_split_is_bitwise_deterministic_and_rearms_counters(seeded):
     out = torch.empty(m, n, device=DEV, dtype=torch.float32)
     args = GemmArgs(a, b, out)
     config = sk.SplitKConfig(16, 32, 32, 3, True, False, 2)
-    _run(args, config)
+    ws = sk._scratch(out, sk.partials_needed(args, config))
+    sk.kernel_call(args, config, ws).launch()
     first = out.clone()
     for _ in range(2):
-        _run(args, config)
+        out.fill_(float("nan"))
+        sk.kernel_call(args, config, ws).launch()  # the same counters: re-armed by the last launch
         assert torch.equal(out, first)
-    ws = sk._workspaces[sk._stream_key(a.device)]
-    assert int(ws.locks.abs().sum()) == 0, "arrival counters must be back at zero after a launch"
+        assert int(ws.counters.abs().sum()) == 0, "arrival counters must be back at zero after a launch"
     _assert_close(out, _reference(a, b), rtol=1e-6, atol=1e-4)
 
 
 @pytest.mark.parametrize("shape", [(0, 40, 64), (5, 0, 64), (5, 40, 0)])
 def test_zero_size(shape):
+    """The kernel refuses zero sizes; the plan layer answers them without a launch."""
     m, n, k = shape
     a, b = _operands(m, n, k, torch.float16)
     bias = torch.randn(n, device=DEV)
     out = torch.full((m, n), float("nan"), device=DEV, dtype=torch.float32)
-    args = GemmArgs(a, b, out, None, None, bias)
-    assert sk.supports(args) is None
-    sk.run(args)
+    assert "zero-size" in sk.supports(GemmArgs(a, b, out, None, None, bias))
+    plan.run_gemm(None, a, b, out, None, None, bias, True, "triton")
     assert torch.equal(out, bias.expand(m, n))
 
 
@@ -173,7 +174,7 @@ def test_supports_reasons():
     a16 = torch.randn(4, 68, device=DEV).to(torch.float16)
     assert sk.supports(GemmArgs(a16, w.t(), torch.empty(4, 32, device=DEV))) is None
     w_bad = torch.randn(32, 70, device=DEV).to(torch.float16)[:, :68]  # ld 70 x 2 B = 140 B
-    assert "16 B" in sk.supports(GemmArgs(a16, w_bad.t(), torch.empty(4, 32, device=DEV)))
+    assert "not a multiple of 16" in sk.supports(GemmArgs(a16, w_bad.t(), torch.empty(4, 32, device=DEV)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -187,13 +188,18 @@ def _slices(cfg, k):
     return k_iters, per
 
 
+# (K, N) of Llama-3-8B and 70B projections.
+LLM_PROJECTIONS = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096),
+                   (8192, 10240), (8192, 8192), (8192, 57344), (28672, 8192)]
+
+
 @pytest.mark.parametrize("dtype", [F8, torch.bfloat16], ids=["fp8", "bf16"])
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 16, 17, 32, 64, 100, 128])
-@pytest.mark.parametrize("kn", [(4096, 4096), *sk.LLM_PROJECTIONS.values(), (200, 40), (4000, 1000)])
+@pytest.mark.parametrize("kn", [(4096, 4096), *LLM_PROJECTIONS, (200, 40), (4000, 1000)])
 def test_heuristic_invariants(dtype, m, kn):
     k, n = kn
-    cfg = sk.choose_config(m, n, k, dtype, 132)
-    assert cfg == sk.choose_config(m, n, k, dtype, 132), "must be a pure function"
+    cfg = sk.choose_config(m, n, k, dtype.itemsize, 132)
+    assert cfg == sk.choose_config(m, n, k, dtype.itemsize, 132), "must be a pure function"
     assert cfg.block_m >= min(m, cfg.block_m) and cfg.block_m >= 16
     assert cfg.block_k * (1 if dtype == F8 else 2) == 128, "block_k spans one 128 B swizzle row"
     k_iters, per = _slices(cfg, k)
@@ -201,10 +207,9 @@ def test_heuristic_invariants(dtype, m, kn):
     assert cfg.smem_bytes(1 if dtype == F8 else 2) <= sk._SMEM_BUDGET
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
     if cfg.split_k > 1:
-        # The default workspace must hold every split the heuristic picks for M <= 128, so one
-        # eager call makes any later capture on that stream safe.
-        assert tiles * cfg.split_k * cfg.block_m * cfg.block_n <= sk._MIN_PARTIALS
-        assert tiles <= sk._MIN_LOCKS
+        # A stream's first eager workspace holds every split the heuristic picks for M <= 128.
+        assert tiles * cfg.split_k * cfg.block_m * cfg.block_n <= workspace.MIN_PARTIALS
+    assert tiles <= workspace.COUNTERS
 
 
 HEURISTIC_TABLE = [
@@ -221,7 +226,7 @@ HEURISTIC_TABLE = [
 @pytest.mark.parametrize("row", HEURISTIC_TABLE)
 def test_heuristic_table(row):
     m, n, k, dtype, want = row
-    cfg = sk.choose_config(m, n, k, dtype, 132)
+    cfg = sk.choose_config(m, n, k, dtype.itemsize, 132)
     assert (cfg.block_m, cfg.block_n, cfg.split_k, cfg.swap_ab) == want
 
 
@@ -280,7 +285,7 @@ def test_tma_fp8_small_m_tiles_ragged(m, seeded):
     assert (config.block_m, config.block_n, config.block_k) == (64, 64, 256)
     layout = tma_layout(args)
     assert not isinstance(layout, str), layout
-    triton_launch(matmul_tma.kernel_call(args, config, layout))
+    matmul_tma.kernel_call(args, config, layout).launch()
     # fp8 products are exact in fp32; 592 fp32 additions: ~600 * 2^-24 relative at worst.
     _assert_close(out, _reference(a, b, scale_a, scale_b), rtol=1e-5, atol=1e-4)
 
@@ -326,7 +331,6 @@ def test_gpu_fp8_fast_accumulation(m, seeded):
     a, b = _operands(m, n, k, F8)
     out = torch.empty(m, n, device="cuda", dtype=torch.float32)
     args = GemmArgs(a, b, out)
-    assert sk.prepare(args).config.fast_accum
     _run(args)
     ref = _reference(a, b)
     err = (out.double() - ref).abs()
@@ -334,12 +338,15 @@ def test_gpu_fp8_fast_accumulation(m, seeded):
     assert bool((err <= bound).all()), f"max error / bound = {float((err / bound).max()):.3f}"
 
 
-@pytest.mark.parametrize("m", [1, 16, 100])
-def test_heuristic_follows_use_fast_accum(m):
-    """Only fp8 has an accumulation mode to choose; the caller's flag picks it."""
-    assert sk.choose_config(m, 4096, 4096, F8, 132, fast_accum=True).fast_accum
-    assert not sk.choose_config(m, 4096, 4096, F8, 132, fast_accum=False).fast_accum
-    assert not sk.choose_config(m, 4096, 4096, torch.bfloat16, 132, fast_accum=True).fast_accum
+@pytest.mark.parametrize("fast_accum", [True, False])
+def test_kernel_follows_use_fast_accum(fast_accum):
+    """The caller's flag, and nothing else, picks the kernel's accumulation mode."""
+    a, b = _operands(16, 128, 256, F8, device="cpu")
+    out = torch.empty(16, 128)
+    args = GemmArgs(a, b, out, None, None, None, fast_accum)
+    config = sk.choose_config(16, 128, 256, 1, 132)
+    call = sk.kernel_call(args, config, sk._scratch(out, sk.partials_needed(args, config)))
+    assert call.args["FAST_ACCUM"] is fast_accum
 
 
 @pytest.mark.gpu
@@ -349,7 +356,7 @@ def test_gpu_deterministic(dtype, seeded):
     a, b = _operands(m, n, k, dtype)
     out = torch.empty(m, n, device="cuda", dtype=torch.float32)
     args = GemmArgs(a, b, out)
-    config = sk.choose_config(m, n, k, dtype, torch.cuda.get_device_properties(0).multi_processor_count)
+    config = sk.choose_config(m, n, k, dtype.itemsize, torch.cuda.get_device_properties(0).multi_processor_count)
     assert config.split_k > 1, "the decode shape should split K"
     _run(args, config)
     first = out.clone()
@@ -366,26 +373,30 @@ def test_gpu_deterministic(dtype, seeded):
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph(seeded):
+@pytest.mark.parametrize("capture_stream", ["own", "fresh"])
+def test_gpu_cuda_graph(capture_stream, seeded):
+    """Capture works on any stream, with or without an eager call on it first (torch.cuda.graph
+    captures on a side stream of its own), and replays follow new inputs."""
     m, n, k = 8, 4096, 4096
     a, b = _operands(m, n, k, F8)
     scale_a = torch.rand(1, device="cuda") + 0.5
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     args = GemmArgs(a, b, out, scale_a, None, None)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        sk.run(args)  # allocates this stream's workspace outside capture
+    launch = sk.build(args)
+    assert launch.config.split_k > 1, "the shape should split K"
+    launch(args)  # eager, on the current stream
     graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream() if capture_stream == "fresh" else None
     with torch.cuda.graph(graph, stream=stream):
-        sk.run(args)
-    a.copy_(torch.randn(m, k, device="cuda").to(F8))
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    replayed = out.clone()
-    _run(args)
-    assert torch.equal(replayed, out)
+        launch(args)
+    for _ in range(3):
+        a.copy_(torch.randn(m, k, device="cuda").to(F8))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = out.clone()
+        _run(args)
+        assert torch.equal(replayed, out), "graph replay and eager launch differ"
     ref = _reference(a, b, scale_a)
     # The GemmArgs default is fast accumulation: wgmma's fp8 sum over all of K (2^-10 x sum |a||b|).
     fast_accum_atol = 2.0**-10 * (a.double().abs() @ b.double().abs()) * scale_a.double()
@@ -393,16 +404,35 @@ def test_gpu_cuda_graph(seeded):
 
 
 @pytest.mark.gpu
-def test_gpu_capture_without_workspace_raises():
-    a, b = _operands(4, 256, 512, F8)
-    args = GemmArgs(a, b, torch.empty(4, 256, device="cuda", dtype=torch.bfloat16))
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        sk._workspaces.pop(sk._stream_key(a.device), None)  # as if this stream were new
-    graph = torch.cuda.CUDAGraph()
-    with pytest.raises(RuntimeError, match="eager call"):
-        with torch.cuda.graph(graph, stream=stream):
-            sk.run(args)
+def test_gpu_two_graphs_and_eager_keep_separate_counters(seeded):
+    """Two graphs replayed on two streams at once and eager calls on a third never share
+    counters: every result stays exact."""
+    m, n, k = 4, 2048, 8192
+    a, b = _operands(m, n, k, torch.float16, integer=True)
+    outs = [torch.empty(m, n, device="cuda", dtype=torch.float32) for _ in range(3)]
+    launch = sk.build(GemmArgs(a, b, outs[0]))
+    graphs = []
+    for out in outs[:2]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(4):
+                launch(GemmArgs(a, b, out))
+        graphs.append(graph)
+    ref = _reference(a, b)
+    streams = [torch.cuda.Stream() for _ in range(3)]
+    for _ in range(5):
+        for out in outs:
+            out.fill_(float("nan"))
+        torch.cuda.synchronize()
+        for stream, graph in zip(streams, graphs):
+            with torch.cuda.stream(stream):
+                graph.replay()
+        with torch.cuda.stream(streams[2]):
+            for _ in range(4):
+                launch(GemmArgs(a, b, outs[2]))
+        torch.cuda.synchronize()
+        for out in outs:
+            _assert_close(out, ref, rtol=0.0, atol=0.0)
 
 
 def test_gpu_refuses_untested_tiles():
@@ -410,4 +440,4 @@ def test_gpu_refuses_untested_tiles():
     args = GemmArgs(a, b, torch.empty(4, 64, device=DEV))
     if a.device.type == "cuda":
         with pytest.raises(ValueError, match="block_n"):
-            sk.run(args, sk.SplitKConfig(16, 32, 64, 1, True, False, 2))
+            sk.build(args, sk.SplitKConfig(16, 32, 64, 1, True, False, 2))

@@ -347,3 +347,34 @@ def test_cache_replaces_address_and_never_reuses_a_mismatched_map():
     other_stride = cache.get(torch.randn(128, 72, device="cuda", dtype=torch.bfloat16)[:, :64], (64, 64))
     assert len({id(m) for m in (first, other_shape, other_dtype, other_stride)}) == 4
     assert cache.encodes == 4
+
+
+# ------------------------------------------------------------------------------ operand layouts
+
+@pytest.mark.parametrize("shape, strides, want", [
+    ((64, 32), (32, 1), 1),  # row-major
+    ((64, 32), (1, 64), 0),  # column-major (w.t() of a (32, 64) weight)
+    ((64, 32), (64, 2), None),  # neither dimension contiguous
+    ((64, 1), (1, 1), 0),  # a K-vector B (w.t() of a (1, K) weight): K-major
+    ((64, 1), (8, 1), 1),  # a column sliced from a row-major matrix: rows 8 elements apart
+    ((1, 32), (32, 1), 1),  # one row: row-major
+    ((1, 32), (1, 8), 0),  # a row sliced from a column-major matrix: columns 8 apart
+    ((1, 1), (1, 1), 1),
+])
+def test_contiguous_dim_tie_breaks(shape, strides, want):
+    t = torch.empty_strided(shape, strides, dtype=torch.float16)
+    assert tma.contiguous_dim(t) == want
+    assert tma.b_is_k_major(t) == (want == 0)
+
+
+def test_leading_stride_and_operand_reason():
+    t = torch.empty(64, 40, dtype=torch.float16)[:, :36]  # rows 80 bytes apart
+    assert tma.leading_stride(t, True) == 40
+    assert tma.operand_reason(t, "a", True) is None
+    assert "column-major" in tma.operand_reason(t, "a", False)
+    one_row = torch.empty(1, 36, dtype=torch.float16)
+    assert tma.leading_stride(one_row, True) == 40  # never stepped: the smallest 16-byte multiple
+    odd = torch.empty(64, 37, dtype=torch.float16)[:, :36]  # 74-byte rows
+    assert "not a multiple of 16" in tma.operand_reason(odd, "b", True)
+    assert tma.store_reason(torch.empty(8, 36, dtype=torch.float16)) is not None  # 72-byte rows
+    assert tma.store_reason(torch.empty(8, 40, dtype=torch.float16)) is None

@@ -6,12 +6,12 @@ bf16 runs only on a GPU) and compiled on a Hopper GPU. Outputs are poisoned with
 
 import pytest
 import torch
-from gemm_ref import FP8, assert_close, fp8_operands, poisoned, reference
+from gemm_ref import assert_close, fp8_operands, poisoned, reference
 
-from tmagemm import dispatch
+from tmagemm import plan
 from tmagemm.configs import TritonGemmConfig
-from tmagemm.dispatch import GemmArgs
-from tmagemm.triton import matmul_persistent, matmul_ptr, matmul_tma
+from tmagemm.plan import GemmArgs
+from tmagemm.triton import matmul_tma
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
@@ -42,16 +42,11 @@ def _layout(t: torch.Tensor, row_major: bool, pad: int = 0) -> torch.Tensor:
 
 
 def _run(name, args, config=SMALL):
-    variant = dispatch.get(name)
+    variant = plan.get(name)
     assert variant.supports(args) is None, variant.supports(args)
-    if name == "triton.ptr":
-        matmul_ptr.run(args, config)
-    elif name == "triton.tma":
-        matmul_tma.run(args, config)
-    elif name == "triton.tma_device":
-        matmul_tma.run_device(args, config)
-    else:
-        matmul_persistent.run(args, config)
+    built = plan.build(args, variant=name, config=config)
+    assert built.variant == name and built.config == config
+    built(args)
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -114,8 +109,8 @@ def test_tma_refuses_unaligned_and_ptr_accepts(seeded):
     out = poisoned((m, n), torch.float32, DEVICE)
     args = GemmArgs(a, b, out)
     for name in ("triton.tma", "triton.tma_device", "triton.persistent"):
-        assert "not a multiple of 16" in dispatch.get(name).supports(args)
-    assert dispatch.choose(args).name == "triton.ptr"
+        assert "not a multiple of 16" in plan.get(name).supports(args)
+    assert plan.choose(args).name == "triton.ptr"
     _run("triton.ptr", args)
     assert_close(out, reference(a, b), TOL[torch.float32], "ptr, K=99")
 
@@ -123,7 +118,7 @@ def test_tma_refuses_unaligned_and_ptr_accepts(seeded):
 def test_tma_refuses_fp8_wrong_major(seeded):
     a, b = fp8_operands(32, 32, 64, DEVICE)
     args = GemmArgs(a, b.contiguous(), poisoned((32, 32), torch.float32, DEVICE))
-    assert "column-major" in dispatch.get("triton.tma").supports(args)
+    assert "column-major" in plan.get("triton.tma").supports(args)
 
 
 @pytest.mark.parametrize("config", [SMALL, TritonGemmConfig(64, 32, 64, 1, 2, 4), TritonGemmConfig(32, 64, 32, 4, 3, 4)])
@@ -151,7 +146,7 @@ def test_device_desc_plan_reused_across_calls(seeded):
     m, n, k = 40, 64, 96
     args = [GemmArgs(torch.randn(m, k, device=DEVICE).half(), torch.randn(k, n, device=DEVICE).half(),
                      poisoned((m, n), torch.float32, DEVICE)) for _ in range(3)]
-    launcher = matmul_tma.prepare_device(args[0], SMALL)
+    launcher = matmul_tma.build_device(args[0], SMALL)
     for problem in args:
         launcher(problem)
         assert_close(problem.out, reference(problem.a, problem.b), TOL[torch.float32], "reused plan")

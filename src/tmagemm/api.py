@@ -1,8 +1,9 @@
-"""Public GEMMs: argument checks, zero-size handling, and dispatch to a kernel variant.
+"""Public GEMMs: argument checks, then the plan layer (``plan.py``).
 
 ``matmul`` and ``scaled_mm`` check everything that can be checked from shapes, strides and
-dtypes (this also runs while torch.compile traces), then call the implementation directly in
+dtypes (this also runs while torch.compile traces), then run the planned kernel directly in
 eager mode (lowest host overhead) or through the registered torch ops (``ops.py``) when compiling.
+A call whose signature was seen before skips the checks and the planning (``plan.cached``).
 """
 
 from __future__ import annotations
@@ -10,8 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import device, envs
-from .dispatch import BACKENDS, GemmArgs, plan
-from .dispatch import remembered_calls as _calls
+from .plan import BACKENDS, cached, call_key, run_gemm
 
 _FP8_A = (torch.float8_e4m3fn, torch.float8_e5m2)
 _FP8_B = (torch.float8_e4m3fn,)
@@ -63,7 +63,10 @@ def _check_devices(tensors: dict[str, torch.Tensor | None]) -> torch.device:
             dev = t.device
         elif t.device != dev:
             first = next(k for k, v in tensors.items() if v is not None)
-            raise ValueError(f"{name} is on {t.device} but {first} is on {dev}; move all tensors to one CUDA device")
+            raise ValueError(
+                f"{name} is on {t.device} but {first} is on {dev}; move all tensors to one device (a CUDA "
+                "device; the CPU only under the Triton interpreter, TRITON_INTERPRET=1)"
+            )
     return dev
 
 
@@ -72,8 +75,9 @@ def _check_backend(backend: str) -> None:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
-def _check_runtime_device(dev: torch.device) -> None:
-    """Device checks that need the CUDA runtime (done at run time, not while tracing)."""
+def _check_runtime_device(dev: torch.device, dtype: torch.dtype) -> None:
+    """Device checks that need the CUDA runtime or the environment (done at run time, not while
+    tracing)."""
     if dev.type == "cuda":
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         major, minor = device.capability(index)
@@ -86,6 +90,11 @@ def _check_runtime_device(dev: torch.device) -> None:
         raise ValueError(
             f"tensors are on {dev}; tmagemm needs CUDA tensors on a Hopper GPU "
             "(CPU tensors run only under the Triton interpreter, TRITON_INTERPRET=1, for testing)"
+        )
+    elif dtype == torch.bfloat16:
+        raise ValueError(
+            "bfloat16 inputs on the CPU: the Triton interpreter computes bf16 tl.dot wrongly, so tmagemm "
+            "refuses instead of returning garbage; test with float16 (or fp8) on the CPU, bf16 on a GPU"
         )
 
 
@@ -110,7 +119,7 @@ def _check_bias(bias, n: int) -> None:
         raise TypeError(f"bias must be bfloat16, float16 or float32, got {bias.dtype}")
 
 
-def check_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, out, backend) -> None:
+def check_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, out, use_fast_accum, backend) -> None:
     _check_tensor(a, "a")
     _check_tensor(b, "b")
     if a.dtype not in _FP8_A:
@@ -133,6 +142,7 @@ def check_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, out, backend) -> No
     _check_out_dtype(out_dtype)
     dev = _check_devices({"a": a, "b": b, "scale_a": scale_a, "scale_b": scale_b, "bias": bias})
     _check_out(out, m, n, out_dtype, dev)
+    _check_fast_accum(use_fast_accum)
     _check_backend(backend)
 
 
@@ -152,114 +162,51 @@ def check_matmul(a, b, out_dtype, out, backend) -> torch.dtype:
     return out_dtype
 
 
-# ---------------------------------------------------------------------------------- run
+def _check_fast_accum(use_fast_accum) -> None:
+    if not isinstance(use_fast_accum, bool):
+        raise TypeError(f"use_fast_accum must be a bool, got {type(use_fast_accum).__name__} {use_fast_accum!r}")
 
 
-def _scale_operand(scale: torch.Tensor | None) -> torch.Tensor | None:
-    """What the kernels read: a scale's elements in order (tensor-wise: one value; row-wise: M or
-    N values 4 bytes apart). Kernels use only the pointer and numel, so a scale already laid out
-    that way is passed as is; a strided row-wise scale is copied."""
-    if scale is None or scale.numel() == 1:
-        return scale
-    flat = scale.reshape(-1)
-    return flat if flat.stride(0) == 1 else flat.contiguous()
+def _interpreted_nonfinite(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, scale_a, scale_b, bias) -> None:
+    """The Triton interpreter reads a NaN or Inf of an fp8 operand as a finite value (NaN as
+    480): recompute the rows of ``out`` with a non-finite value in ``a`` and the columns with one
+    in ``b`` in float64, as the GPU's IEEE arithmetic gives them (NaN propagates, Inf * 0 is NaN)."""
+    rows = (~torch.isfinite(a.float())).any(dim=1).nonzero().flatten()
+    cols = (~torch.isfinite(b.float())).any(dim=0).nonzero().flatten()
+    if rows.numel() == 0 and cols.numel() == 0:
+        return
 
-
-def _gemm_args(a, b, out, scale_a, scale_b, bias, fast_accum) -> GemmArgs:
-    return GemmArgs(a, b, out, _scale_operand(scale_a), _scale_operand(scale_b),
-                    None if bias is None else bias.contiguous(), fast_accum)
-
-
-def run_gemm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    out: torch.Tensor,
-    scale_a: torch.Tensor | None,
-    scale_b: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    fast_accum: bool,
-    backend: str,
-) -> torch.Tensor:
-    """Write the GEMM into ``out`` (already checked) and return it."""
-    _run(a, b, out, scale_a, scale_b, bias, fast_accum, backend)
-    return out
-
-
-def _run(a, b, out, scale_a, scale_b, bias, fast_accum, backend) -> GemmArgs | None:
-    """run_gemm's work; returns the planned problem (None when a zero size needed no kernel)."""
-    m, k = a.shape
-    n = b.shape[1]
-    _check_runtime_device(a.device)
-    if m == 0 or n == 0:
-        return None
-    if k == 0:
-        # An empty sum: zeros, plus the bias (scales multiply zero).
-        out.zero_()
+    def exact(r: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        value = a[r].double() @ b[:, c].double()
+        if scale_a is not None:
+            sa = scale_a.double().reshape(-1)
+            value = value * (sa if sa.numel() == 1 else sa[r][:, None])
+        if scale_b is not None:
+            sb = scale_b.double().reshape(-1)
+            value = value * (sb if sb.numel() == 1 else sb[c][None, :])
         if bias is not None:
-            out.add_(bias.to(out.dtype))
-        return None
-    args = _gemm_args(a, b, out, scale_a, scale_b, bias, fast_accum)
-    plan(args, backend)(args)
-    return args
+            value = value + bias.double()[c][None, :]
+        return value.to(out.dtype)
+
+    every_row = torch.arange(out.shape[0])
+    every_col = torch.arange(out.shape[1])
+    if rows.numel():
+        out[rows] = exact(rows, every_col)
+    if cols.numel():
+        out[:, cols] = exact(every_row, cols)
 
 
-# ------------------------------------------------------------------ repeated calls (host time)
-#
-# Host time per call is a measured goal (a decode step calls the same few GEMMs thousands of
-# times). Everything the checks and the plan read from the arguments (types, devices, dtypes,
-# shapes, strides, 16-byte alignment, flags) forms a call key; a call whose key was seen goes
-# straight to the planned launcher. A key is stored only after a call with it passed every check
-# and was planned outside CUDA-graph capture, so a hit can skip both.
-
-def _key(t: torch.Tensor | None):
-    if t is None:
-        return None
-    # get_device() is -1 off CUDA, and only CUDA calls are remembered, so it tells devices apart.
-    return (type(t), t.get_device(), t.dtype, t.shape, t.stride(), t.data_ptr() % 16)
-
-
-def _as_given(scale: torch.Tensor | None) -> bool:
-    """True when the kernels can read ``scale`` without :func:`_scale_operand` copying it."""
-    return scale is None or scale.numel() == 1 or scale.reshape(-1).stride(0) == 1
-
-
-def _remember(key: tuple, args: GemmArgs, backend: str, user_tensors: tuple, out_dtype) -> None:
-    """Store a direct path for ``key`` (the plan for ``args`` is cached). ``user_tensors`` are the
-    caller's (scale_a, scale_b, bias) before normalisation: a remembered call passes tensors as
-    given only when they need no copy."""
-    launcher = plan(args, backend)
-    scale_a, scale_b, bias = user_tensors
-    as_given = _as_given(scale_a) and _as_given(scale_b) and (bias is None or bias.is_contiguous())
-    out_shape, device = tuple(args.out.shape), args.out.device
-    operands = getattr(launcher, "operands", None)  # launchers that take the tensors without GemmArgs
-    if as_given and operands is not None:
-
-        def call(a, b, scale_a, scale_b, bias, fast_accum, out):
-            if out is None:
-                out = torch.empty(out_shape, dtype=out_dtype, device=device)
-            operands(a, b, out, scale_a, scale_b, bias)
-            return out
-
-    else:
-        prepare = GemmArgs if as_given else _gemm_args
-
-        def call(a, b, scale_a, scale_b, bias, fast_accum, out):
-            if out is None:
-                out = torch.empty(out_shape, dtype=out_dtype, device=device)
-            launcher(prepare(a, b, out, scale_a, scale_b, bias, fast_accum))
-            return out
-
-    _calls[key] = call
-
-
-def _first_call(key, a, b, scale_a, scale_b, bias, fast_accum, out, out_dtype, backend) -> torch.Tensor:
-    """The checked path of an unseen call key (arguments already validated); remembers the key
-    for CUDA calls outside graph capture (CPU calls, for the interpreter, always come here)."""
+def execute(key, a, b, scale_a, scale_b, bias, out, out_dtype, fast_accum, backend) -> torch.Tensor:
+    """Run a call whose arguments passed the checks (eager calls and the torch ops); ``key``:
+    the call's cache key, or None."""
+    if a.device.type == "meta":  # shape propagation only
+        return out if out is not None else torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device="meta")
+    _check_runtime_device(a.device, a.dtype)
     if out is None:
         out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
-    args = _run(a, b, out, scale_a, scale_b, bias, fast_accum, backend)
-    if args is not None and key is not None and out.is_cuda and not torch.cuda.is_current_stream_capturing():
-        _remember(key, args, backend, (scale_a, scale_b, bias), out_dtype)
+    run_gemm(key, a, b, out, scale_a, scale_b, bias, fast_accum, backend)
+    if not out.is_cuda and a.element_size() == 1 and a.shape[1]:
+        _interpreted_nonfinite(a, b, out, scale_a, scale_b, bias)
     return out
 
 
@@ -286,25 +233,23 @@ def scaled_mm(
     backend: "auto" (measured best), "triton" or "cuda" (native kernels).
     Raises TypeError / ValueError naming the argument at fault.
     """
+    compiling = torch.compiler.is_compiling()
     key = None
-    if not torch.compiler.is_compiling():
+    if not compiling:
         try:
-            key = ("scaled_mm", _key(a), _key(b), _key(scale_a), _key(scale_b), _key(bias), _key(out),
-                   out_dtype, bool(use_fast_accum), backend)
-            known = _calls.get(key)
+            key = call_key("scaled_mm", a, b, scale_a, scale_b, bias, out, out_dtype, use_fast_accum, backend)
+            known = cached(key)
         except (AttributeError, TypeError):  # not tensors, or unhashable options: the checks say why
             key = known = None
         if known is not None:
-            return known(a, b, scale_a, scale_b, bias, use_fast_accum, out)
-    check_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, out, backend)
-    if torch.compiler.is_compiling():
-        from . import ops  # noqa: F401  (registers the ops)
-
+            return known(a, b, scale_a, scale_b, bias, out)
+    check_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, out, use_fast_accum, backend)
+    if compiling:
         if out is None:
             return torch.ops.tmagemm.scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, backend)
         torch.ops.tmagemm.scaled_mm_out(a, b, scale_a, scale_b, bias, use_fast_accum, backend, out)
         return out
-    return _first_call(key, a, b, scale_a, scale_b, bias, use_fast_accum, out, out_dtype, backend)
+    return execute(key, a, b, scale_a, scale_b, bias, out, out_dtype, use_fast_accum, backend)
 
 
 def matmul(
@@ -327,10 +272,10 @@ def matmul(
     try:
         needs_grad = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
         if not (needs_grad or compiling):
-            key = ("matmul", _key(a), _key(b), _key(out), out_dtype, backend)
-            known = _calls.get(key)
+            key = call_key("matmul", a, b, None, None, None, out, out_dtype, True, backend)
+            known = cached(key)
             if known is not None:
-                return known(a, b, None, None, None, True, out)
+                return known(a, b, None, None, None, out)
     except (AttributeError, TypeError):
         key = None
     out_dtype = check_matmul(a, b, out_dtype, out, backend)
@@ -338,10 +283,8 @@ def matmul(
     if needs_grad and out is not None:
         raise ValueError("matmul(out=...) does not support automatic differentiation; drop out= or use torch.no_grad()")
     if needs_grad or compiling:
-        from . import ops  # noqa: F401
-
         if out is None:
             return torch.ops.tmagemm.matmul(a, b, out_dtype, backend)
         torch.ops.tmagemm.matmul_out(a, b, backend, out)
         return out
-    return _first_call(key, a, b, None, None, None, True, out, out_dtype, backend)
+    return execute(key, a, b, None, None, None, out, out_dtype, True, backend)

@@ -35,7 +35,7 @@ def forced_backend() -> str | None:
 
 def direct_launch_enabled() -> bool:
     """``TMAGEMM_DIRECT_LAUNCH=0`` keeps Triton's own launcher for Triton kernels (see
-    ``tmagemm/triton/direct.py``; on by default: it removes most of the per-call host time)."""
+    ``tmagemm/triton/launch.py``; on by default: it removes most of the per-call host time)."""
     return os.environ.get("TMAGEMM_DIRECT_LAUNCH", "1") != "0"
 
 

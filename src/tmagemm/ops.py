@@ -2,14 +2,16 @@
 
 torch.compile traces these as opaque ops (``fullgraph=True`` works), using the fake
 implementations for shapes. The public functions in ``api.py`` call them while compiling and
-call the implementation directly in eager mode, which skips the dispatcher's host overhead.
+run the plan directly in eager mode, which skips the dispatcher's host overhead. Called
+directly, the ops check their arguments like the public functions and take the same defaults.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .api import run_gemm
+from . import api
+from .plan import call_key
 
 
 @torch.library.custom_op("tmagemm::scaled_mm", mutates_args=())
@@ -18,17 +20,18 @@ def scaled_mm_op(
     b: torch.Tensor,
     scale_a: torch.Tensor,
     scale_b: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-    use_fast_accum: bool,
-    backend: str,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    use_fast_accum: bool = True,
+    backend: str = "auto",
 ) -> torch.Tensor:
-    out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
-    return run_gemm(a, b, out, scale_a, scale_b, bias, use_fast_accum, backend)
+    api.check_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, None, use_fast_accum, backend)
+    key = call_key("scaled_mm", a, b, scale_a, scale_b, bias, None, out_dtype, use_fast_accum, backend)
+    return api.execute(key, a, b, scale_a, scale_b, bias, None, out_dtype, use_fast_accum, backend)
 
 
 @scaled_mm_op.register_fake
-def _(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, backend):
+def _(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, use_fast_accum=True, backend="auto"):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
@@ -43,7 +46,9 @@ def scaled_mm_out_op(
     backend: str,
     out: torch.Tensor,
 ) -> None:
-    run_gemm(a, b, out, scale_a, scale_b, bias, use_fast_accum, backend)
+    api.check_scaled_mm(a, b, scale_a, scale_b, bias, out.dtype, out, use_fast_accum, backend)
+    key = call_key("scaled_mm", a, b, scale_a, scale_b, bias, out, out.dtype, use_fast_accum, backend)
+    api.execute(key, a, b, scale_a, scale_b, bias, out, out.dtype, use_fast_accum, backend)
 
 
 @scaled_mm_out_op.register_fake
@@ -52,19 +57,22 @@ def _(a, b, scale_a, scale_b, bias, use_fast_accum, backend, out):
 
 
 @torch.library.custom_op("tmagemm::matmul", mutates_args=())
-def matmul_op(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, backend: str) -> torch.Tensor:
-    out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
-    return run_gemm(a, b, out, None, None, None, True, backend)
+def matmul_op(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None, backend: str = "auto") -> torch.Tensor:
+    out_dtype = api.check_matmul(a, b, out_dtype, None, backend)
+    key = call_key("matmul", a, b, None, None, None, None, out_dtype, True, backend)
+    return api.execute(key, a, b, None, None, None, None, out_dtype, True, backend)
 
 
 @matmul_op.register_fake
-def _(a, b, out_dtype, backend):
-    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+def _(a, b, out_dtype=None, backend="auto"):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=a.dtype if out_dtype is None else out_dtype)
 
 
 @torch.library.custom_op("tmagemm::matmul_out", mutates_args=("out",))
 def matmul_out_op(a: torch.Tensor, b: torch.Tensor, backend: str, out: torch.Tensor) -> None:
-    run_gemm(a, b, out, None, None, None, True, backend)
+    api.check_matmul(a, b, out.dtype, out, backend)
+    key = call_key("matmul", a, b, None, None, None, out, out.dtype, True, backend)
+    api.execute(key, a, b, None, None, None, out, out.dtype, True, backend)
 
 
 @matmul_out_op.register_fake

@@ -359,6 +359,94 @@ def params_for_tensor(
 
 
 # ---------------------------------------------------------------------------------------------
+# GEMM operand layouts: the one place that decides which dimension of a 2-D operand is contiguous
+# ---------------------------------------------------------------------------------------------
+
+ALIGN = 16  # bytes: TMA base address and every non-innermost stride
+MAX_STRIDE = 1 << 40  # bytes
+
+
+def contiguous_dim(t: torch.Tensor) -> int | None:
+    """1 when ``t`` (2-D) is row-major (its columns are contiguous), 0 when it is column-major,
+    None when neither dimension has unit stride.
+
+    A dimension of size 1 is never stepped through, so its stride says nothing: a vector takes
+    the layout in which its one real stride is the leading (between-rows or between-columns)
+    stride. This is the single tie-break every backend uses, e.g. for "is B K-major" when K or
+    N is 1: a (K, 1) B with stride(0) == 1 is K-major; a (1, N) B with stride(1) == 1 is N-major.
+    """
+    rows, cols = t.shape
+    row_stride, col_stride = t.stride()
+    if cols > 1 and col_stride == 1:
+        return 1
+    if rows > 1 and row_stride == 1:
+        return 0
+    if rows > 1 and cols > 1:
+        return None
+    return 0 if cols > 1 else 1
+
+
+def is_row_major(t: torch.Tensor) -> bool:
+    return contiguous_dim(t) == 1
+
+
+def is_col_major(t: torch.Tensor) -> bool:
+    return contiguous_dim(t) == 0
+
+
+def b_is_k_major(b: torch.Tensor) -> bool:
+    """True when a GEMM's B (K, N) is K-major: the transpose of a row-major (N, K) weight."""
+    return contiguous_dim(b) == 0
+
+
+def leading_stride(t: torch.Tensor, row_major: bool) -> int:
+    """Element stride between rows (``row_major``) or columns of ``t``.
+
+    With a single row (column) the stride is never used to address memory and torch may report
+    any value, so the smallest 16-byte aligned one is returned instead.
+    """
+    rows, cols = t.shape
+    outer, inner = (rows, cols) if row_major else (cols, rows)
+    if outer > 1:
+        return t.stride(0) if row_major else t.stride(1)
+    per_16b = ALIGN // t.element_size()
+    return -(-inner // per_16b) * per_16b
+
+
+def operand_reason(t: torch.Tensor, name: str, row_major: bool) -> str | None:
+    """None if a tensor map can describe 2-D ``t`` in the given layout, else why not (names the
+    base address or stride at fault)."""
+    if t.data_ptr() % ALIGN:
+        return f"{name}.data_ptr() is not {ALIGN}-byte aligned"
+    if contiguous_dim(t) != (1 if row_major else 0):
+        return f"{name} {tuple(t.shape)} is not {'row' if row_major else 'column'}-major (stride {tuple(t.stride())})"
+    lead_bytes = leading_stride(t, row_major) * t.element_size()
+    if lead_bytes % ALIGN:
+        return f"{name} leading stride of {lead_bytes} bytes is not a multiple of {ALIGN} (TMA)"
+    if lead_bytes >= MAX_STRIDE:
+        return f"{name} leading stride of {lead_bytes} bytes is >= 2^40 (TMA)"
+    return None
+
+
+def store_reason(out: torch.Tensor) -> str | None:
+    """None when a TMA store may write ``out`` (row-major, aligned, rows of whole 16-byte chunks).
+
+    A ragged row end is refused: a TMA store may write the whole last 16-byte chunk of a row,
+    which for a sliced output view would touch the neighbouring columns.
+    """
+    reason = operand_reason(out, "out", True)
+    if reason is None and (out.shape[1] * out.element_size()) % ALIGN:
+        return f"out rows of {out.shape[1] * out.element_size()} bytes are not a multiple of {ALIGN}"
+    return reason
+
+
+def operand_view(t: torch.Tensor, row_major: bool) -> torch.Tensor:
+    """``t`` as the row-major matrix a tensor map describes: itself, or its transpose when
+    column-major (the kernel then reads the tile transposed)."""
+    return t if row_major else t.t()
+
+
+# ---------------------------------------------------------------------------------------------
 # Encoding through the driver
 # ---------------------------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ from triton.runtime.errors import OutOfResources, PTXASError
 
 from . import envs
 from .configs import TritonGemmConfig
-from .dispatch import GemmArgs
+from .plan import GemmArgs
 
 _memory: dict[str, TritonGemmConfig] = {}
 _disk_loaded: set[Path] = set()

@@ -135,24 +135,20 @@ class Provider:
 # --------------------------------------------------------------------------------------------
 
 
-def _gemm_args(case: Case, out: torch.Tensor, fast_accum: bool):
-    from ..dispatch import GemmArgs
-
-    return GemmArgs(case.a, case.b, out, case.scale_a, case.scale_b, None, fast_accum)
-
-
 def _variant_provider(variant, fast_accum: bool) -> Provider:
     def prepare(case: Case) -> Prepared:
+        from .. import plan
+
         out = case.empty_out()
-        args = _gemm_args(case, out, fast_accum)
+        args = plan.gemm_args(case.a, case.b, out, case.scale_a, case.scale_b, None, fast_accum)
         reason = variant.supports(args)
         if reason is not None:
             raise Unsupported(reason)
-        # What a user's repeated call gets: the plan resolved once (dispatch.plan caches it).
-        launcher = variant.prepare(args) if variant.prepare is not None else variant.run
+        # What a user's repeated call gets: the plan built once for the signature.
+        built = plan.build(args, variant=variant.name)
 
         def call() -> torch.Tensor:
-            launcher(args)
+            built(args)
             return out
 
         return Prepared(call)
@@ -187,13 +183,13 @@ def tmagemm_providers(fast_accum: bool = True) -> list[Provider]:
     """The public API, every registered variant, and an absent entry per unimportable module."""
     found = [_auto_provider(fast_accum)]
     try:
-        from .. import dispatch
+        from .. import plan
 
-        variants = dispatch.variants()
-        missing = dispatch.unavailable()
+        variants = plan.variants()
+        missing = plan.unavailable()
     except Exception as exc:  # the registry itself is broken: say so instead of crashing
         return found + [Provider("tmagemm.variants", "tmagemm", "api", "variant registry", DTYPES,
-                                 absent=f"dispatch registry failed: {type(exc).__name__}: {exc}")]  # fmt: skip
+                                 absent=f"variant registry failed: {type(exc).__name__}: {exc}")]  # fmt: skip
     found += [_variant_provider(v, fast_accum) for v in variants]
     for module, reason in missing.items():
         name = module.removeprefix("tmagemm.")

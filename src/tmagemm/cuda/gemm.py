@@ -30,11 +30,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import device as _device
-from ..dispatch import GemmArgs, Variant
+from .. import tma
 from ..jit.runtime import stream_getter
+from ..plan import GemmArgs, Plan, Variant, on_device
 from ..tma import MapsByAddress, params_for_tensor
 
-_ALIGN = 16  # bytes: TMA base address and row strides
 _AB_TYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 _OUT_TYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 _ROW_BYTES = 128  # one k-block is one 128-byte swizzle row of A and B
@@ -159,35 +159,10 @@ class _Params(ctypes.Structure):
 # ------------------------------------------------------------------------------------ checks
 
 
-def _b_k_major(b: torch.Tensor) -> bool:
-    """B (K, N) stored as an (N, K) row-major weight (``w.t()``). A single column or row is
-    both layouts; pick the one whose tensor map has a real row stride."""
-    k, n = b.shape
-    if n == 1:
-        return True
-    if k == 1:
-        return False
-    return b.stride(0) == 1
-
-
-def _row_major_reason(t: torch.Tensor, name: str) -> str | None:
-    rows, cols = t.shape
-    if cols > 1 and t.stride(1) != 1:
-        return f"{name} {tuple(t.shape)} stride {tuple(t.stride())} is not row-major"
-    if t.data_ptr() % _ALIGN:
-        return f"{name}.data_ptr() is not {_ALIGN}-byte aligned"
-    if rows > 1 and (t.stride(0) * t.element_size()) % _ALIGN:
-        return f"{name} row stride of {t.stride(0) * t.element_size()} bytes is not a multiple of {_ALIGN} (TMA)"
-    return None
-
-
 def unsupported_reason(args: GemmArgs, config: NativeGemmConfig) -> str | None:
     """None when ``config`` can compute ``args``, else why not (names the tensor at fault)."""
-    if args.a.device.type != "cuda":
-        return "native kernels need CUDA tensors"
-    hopper = _device.hopper_available()
-    if hopper is not None:
-        return hopper
+    if not _device.is_hopper(args.a.device):
+        return f"native kernels need CUDA tensors on a Hopper GPU (sm_90), got {args.a.device}"
     if args.a.dtype not in _AB_TYPES or args.b.dtype != args.a.dtype:
         return f"a/b dtypes {args.a.dtype}/{args.b.dtype} not supported (fp16, bf16 or float8_e4m3fn, both equal)"
     if args.out.dtype not in _OUT_TYPES:
@@ -205,18 +180,11 @@ def unsupported_reason(args: GemmArgs, config: NativeGemmConfig) -> str | None:
                 "a config with promote=True (cuda.persistent_coop picks one)")
     if config.promote and not args.is_fp8:
         return "promote applies to fp8 only (16-bit wgmma accumulates in fp32)"
-    reason = _row_major_reason(args.a, "a")
-    if reason:
-        return reason
-    if _b_k_major(args.b):
-        reason = _row_major_reason(args.b.t(), "b.t()")
-    elif args.is_fp8:
+    b_k_major = tma.b_is_k_major(args.b)
+    if args.is_fp8 and not b_k_major:
         return "fp8 needs B K-major (column-major (K, N), the torch._scaled_mm layout): FP8 wgmma reads K-major B"
-    else:
-        reason = _row_major_reason(args.b, "b")
-    if reason:
-        return reason
-    reason = _row_major_reason(args.out, "out")
+    reason = (tma.operand_reason(args.a, "a", True) or tma.operand_reason(args.b, "b", not b_k_major)
+              or tma.operand_reason(args.out, "out", True))
     if reason:
         return reason
     if not config.fitted(args.out.element_size()).is_valid(args.out.element_size()):
@@ -269,7 +237,7 @@ class _Launch:
     """Everything :func:`run` resolves for one problem signature: checked config, loaded kernel,
     grid, tensor-map layouts and the fixed kernel parameters. A call then only points the maps
     and parameters at the operands' addresses and launches (host time is a measured goal; the
-    dispatcher keeps one per signature through ``Variant.prepare``)."""
+    plan layer caches the Plan built from it)."""
 
     def __init__(self, args: GemmArgs, config: NativeGemmConfig, alpha: float = 1.0, beta: float = 0.0,
                  c: torch.Tensor | None = None):
@@ -288,12 +256,12 @@ class _Launch:
             if args.n > 1 and c.stride(1) != 1:
                 raise ValueError(f"c must be row-major, got stride {tuple(c.stride())}")
 
-        b_k_major = _b_k_major(args.b)
+        b_k_major = tma.b_is_k_major(args.b)
         block_k = _ROW_BYTES // args.a.element_size()
         b_box = (config.block_n // config.cluster_m, block_k) if b_k_major else (block_k, 64)
         self._maps = (
             MapsByAddress(params_for_tensor(args.a, (128, block_k))),
-            MapsByAddress(params_for_tensor(args.b.t() if b_k_major else args.b, b_box)),
+            MapsByAddress(params_for_tensor(tma.operand_view(args.b, not b_k_major), b_box)),
             MapsByAddress(params_for_tensor(args.out, (64, _ROW_BYTES // out_size))),
         )
         params = self._params = _Params()
@@ -321,18 +289,15 @@ class _Launch:
         else:
             grid = tiles
         self._launch = kernel.packed((grid, 1, 1), block, smem, self._pointers, cluster)
-        self._other_devices = torch.cuda.device_count() > 1
         self._stream = stream_getter()
         self._lock = threading.Lock()
 
-    def __call__(self, args: GemmArgs, c: torch.Tensor | None = None) -> None:
-        self.operands(args.a, args.b, args.out, args.scale_a, args.scale_b, args.bias, c)
+    def plan(self, name: str) -> Plan:
+        return Plan(name, self.config, self.operands, self._device_index, direct=True)
 
     def operands(self, a, b, out, scale_a, scale_b, bias, c: torch.Tensor | None = None) -> None:
-        """The launch on these operands (the public API's remembered calls use this form)."""
-        if self._other_devices and torch.cuda.current_device() != self._device_index:
-            with torch.cuda.device(self._device_index):  # the kernel lives in that device's context
-                return self.operands(a, b, out, scale_a, scale_b, bias, c)
+        """The launch on these operands, on the current stream of the kernel's device (which
+        the caller makes current: :meth:`tmagemm.plan.Plan.run` does)."""
         with self._lock:  # the maps and the parameter block are shared by every call of the plan
             pointers, params = self._pointers, self._params
             pointers[0] = self._maps[0].get(a.data_ptr()).address
@@ -352,13 +317,14 @@ def run(
     beta: float = 0.0,
     c: torch.Tensor | None = None,
 ) -> None:
-    """``out = alpha * (scale_a * scale_b) * (a @ b) + bias + beta * c`` with one native rung
-    (one call; ``prepare`` keeps the resolved launch for repeated calls).
+    """``out = alpha * (scale_a * scale_b) * (a @ b) + bias + beta * c`` with one native kernel
+    (one call; a :class:`~tmagemm.plan.Plan` keeps the resolved launch for repeated calls).
 
     c: (M, N) row-major in the output dtype (needed when beta != 0; may alias ``out``, since each
     element of c is read before the tile holding it is written).
     """
-    _Launch(args, config or RUNGS["cuda.ws"], alpha, beta, c)(args, c)
+    with on_device(args.out.device):
+        _Launch(args, config or RUNGS["cuda.ws"], alpha, beta, c).operands(*args.operands, c)
 
 
 # ------------------------------------------------------------------------------------ heuristic
@@ -415,37 +381,22 @@ def coop_config(
     return config
 
 
-def _coop_prepare(args: GemmArgs):
-    """The per-shape config and its launch, once per problem signature (dispatch.plan caches it)."""
-    config = coop_config(
-        args.m, args.n, args.k, args.a.element_size(), _b_k_major(args.b), _device.sm_count(args.out.get_device()),
-        args.fast_accum,
-    )
-    return _Launch(args, config)
-
-
 def _variant(name: str, description: str) -> Variant:
-    config = RUNGS[name]
-    if name == "cuda.persistent_coop":  # the dispatcher's choice at large M: per-shape configs
+    default = RUNGS[name]
+    per_shape = name == "cuda.persistent_coop"  # the dispatcher's choice at large M: per-shape configs
 
-        def supports(args: GemmArgs) -> str | None:
-            return unsupported_reason(args, _COOP_PROMOTE if args.is_fp8 and not args.fast_accum else config)
+    def supports(args: GemmArgs) -> str | None:
+        return unsupported_reason(args, _COOP_PROMOTE if per_shape and args.is_fp8 and not args.fast_accum else default)
 
-        prepare = _coop_prepare
-    else:
+    def build(args: GemmArgs, config: NativeGemmConfig | None = None) -> Plan:
+        if config is None:
+            config = default
+            if per_shape:
+                config = coop_config(args.m, args.n, args.k, args.a.element_size(), tma.b_is_k_major(args.b),
+                                     _device.sm_count(args.out.get_device()), args.fast_accum)
+        return _Launch(args, config).plan(name)
 
-        def supports(args: GemmArgs) -> str | None:
-            return unsupported_reason(args, config)
-
-        prepare = functools.partial(_Launch, config=config)
-    return Variant(
-        name=name,
-        backend="cuda",
-        description=description,
-        supports=supports,
-        run=lambda args: prepare(args)(args),
-        prepare=prepare,
-    )
+    return Variant(name=name, backend="cuda", description=description, supports=supports, build=build)
 
 
 # ------------------------------------------------------------------------------------ inspection

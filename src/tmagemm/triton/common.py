@@ -1,23 +1,10 @@
-"""Device helpers shared by the Triton GEMM kernels: tile order and the scale/bias epilogue."""
+"""Device helpers shared by the Triton GEMM kernels: tile order, the mma step and the scale/bias
+epilogue (SCALE_A / SCALE_B are ``tmagemm.plan.Scaling`` values)."""
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
-
-# How a dequantization scale is applied (constexpr SCALE_A / SCALE_B in every kernel).
-SCALE_NONE = 0  # no scale (plain matmul)
-SCALE_TENSOR = 1  # one fp32 value for the whole operand
-SCALE_ROW = 2  # one fp32 value per row of A (M,) or per column of B (N,)
-
-
-def scale_mode(scale: torch.Tensor | None) -> int:
-    """The constexpr scale mode of a normalised scale tensor (see dispatch.GemmArgs)."""
-    if scale is None:
-        return SCALE_NONE
-    return SCALE_TENSOR if scale.numel() == 1 else SCALE_ROW
-
 
 @triton.jit
 def grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
@@ -66,4 +53,15 @@ def scale_bias_epilogue(
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
         acc = acc + bias.to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
+def mma(a, b, acc, FAST_ACCUM: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc += a @ b. Without fast accumulation, fp8 partial sums are promoted to the fp32
+    accumulator once per K tile instead of staying in wgmma's reduced-precision adder."""
+    if FAST_ACCUM:
+        acc = tl.dot(a, b, acc)
+    else:
+        acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
     return acc

@@ -19,10 +19,11 @@ import triton.language as tl
 
 from .. import device
 from ..configs import TritonGemmConfig
-from ..dispatch import GemmArgs, Variant
-from .common import grouped_tile, scale_bias_epilogue
-from .host import Layout, aot_tma_spec, operand_descriptors, tma_planner, tma_supports
-from .matmul_tma import load_a_tile, load_b_tile, mma, store_tile
+from ..plan import GemmArgs, Variant
+from .common import grouped_tile, mma, scale_bias_epilogue
+from .host import GEMM_OPERANDS, Layout, example_args, operand_descriptors, tma_builder, tma_layout, tma_supports
+from .launch import KernelCall, aot_spec as _aot_spec
+from .matmul_tma import load_a_tile, load_b_tile, store_tile
 
 
 @triton.jit
@@ -96,26 +97,25 @@ def heuristic(args: GemmArgs) -> TritonGemmConfig:
     return TritonGemmConfig(128, 256, 64, 8, 4, 8, True)
 
 
-def kernel_call(args: GemmArgs, config: TritonGemmConfig, layout: Layout):
-    """``(kernel, grid, positional args, constexprs)`` of one launch (see host.tma_planner)."""
+def kernel_call(args: GemmArgs, config: TritonGemmConfig, layout: Layout, num_sms: int | None = None) -> KernelCall:
+    """One launch (see host.tma_builder). ``num_sms``: persistent programs (default: the device's
+    SMs; under the interpreter 4, so the persistent loop runs more than once per program)."""
     out_block_n = config.block_n // 2 if config.epilogue_subtile else config.block_n
     a_desc, b_desc, c_desc = operand_descriptors(args, layout, config.block_m, config.block_n, config.block_k, out_block_n)
-    # Under the interpreter, 4 programs: the persistent loop then runs more than once per program.
-    num_sms = device.sms_of(args.out.device, cpu=4)
+    num_sms = num_sms or device.sms_of(args.out.device, cpu=4)
     tiles = triton.cdiv(args.m, config.block_m) * triton.cdiv(args.n, config.block_n)
-    positional = (
-        a_desc, b_desc, c_desc, args.out, args.scale_a, args.scale_b, args.bias,
-        args.m, args.n, args.k, args.out.stride(0), args.out.stride(1),
-    )
-    constexprs = dict(
+    values = dict(
+        a_desc=a_desc, b_desc=b_desc, c_desc=c_desc, c_ptr=args.out, scale_a_ptr=args.scale_a,
+        scale_b_ptr=args.scale_b, bias_ptr=args.bias, M=args.m, N=args.n, K=args.k,
+        stride_cm=args.out.stride(0), stride_cn=args.out.stride(1),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         NUM_SMS=num_sms, EPILOGUE_SUBTILE=config.epilogue_subtile, **layout.constexprs(args.fast_accum),
-        num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    return persistent_gemm_kernel, (min(num_sms, tiles),), positional, constexprs
+    return KernelCall(persistent_gemm_kernel, (min(num_sms, tiles),), values,
+                      dict(num_warps=config.num_warps, num_stages=config.num_stages), GEMM_OPERANDS)
 
 
-prepare, run = tma_planner("triton.persistent", CONFIGS, heuristic, kernel_call)
+build = tma_builder("triton.persistent", CONFIGS, heuristic, kernel_call)
 
 
 VARIANTS = [
@@ -124,18 +124,13 @@ VARIANTS = [
         backend="triton",
         description="Triton, persistent (one program per SM), TMA loads/stores, epilogue subtiling",
         supports=tma_supports,
-        run=run,
-        prepare=prepare,
+        build=build,
     ),
 ]
 
 
 def aot_spec(config: TritonGemmConfig | None = None, a_dtype=None, out_dtype=None):
     """A compilable instance for ``tmagemm inspect`` (fp8 by default: A row-major, B K-major)."""
-    a_dtype = a_dtype or torch.float8_e4m3fn
-    out_dtype = out_dtype or torch.bfloat16
-    fp8 = a_dtype.itemsize == 1
-    config = config or TritonGemmConfig(128, 256, 128 if fp8 else 64, 8, 3 if fp8 else 4, 8, True)
-    out_block_n = config.block_n // 2 if config.epilogue_subtile else config.block_n
-    return aot_tma_spec(persistent_gemm_kernel, "triton.persistent", config, a_dtype, out_dtype, out_block_n,
-                        NUM_SMS=132, EPILOGUE_SUBTILE=config.epilogue_subtile)
+    args = example_args(a_dtype or torch.float8_e4m3fn, out_dtype or torch.bfloat16)
+    config = config or TritonGemmConfig(128, 256, 128 if args.is_fp8 else 64, 8, 3 if args.is_fp8 else 4, 8, True)
+    return _aot_spec(kernel_call(args, config, tma_layout(args), num_sms=132), "triton.persistent")

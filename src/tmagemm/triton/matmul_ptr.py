@@ -10,11 +10,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+import torch
+
 from .. import tuning
 from ..configs import TritonGemmConfig
-from ..dispatch import GemmArgs, Variant
-from .common import grouped_tile, scale_bias_epilogue, scale_mode
-from .matmul_tma import mma
+from ..plan import GemmArgs, Plan, Scaling, Variant
+from .common import grouped_tile, mma, scale_bias_epilogue
+from .host import example_args
+from .launch import A, B, BIAS, OUT, SCALE_A, SCALE_B, KernelCall, aot_spec as _aot_spec
 
 
 @triton.jit
@@ -67,28 +70,34 @@ def heuristic(args: GemmArgs) -> TritonGemmConfig:
     return TritonGemmConfig(128, 128, 64, 8, 4, 8)
 
 
-def launch(args: GemmArgs, config: TritonGemmConfig) -> None:
+_OPERANDS = {"a_ptr": A, "b_ptr": B, "c_ptr": OUT, "scale_a_ptr": SCALE_A, "scale_b_ptr": SCALE_B, "bias_ptr": BIAS}
+
+
+def kernel_call(args: GemmArgs, config: TritonGemmConfig) -> KernelCall:
     a, b, out = args.a, args.b, args.out
     grid = (triton.cdiv(args.m, config.block_m) * triton.cdiv(args.n, config.block_n),)
-    ptr_gemm_kernel[grid](
-        a, b, out, args.scale_a, args.scale_b, args.bias,
-        args.m, args.n, args.k,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+    values = dict(
+        a_ptr=a, b_ptr=b, c_ptr=out, scale_a_ptr=args.scale_a, scale_b_ptr=args.scale_b, bias_ptr=args.bias,
+        M=args.m, N=args.n, K=args.k,
+        stride_am=a.stride(0), stride_ak=a.stride(1), stride_bk=b.stride(0), stride_bn=b.stride(1),
+        stride_cm=out.stride(0), stride_cn=out.stride(1),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        SCALE_A=scale_mode(args.scale_a), SCALE_B=scale_mode(args.scale_b), HAS_BIAS=args.bias is not None,
+        SCALE_A=int(Scaling.of(args.scale_a)), SCALE_B=int(Scaling.of(args.scale_b)), HAS_BIAS=args.bias is not None,
         FAST_ACCUM=args.fast_accum,
-        num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    return KernelCall(ptr_gemm_kernel, grid, values, dict(num_warps=config.num_warps, num_stages=config.num_stages),
+                      _OPERANDS)
 
 
-def prepare(args: GemmArgs, config: TritonGemmConfig | None = None):
+def build(args: GemmArgs, config: TritonGemmConfig | None = None) -> Plan:
+    """Triton's launcher per call: the pointer kernel serves layouts the fast paths refuse."""
     if config is None:
-        config = tuning.select("triton.ptr", args, CONFIGS, heuristic, lambda c: launch(args, c))
-    return lambda problem: launch(problem, config)
+        config = tuning.select("triton.ptr", args, CONFIGS, heuristic, lambda c: kernel_call(args, c).launch())
 
+    def launch(a, b, out, scale_a, scale_b, bias) -> None:
+        kernel_call(GemmArgs(a, b, out, scale_a, scale_b, bias, args.fast_accum), config).launch()
 
-def run(args: GemmArgs, config: TritonGemmConfig | None = None) -> None:
-    prepare(args, config)(args)
+    return Plan("triton.ptr", config, launch, args.out.get_device())
 
 
 VARIANTS = [
@@ -97,39 +106,12 @@ VARIANTS = [
         backend="triton",
         description="Triton, pointer loads (no TMA): the pre-Hopper baseline and the fallback for any strides",
         supports=lambda args: None if args.m and args.n and args.k else "a zero-size dimension",
-        run=run,
-        prepare=prepare,
+        build=build,
     )
 ]
 
 
 def aot_spec(config: TritonGemmConfig | None = None, a_dtype=None, out_dtype=None):
     """A compilable instance for ``tmagemm inspect``: fp8 A row-major, B K-major, as the TMA kernels."""
-    import torch
-
-    from ..inspection import KernelSpec
-    from .host import _TL_NAMES
-
-    a_dtype = a_dtype or torch.float8_e4m3fn
-    out_dtype = out_dtype or torch.bfloat16
-    fp8 = a_dtype.itemsize == 1
-    config = config or TritonGemmConfig(128, 128, 64, 8, 4, 8)
-    b_name = "fp8e4nv" if fp8 else _TL_NAMES[a_dtype]
-    sig = {
-        "a_ptr": f"*{_TL_NAMES[a_dtype]}", "b_ptr": f"*{b_name}", "c_ptr": f"*{_TL_NAMES[out_dtype]}",
-        "scale_a_ptr": "*fp32" if fp8 else "constexpr", "scale_b_ptr": "*fp32" if fp8 else "constexpr",
-        "bias_ptr": "constexpr",
-        **{name: "i32" for name in ("M", "N", "K", "stride_am", "stride_bn", "stride_cm")},
-        **{name: "constexpr" for name in ("stride_ak", "stride_bk", "stride_cn")},
-    }
-    consts = {"bias_ptr": None, "stride_ak": 1, "stride_bk": 1, "stride_cn": 1,
-              "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
-              "GROUP_M": config.group_m, "SCALE_A": int(fp8), "SCALE_B": int(fp8), "HAS_BIAS": False,
-              "FAST_ACCUM": True}
-    if not fp8:
-        consts.update(scale_a_ptr=None, scale_b_ptr=None, stride_bk=None, stride_bn=1)
-        sig.update(stride_bk="i32", stride_bn="constexpr")
-        del consts["stride_bk"]
-    sig.update({name: "constexpr" for name in consts if name.isupper()})
-    attrs = {name: [["tt.divisibility", 16]] for name in ("a_ptr", "b_ptr", "c_ptr", "K", "stride_am", "stride_cm")}
-    return KernelSpec(ptr_gemm_kernel, sig, consts, config.num_warps, config.num_stages, "triton.ptr", attrs)
+    args = example_args(a_dtype or torch.float8_e4m3fn, out_dtype or torch.bfloat16)
+    return _aot_spec(kernel_call(args, config or TritonGemmConfig(128, 128, 64, 8, 4, 8)), "triton.ptr")

@@ -13,44 +13,28 @@ the machine idles. This kernel family fixes that with two tools:
   and the few tokens land in the N dimension (16..128), instead of padding M up to 64.
 
 The configuration comes from :func:`choose_config`, a pure function of (M, N, K, dtype, SMs);
-nothing is tuned at call time. The call allocates nothing once the per-(device, stream)
-workspace exists, so it can be captured in a CUDA graph (see :func:`run`).
+nothing is tuned at call time. Partial sums and counters come from ``tmagemm.workspace``, which
+makes the launch safe in eager mode and under any CUDA-graph capture.
 """
 
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-from tmagemm import device as _device
-from tmagemm import envs
-from tmagemm.dispatch import GemmArgs, Variant
-from tmagemm.jit.runtime import stream_getter
-from tmagemm.triton.common import scale_bias_epilogue, scale_mode
-from tmagemm.triton.host import direct_launch, triton_launch
+from .. import device, tma, workspace
+from ..plan import GemmArgs, Plan, Scaling, Variant
+from .common import mma, scale_bias_epilogue
+from .host import descriptor
+from .launch import A, B, BIAS, COUNTERS, OUT, PARTIALS, SCALE_A, SCALE_B, KernelCall, direct_launch
 
 MAX_M = 128
-
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-HALF_DTYPES = (torch.bfloat16, torch.float16)
-
-# Projection shapes of the `llm` benchmark preset, (K, N) of the weight: Llama-3-8B then 70B.
-LLM_PROJECTIONS = {
-    "llama3-8b.qkv": (4096, 6144),
-    "llama3-8b.o": (4096, 4096),
-    "llama3-8b.gate_up": (4096, 28672),
-    "llama3-8b.down": (14336, 4096),
-    "llama3-70b.qkv": (8192, 10240),
-    "llama3-70b.o": (8192, 8192),
-    "llama3-70b.gate_up": (8192, 57344),
-    "llama3-70b.down": (28672, 8192),
-}
+# Largest N: one arrival counter per 64-column output tile must fit a workspace counter chunk.
+MAX_N = 64 * workspace.COUNTERS
 
 # Shared memory one CTA may plan for its pipeline (H100/H200 allow 227 KiB per block); the rest
 # is left for the layout conversions of the epilogue.
@@ -76,7 +60,6 @@ class SplitKConfig:
     a_tma: bool
     num_stages: int
     num_warps: int = 4
-    fast_accum: bool = False  # fp8: let WGMMA accumulate the whole K range imprecisely
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -93,6 +76,16 @@ class SplitKConfig:
     def smem_bytes(self, itemsize: int) -> int:
         """Pipeline buffers: one weight tile and one activation tile per stage."""
         return self.num_stages * (self.block_n + self.block_m) * self.block_k * itemsize
+
+    def gpu_reason(self, itemsize: int) -> str | None:
+        """None when this config may launch on a GPU. Only the tile family the heuristic uses and
+        the GPU tests cover may: smaller tiles (block_n < 64, block_k rows under 128 B) run under
+        the interpreter only (a GPU job of ours stalled on them once; the cause is not pinned
+        down)."""
+        if self.block_n < 64 or self.block_k * itemsize != 128:
+            return (f"SplitKConfig block_n={self.block_n}, block_k={self.block_k}: on a GPU this kernel takes "
+                    f"block_n >= 64 and block_k spanning 128 B ({128 // itemsize} elements)")
+        return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -114,7 +107,8 @@ def stages_for(block_m: int, block_n: int, block_k: int, itemsize: int, ctas_per
     return max(2, min(8, _SMEM_BUDGET // ctas_per_sm // stage))
 
 
-def choose_config(m: int, n: int, k: int, a_dtype: torch.dtype, sm_count: int, fast_accum: bool = False) -> SplitKConfig:
+@functools.lru_cache(maxsize=4096)
+def choose_config(m: int, n: int, k: int, itemsize: int, sm_count: int) -> SplitKConfig:
     """Tiles and split factor for an (m, n, k) problem; pure, so tests can tabulate it.
 
     Fitted to a sweep on an H100 (docs/small-m.md): swap-AB with the tokens rounded up to a
@@ -122,11 +116,9 @@ def choose_config(m: int, n: int, k: int, a_dtype: torch.dtype, sm_count: int, f
     tiles, and the deepest pipeline: 8 stages at M <= 16), block_k spanning 128 bytes (one 128B
     swizzle row), and a K split only while the tiles alone leave SMs idle (split up to
     sm_count // tiles, keeping >= 4 K-blocks per slice). Splitting further to fill two waves lost
-    in the sweep: the partial sums cost more than the extra parallelism returned. ``fast_accum``
-    (fp8 only; the caller's ``use_fast_accum``) leaves wgmma's accumulation unpromoted: about 2%
-    faster at M = 1-32 on a 4096 x 4096 weight (docs/small-m.md).
+    in the sweep: the partial sums cost more than the extra parallelism returned. ``itemsize``:
+    1 for fp8 operands, 2 for bf16/fp16.
     """
-    itemsize = 1 if a_dtype in FP8_DTYPES else 2
     block_k = 128 // itemsize
     block_m = min(MAX_M, max(16, _next_pow2(m)))
     block_n = 64
@@ -144,7 +136,6 @@ def choose_config(m: int, n: int, k: int, a_dtype: torch.dtype, sm_count: int, f
         a_tma=False,
         num_stages=stages_for(block_m, block_n, block_k, itemsize),
         num_warps=8 if block_m * block_n > 128 * 64 else 4,
-        fast_accum=fast_accum and itemsize == 1,
     )
 
 
@@ -184,7 +175,7 @@ def _splitk_kernel(
     SCALE_A: tl.constexpr,
     SCALE_B: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    PROMOTE_EVERY: tl.constexpr,
+    FAST_ACCUM: tl.constexpr,
 ):
     # -- scheduler: axis 0 is the K slice, so the slices of one tile are launched side by side
     # and the last one does not wait long for the others; consecutive tiles walk N, so CTAs in
@@ -224,16 +215,12 @@ def _splitk_kernel(
             )
         if W_KMAJOR:
             w = w_desc.load([off_n, k0])  # [BLOCK_N, BLOCK_K], K contiguous (fp8 needs this)
-            if SWAP_AB:
-                acc = tl.dot(w, a.T, acc, max_num_imprecise_acc=PROMOTE_EVERY)
-            else:
-                acc = tl.dot(a, w.T, acc, max_num_imprecise_acc=PROMOTE_EVERY)
         else:
-            w = w_desc.load([k0, off_n])  # [BLOCK_K, BLOCK_N], N contiguous (16-bit only)
-            if SWAP_AB:
-                acc = tl.dot(w.T, a.T, acc, max_num_imprecise_acc=PROMOTE_EVERY)
-            else:
-                acc = tl.dot(a, w, acc, max_num_imprecise_acc=PROMOTE_EVERY)
+            w = w_desc.load([k0, off_n]).T  # [BLOCK_K, BLOCK_N], N contiguous (16-bit only)
+        if SWAP_AB:
+            acc = mma(w, a.T, acc, FAST_ACCUM, BLOCK_K)
+        else:
+            acc = mma(a, w.T, acc, FAST_ACCUM, BLOCK_K)
 
     # -- split-K reduction, deterministic: every slice parks its partial in the workspace, then
     # bumps the tile's arrival counter; the last to arrive sums the slices in slice order.
@@ -256,8 +243,8 @@ def _splitk_kernel(
         acc = tl.zeros_like(acc)
         for s in range(0, split_k):
             acc += tl.load(ws_tile + s * tile_elems + offs_acc, cache_modifier=".cg")
-        # Re-arm the counter for the next launch on this stream: the workspace never needs a
-        # memset, which keeps the call a single kernel and CUDA-graph safe.
+        # Re-arm the counter for the next launch that uses it: the counters never need a memset,
+        # which keeps the call a single kernel (tmagemm/workspace.py).
         tl.atomic_xchg(lock_ptr + tile_id, 0, sem="relaxed", scope="gpu")
 
     # -- epilogue: back to (tokens, N) orientation, dequantise, bias, cast, masked store.
@@ -271,280 +258,99 @@ def _splitk_kernel(
 
 
 # ----------------------------------------------------------------------------------------------
-# Host side: workspace, descriptors, launcher
+# Host side: checks, launch, plan
 # ----------------------------------------------------------------------------------------------
 
 
-@dataclass
-class _Workspace:
-    partials: torch.Tensor  # fp32, split_k * tiles * block_m * block_n elements at most
-    locks: torch.Tensor  # int32 arrival counters, one per tile, zero between launches
-
-
-# Sized so that any config choose_config returns for M <= 128 on a 132-SM part fits without growth.
-_MIN_PARTIALS = 4 << 20  # fp32 elements (16 MiB)
-_MIN_LOCKS = 1 << 14
-
-_workspaces: dict[tuple, _Workspace] = {}
-# Buffers outgrown by a larger request stay alive: a captured CUDA graph may still point at them.
-_retired: list[_Workspace] = []
-
-
-def _stream_key(dev: torch.device) -> tuple:
-    if dev.type != "cuda":
-        return (dev.type, None, None)
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    return (dev.type, index, stream_getter()(index))  # looked up on every call: keep it cheap
-
-
-def _workspace(dev: torch.device, partials: int, locks: int) -> _Workspace:
-    """The (device, stream)'s workspace, grown if too small; never allocated during capture.
-
-    The counters are shared by every launch on one stream, so two streams must not share them
-    (their launches could interleave); launches on one stream are ordered, which is all the
-    self-resetting counters need.
-    """
-    key = _stream_key(dev)
-    ws = _workspaces.get(key)
-    if ws is not None and ws.partials.numel() >= partials and ws.locks.numel() >= locks:
-        return ws
-    if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            "tmagemm split-K: no workspace for this CUDA stream yet and a graph capture is in "
-            "progress (allocating now would tie the buffer to the graph). Make one eager call of "
-            "the same GEMM on the capture stream before capturing, e.g. "
-            "`with torch.cuda.stream(s): gemm(...)` then `torch.cuda.graph(g, stream=s)`."
-        )
-    if ws is not None:
-        _retired.append(ws)
-    partials = max(partials, _MIN_PARTIALS, 2 * ws.partials.numel() if ws is not None else 0)
-    locks = max(locks, _MIN_LOCKS, 2 * ws.locks.numel() if ws is not None else 0)
-    ws = _Workspace(
-        partials=torch.empty(partials, dtype=torch.float32, device=dev),
-        locks=torch.zeros(locks, dtype=torch.int32, device=dev),
-    )
-    _workspaces[key] = ws
-    return ws
-
-
-_desc_cache: OrderedDict[tuple, TensorDescriptor] = OrderedDict()
-_DESC_CACHE_SIZE = 256
-
-
-def _aligned_ld(ld: int, rows: int, cols: int, itemsize: int) -> int:
-    """Leading stride for TMA; a single-row matrix's stride is never used, so make it legal."""
-    if rows > 1:
-        return ld
-    return _cdiv(cols * itemsize, 16) * 16 // itemsize
-
-
-def _weight_desc(b: torch.Tensor, kmajor: bool, block_n: int, block_k: int) -> TensorDescriptor:
-    """TMA descriptor of the weight, cached: weights persist across calls, so this hits."""
-    k, n = b.shape
-    key = (b.data_ptr(), k, n, b.stride(0), b.stride(1), b.dtype, kmajor, block_n, block_k, b.device)
-    desc = _desc_cache.get(key)
-    if desc is not None:
-        _desc_cache.move_to_end(key)
-        return desc
-    if kmajor:  # (N, K) row-major view of b
-        ld = _aligned_ld(b.stride(1), n, k, b.element_size())
-        desc = TensorDescriptor(b, [n, k], [ld, 1], [block_n, block_k])
-    else:
-        ld = _aligned_ld(b.stride(0), k, n, b.element_size())
-        desc = TensorDescriptor(b, [k, n], [ld, 1], [block_k, block_n])
-    _desc_cache[key] = desc
-    if len(_desc_cache) > _DESC_CACHE_SIZE:
-        _desc_cache.popitem(last=False)
-    return desc
-
-
-def _weight_kmajor(b: torch.Tensor) -> bool:
-    """True when b (K, N) is the transpose of a row-major (N, K) weight (K contiguous)."""
-    k, _ = b.shape
-    return b.stride(0) == 1 if k > 1 else b.stride(1) != 1
-
-
-def _tma_reason(t: torch.Tensor, ld: int, rows: int, what: str) -> str | None:
-    if t.data_ptr() % 16:
-        return f"{what} base address is not 16-byte aligned for TMA"
-    if rows > 1 and (ld * t.element_size()) % 16:
-        return f"{what} leading stride {ld} x {t.element_size()} B is not a multiple of 16 B for TMA"
-    return None
-
-
 def supports(args: GemmArgs) -> str | None:
-    a, b = args.a, args.b
     if args.m > MAX_M:
         return f"M={args.m} > {MAX_M}: the split-K kernels are for small M (decode)"
-    if a.dtype not in FP8_DTYPES + HALF_DTYPES:
-        return f"a dtype {a.dtype} is not fp8 (e4m3/e5m2), bf16 or fp16"
-    if b.dtype != a.dtype:
-        return f"b dtype {b.dtype} differs from a dtype {a.dtype}"
-    if a.device.type == "cuda":
-        if not _device.is_hopper(a.device):
-            return "needs an sm_90 (Hopper) GPU for TMA + WGMMA"
-    elif not envs.interpret():
-        return f"tensors on {a.device.type} need TRITON_INTERPRET=1 (CPU interpreter)"
+    if args.n > MAX_N:
+        return f"N={args.n} > {MAX_N}: more output tiles than one workspace counter chunk holds"
     if args.m == 0 or args.n == 0 or args.k == 0:
-        return None  # run() handles empty problems without a launch
-    kmajor = _weight_kmajor(b)
-    if a.dtype in FP8_DTYPES and not kmajor:
+        return "a zero-size dimension (the plan layer returns those without a kernel)"
+    kmajor = tma.b_is_k_major(args.b)
+    if args.is_fp8 and not kmajor:
         return "fp8 b must be column-major (b = w.t() of a row-major (N, K) weight): WGMMA reads fp8 K-major"
-    if not kmajor and b.stride(1) != 1:
-        return f"b strides {tuple(b.stride())}: neither dimension is contiguous"
-    k, n = b.shape
-    reason = _tma_reason(b, b.stride(1) if kmajor else b.stride(0), n if kmajor else k, "b")
-    if reason:
-        return reason
-    if (k if kmajor else n) * b.element_size() < 16:
-        return f"b inner dimension of {(k if kmajor else n) * b.element_size()} B is below TMA's 16 B minimum"
-    return None
+    return tma.operand_reason(args.b, "b", not kmajor)
 
 
-def _check_gpu_config(config: SplitKConfig, itemsize: int) -> None:
-    """On a GPU, only the tile family the heuristic uses and the GPU tests cover may launch.
-
-    Smaller tiles (block_n < 64, block_k rows under 128 B) run under the interpreter only: a GPU
-    job of ours stalled on them once and the cause is not pinned down yet.
-    """
-    if config.block_n < 64 or config.block_k * itemsize != 128:
-        raise ValueError(
-            f"SplitKConfig block_n={config.block_n}, block_k={config.block_k}: on a GPU this kernel "
-            f"takes block_n >= 64 and block_k spanning 128 B ({128 // itemsize} elements)"
-        )
+# The per-call operands of _splitk_kernel, by parameter: A reaches the kernel as a pointer (and as
+# a descriptor with a_tma), the weight through its descriptor, then the workspace.
+_OPERANDS = {"a_ptr": A, "a_desc": A, "w_desc": B, "out_ptr": OUT, "scale_a_ptr": SCALE_A, "scale_b_ptr": SCALE_B,
+             "bias_ptr": BIAS, "ws_ptr": PARTIALS, "lock_ptr": COUNTERS}
 
 
-# Per-call operands of _splitk_kernel, first in its signature: a, a's descriptor (or None), the
-# weight's descriptor, out, the scales, the bias, the stream's workspace (partials, counters).
-_OPERANDS = 9
-# Positions of the kernel's do_not_specialize ints (M, split_k, iters_per_split).
-_UNSPECIALIZED = frozenset({9, 16, 17})
-
-
-def _kernel_call(args: GemmArgs, config: SplitKConfig, ws: _Workspace):
-    """``(kernel, grid, positional args, constexprs)`` of one launch on workspace ``ws``."""
-    a, b, out = args.a, args.b, args.out
-    m, n, k = args.m, args.n, args.k
-    kmajor = _weight_kmajor(b)
-    w_desc = _weight_desc(b, kmajor, config.block_n, config.block_k)
-    if config.a_tma:
-        ld = _aligned_ld(a.stride(0), m, k, a.element_size())
-        a_desc = TensorDescriptor(a, [m, k], [ld, 1], [config.block_m, config.block_k])
-    else:
-        a_desc = None
-    tiles = _cdiv(m, config.block_m) * _cdiv(n, config.block_n)
-    k_iters = _cdiv(k, config.block_k)
-    iters_per_split = _cdiv(k_iters, config.split_k)
-    split = _cdiv(k_iters, iters_per_split)
-    positional = (
-        a, a_desc, w_desc, out, args.scale_a, args.scale_b, args.bias, ws.partials, ws.locks,
-        m, n, k, a.stride(0), a.stride(1), out.stride(0), out.stride(1), split, iters_per_split,
-    )
-    constexprs = dict(
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        SWAP_AB=config.swap_ab,
-        A_TMA=config.a_tma,
-        W_KMAJOR=kmajor,
-        SCALE_A=scale_mode(args.scale_a),
-        SCALE_B=scale_mode(args.scale_b),
-        HAS_BIAS=args.bias is not None,
-        # None keeps Triton's default (fp8 on sm_90: accumulate imprecisely over all of K).
-        PROMOTE_EVERY=config.block_k if args.is_fp8 and not config.fast_accum else None,
-        num_stages=config.num_stages,
-        num_warps=config.num_warps,
-    )
-    return _splitk_kernel, (split, tiles), positional, constexprs
-
-
-def _workspace_need(args: GemmArgs, config: SplitKConfig) -> tuple[int, int]:
-    """(fp32 partials, counters) one launch needs; nothing without a K split."""
+def _split(args: GemmArgs, config: SplitKConfig) -> tuple[int, int, int]:
+    """(output tiles, K slices, K-blocks per slice); no slice is empty."""
     tiles = _cdiv(args.m, config.block_m) * _cdiv(args.n, config.block_n)
     k_iters = _cdiv(args.k, config.block_k)
-    split = _cdiv(k_iters, _cdiv(k_iters, config.split_k))
-    return (tiles * split * config.block_m * config.block_n, tiles) if split > 1 else (0, 0)
+    per_split = _cdiv(k_iters, config.split_k)
+    return tiles, _cdiv(k_iters, per_split), per_split
 
 
-def _launch(args: GemmArgs, config: SplitKConfig) -> None:
-    if args.a.device.type == "cuda":
-        _check_gpu_config(config, args.a.element_size())
-    ws = _workspace(args.a.device, *_workspace_need(args, config))
-    triton_launch(_kernel_call(args, config, ws))
+def partials_needed(args: GemmArgs, config: SplitKConfig) -> int:
+    """fp32 partial sums one launch needs (none without a K split)."""
+    tiles, split, _ = _split(args, config)
+    return tiles * split * config.block_m * config.block_n if split > 1 else 0
 
 
-@functools.lru_cache(maxsize=4096)
-def _cached_config(m: int, n: int, k: int, dtype: torch.dtype, sms: int, fast_accum: bool) -> SplitKConfig:
-    return choose_config(m, n, k, dtype, sms, fast_accum)
-
-
-def _prepare_zero_k(args: GemmArgs):
-    def launcher(problem: GemmArgs) -> None:
-        if problem.bias is None:  # empty sum: out = bias (or 0); scales multiply zero
-            problem.out.zero_()
-        else:
-            problem.out.copy_(problem.bias.expand(problem.m, problem.n))
-
-    return launcher
-
-
-def prepare(args: GemmArgs, config: SplitKConfig | None = None):
-    """The launch of one problem signature: heuristic config, and the kernel launched directly
-    (``triton/direct.py``) with the calling stream's workspace looked up per call."""
-    if args.m == 0 or args.n == 0:
-        return lambda problem: None
-    if args.k == 0:
-        return _prepare_zero_k(args)
-    if config is None:
-        config = _cached_config(args.m, args.n, args.k, args.a.dtype, _device.sms_of(args.a.device), args.fast_accum)
-    if args.a.device.type == "cuda":
-        _check_gpu_config(config, args.a.element_size())
-    need = _workspace_need(args, config)
-    fast = direct_launch("triton.splitk", args, _kernel_call(args, config, _workspace(args.a.device, *need)),
-                         _OPERANDS, _UNSPECIALIZED)
-    if fast is None:
-
-        def launcher(problem: GemmArgs) -> None:
-            _launch(problem, config)
-
-    else:
-        a_operand = config.a_tma  # the descriptor over A takes A's address, like the A pointer
-
-        index = args.out.get_device()
-        stream_of = stream_getter()
-
-        def operands(a, b, out, scale_a, scale_b, bias):
-            ws = _workspaces.get(("cuda", index, stream_of(index)))  # this stream's, if big enough
-            if ws is None or ws.partials.numel() < need[0] or ws.locks.numel() < need[1]:
-                ws = _workspace(out.device, *need)
-            fast(a, a if a_operand else None, b, out, scale_a, scale_b, bias, ws.partials, ws.locks)
-
-        def launcher(problem: GemmArgs) -> None:
-            operands(problem.a, problem.b, problem.out, problem.scale_a, problem.scale_b, problem.bias)
-
-        launcher.operands = operands
-    launcher.direct = fast is not None
-    launcher.config = config
-    return launcher
-
-
-def run(args: GemmArgs, config: SplitKConfig | None = None) -> None:
-    """Write ``args.out`` through Triton's launcher; ``config`` overrides the heuristic (tests,
-    benchmarks).
-
-    CUDA graphs: the first call on a stream allocates that stream's workspace (16 MiB partials,
-    64 KiB counters). Capture is safe once one eager call has run on the capture stream; a call
-    that would need to allocate during capture raises RuntimeError instead.
-    """
+def kernel_call(args: GemmArgs, config: SplitKConfig, ws: workspace.Workspace) -> KernelCall:
+    a, b, out = args.a, args.b, args.out
     m, n, k = args.m, args.n, args.k
-    if m == 0 or n == 0:
-        return
-    if k == 0:
-        _prepare_zero_k(args)(args)
-        return
+    kmajor = tma.b_is_k_major(b)
+    w_desc = descriptor(b, not kmajor, config.block_k, config.block_n)
+    a_desc = descriptor(a, True, config.block_m, config.block_k) if config.a_tma else None
+    tiles, split, per_split = _split(args, config)
+    values = dict(
+        a_ptr=a, a_desc=a_desc, w_desc=w_desc, out_ptr=out, scale_a_ptr=args.scale_a, scale_b_ptr=args.scale_b,
+        bias_ptr=args.bias, ws_ptr=ws.partials, lock_ptr=ws.counters,
+        M=m, N=n, K=k, stride_am=a.stride(0), stride_ak=a.stride(1), stride_om=out.stride(0), stride_on=out.stride(1),
+        split_k=split, iters_per_split=per_split,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SWAP_AB=config.swap_ab,
+        A_TMA=config.a_tma, W_KMAJOR=kmajor, SCALE_A=int(Scaling.of(args.scale_a)),
+        SCALE_B=int(Scaling.of(args.scale_b)), HAS_BIAS=args.bias is not None, FAST_ACCUM=args.fast_accum,
+    )
+    return KernelCall(_splitk_kernel, (split, tiles), values,
+                      dict(num_stages=config.num_stages, num_warps=config.num_warps), _OPERANDS)
+
+
+def _scratch(out: torch.Tensor, partials: int) -> workspace.Workspace:
+    if out.is_cuda:
+        return workspace.get(out.get_device(), partials)
+    # The interpreter: fresh, zeroed counters per call.
+    return workspace.Workspace(torch.empty(max(partials, 1), dtype=torch.float32),
+                               torch.zeros(workspace.COUNTERS, dtype=torch.int32))
+
+
+def build(args: GemmArgs, config: SplitKConfig | None = None) -> Plan:
+    """The plan of one problem signature: heuristic config, the kernel launched directly
+    (``triton/launch.py``) with the workspace of the calling stream (or capture) per call."""
+    itemsize = args.a.element_size()
     if config is None:
-        config = _cached_config(m, n, k, args.a.dtype, _device.sms_of(args.a.device), args.fast_accum)
-    _launch(args, config)
+        config = choose_config(args.m, args.n, args.k, itemsize, device.sms_of(args.out.device))
+    on_gpu = args.out.is_cuda
+    if on_gpu:
+        reason = config.gpu_reason(itemsize)
+        if reason:
+            raise ValueError(reason)
+        workspace.top_up(args.out.get_device())
+    need = partials_needed(args, config)
+    fast = direct_launch("triton.splitk", kernel_call(args, config, _scratch(args.out, need))) if on_gpu else None
+    if fast is not None:
+        index = fast.device_index
+
+        def launch(a, b, out, scale_a, scale_b, bias) -> None:
+            ws = workspace.get(index, need)
+            fast(a, b, out, scale_a, scale_b, bias, ws.partials, ws.counters)
+
+        return Plan("triton.splitk", config, launch, index, direct=True)
+
+    def launch(a, b, out, scale_a, scale_b, bias) -> None:
+        problem = GemmArgs(a, b, out, scale_a, scale_b, bias, args.fast_accum)
+        kernel_call(problem, config, _scratch(out, need)).launch()
+
+    return Plan("triton.splitk", config, launch, args.out.get_device())
 
 
 VARIANTS = [
@@ -553,7 +359,6 @@ VARIANTS = [
         backend="triton",
         description="small-M (<=128) decode GEMM: TMA weight stream, swap-AB, deterministic split-K",
         supports=supports,
-        run=run,
-        prepare=prepare,
+        build=build,
     )
 ]

@@ -1,4 +1,4 @@
-"""The seed kernel on today's API: a non-persistent GEMM whose loads and stores go through TMA.
+"""Non-persistent Triton GEMM whose loads and stores go through TMA.
 
 One program per output tile, in grouped (L2-friendly) order. A and B tiles arrive through host
 ``TensorDescriptor``s passed by value (no per-call host-to-device descriptor copy, the cost the
@@ -11,19 +11,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import device
+from .. import device, tma
 from ..configs import TritonGemmConfig
-from ..dispatch import GemmArgs, Variant
-from .common import grouped_tile, scale_bias_epilogue
-from .host import (
-    Layout,
-    aot_tma_spec,
-    install_allocator,
-    leading_stride,
-    operand_descriptors,
-    tma_planner,
-    tma_supports,
-)
+from ..plan import GemmArgs, Variant
+from .common import grouped_tile, mma, scale_bias_epilogue
+from .host import GEMM_OPERANDS, Layout, example_args, install_allocator, operand_descriptors, tma_builder, tma_layout, tma_supports
+from .launch import KernelCall, aot_spec as _aot_spec
 
 
 @triton.jit
@@ -45,17 +38,6 @@ def load_b_tile(b_desc, off_k, off_n, B_ROW_MAJOR: tl.constexpr):
     else:
         tile = b_desc.load([off_n, off_k]).T
     return tile
-
-
-@triton.jit
-def mma(a, b, acc, FAST_ACCUM: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc += a @ b. Without fast accumulation, fp8 partial sums are promoted to the fp32
-    accumulator once per K tile instead of staying in wgmma's reduced-precision adder."""
-    if FAST_ACCUM:
-        acc = tl.dot(a, b, acc)
-    else:
-        acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
-    return acc
 
 
 @triton.jit
@@ -174,52 +156,48 @@ def heuristic(args: GemmArgs) -> TritonGemmConfig:
     return TritonGemmConfig(128, 256, 64, 8, 3, 8)
 
 
-def kernel_call(args: GemmArgs, config: TritonGemmConfig, layout: Layout, device_desc: bool = False):
-    """``(kernel, grid, positional args, constexprs)`` of one launch (see host.tma_planner)."""
+def kernel_call(args: GemmArgs, config: TritonGemmConfig, layout: Layout, device_desc: bool = False) -> KernelCall:
+    """One launch (see host.tma_builder)."""
     if device_desc:
         install_allocator()
         a_desc, b_desc, c_desc = args.a, args.b, None
-        lead_a, lead_b = leading_stride(args.a, layout.a_row_major), leading_stride(args.b, layout.b_row_major)
+        lead_a, lead_b = tma.leading_stride(args.a, layout.a_row_major), tma.leading_stride(args.b, layout.b_row_major)
     else:
         lead_a = lead_b = 0  # unused: the host descriptors carry the strides
         a_desc, b_desc, c_desc = operand_descriptors(
             args, layout, config.block_m, config.block_n, config.block_k, config.block_n
         )
     grid = (triton.cdiv(args.m, config.block_m) * triton.cdiv(args.n, config.block_n),)
-    positional = (
-        a_desc, b_desc, c_desc, args.out, args.scale_a, args.scale_b, args.bias,
-        args.m, args.n, args.k, args.out.stride(0), args.out.stride(1), lead_a, lead_b,
-    )
-    constexprs = dict(
+    values = dict(
+        a_desc=a_desc, b_desc=b_desc, c_desc=c_desc, c_ptr=args.out, scale_a_ptr=args.scale_a,
+        scale_b_ptr=args.scale_b, bias_ptr=args.bias, M=args.m, N=args.n, K=args.k,
+        stride_cm=args.out.stride(0), stride_cn=args.out.stride(1), lead_a=lead_a, lead_b=lead_b,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        **layout.constexprs(args.fast_accum),
-        DEVICE_DESC=device_desc, num_warps=config.num_warps, num_stages=config.num_stages,
+        **layout.constexprs(args.fast_accum), DEVICE_DESC=device_desc,
     )
-    return tma_gemm_kernel, grid, positional, constexprs
+    return KernelCall(tma_gemm_kernel, grid, values, dict(num_warps=config.num_warps, num_stages=config.num_stages),
+                      GEMM_OPERANDS)
 
 
-prepare, run = tma_planner("triton.tma", CONFIGS, heuristic, kernel_call)
+build = tma_builder("triton.tma", CONFIGS, heuristic, kernel_call)
 # Device-built maps need Triton's per-launch scratch allocation: always Triton's launcher.
-prepare_device, run_device = tma_planner("triton.tma_device", CONFIGS, heuristic, kernel_call, direct=False,
-                                         device_desc=True)
+build_device = tma_builder("triton.tma_device", CONFIGS, heuristic, kernel_call, direct=False, device_desc=True)
 
 
 VARIANTS = [
     Variant(
         name="triton.tma",
         backend="triton",
-        description="Triton, non-persistent, TMA loads/stores via host TensorDescriptor (the seed kernel)",
+        description="Triton, non-persistent, TMA loads/stores via host TensorDescriptor passed by value",
         supports=tma_supports,
-        run=run,
-        prepare=prepare,
+        build=build,
     ),
     Variant(
         name="triton.tma_device",
         backend="triton",
         description="triton.tma with tensor maps built on the device (tl.make_tensor_descriptor): no host encode per call",
         supports=tma_supports,
-        run=run_device,
-        prepare=prepare_device,
+        build=build_device,
     ),
 ]
 
@@ -227,9 +205,6 @@ VARIANTS = [
 def aot_spec(config: TritonGemmConfig | None = None, a_dtype=None, out_dtype=None, variant: str = "triton.tma"):
     """A compilable instance for ``tmagemm inspect`` (fp8 by default: A row-major, B K-major);
     ``variant="triton.tma_device"`` gives the kernel that builds its tensor maps on the device."""
-    a_dtype = a_dtype or torch.float8_e4m3fn
-    out_dtype = out_dtype or torch.bfloat16
-    fp8 = a_dtype.itemsize == 1
-    config = config or TritonGemmConfig(128, 256, 128 if fp8 else 64, 8, 3, 8)
-    return aot_tma_spec(tma_gemm_kernel, variant, config, a_dtype, out_dtype, config.block_n,
-                        DEVICE_DESC=variant == "triton.tma_device")
+    args = example_args(a_dtype or torch.float8_e4m3fn, out_dtype or torch.bfloat16)
+    config = config or TritonGemmConfig(128, 256, 128 if args.is_fp8 else 64, 8, 3, 8)
+    return _aot_spec(kernel_call(args, config, tma_layout(args), device_desc=variant == "triton.tma_device"), variant)

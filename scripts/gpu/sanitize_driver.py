@@ -1,0 +1,93 @@
+"""Small ragged GEMMs through the public API, one launch each, for compute-sanitizer.
+
+    compute-sanitizer --tool racecheck python scripts/gpu/sanitize_driver.py
+
+Run by scripts/gpu/check.sh (memcheck, racecheck, synccheck) with TMAGEMM_AUTOTUNE=0, so each
+case launches only the kernel its heuristic picks. The cases reach every kernel family the
+dispatcher picks at small shapes: the native cooperative kernel (``backend="cuda"``, with the
+promoting fp8 mainloop of ``use_fast_accum=False``), and with ``backend="triton"`` split-K
+(M = 1, long K), the tile kernel (M = 17) and the persistent kernel (M = 300); 16-bit inputs with
+both B layouts. Shapes are off the tile sizes; the larger ones have more tiles than SMs, so
+persistent CTAs walk several tiles. (The ping-pong schedule needs fp8 M >= 4096 with N, K >= 8192,
+too large for the sanitizer.)
+Each output is checked against float64; exits 1 if any case fails or is off.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import tmagemm
+
+FP8 = torch.float8_e4m3fn
+
+# (backend, M, N, K, use_fast_accum, row-wise scales + bias)
+FP8_CASES = [
+    ("cuda", 200, 264, 208, True, False),
+    ("cuda", 1100, 4112, 208, True, False),  # 9 x 17 tiles of 128x256 > 132 SMs
+    ("cuda", 300, 520, 272, False, True),  # promoting mainloop, row-wise scales, bias
+    ("triton", 1, 264, 4096, True, False),  # small M: split-K
+    ("triton", 17, 520, 208, True, True),
+    ("triton", 300, 264, 208, False, False),
+]
+# (backend, dtype, M, N, K, B K-major)
+HALF_CASES = [
+    ("cuda", torch.bfloat16, 300, 520, 208, False),
+    ("cuda", torch.bfloat16, 1100, 4112, 208, True),
+    ("cuda", torch.float16, 17, 264, 136, False),
+    ("triton", torch.bfloat16, 17, 264, 136, True),
+    ("triton", torch.float16, 300, 520, 208, False),
+]
+TOL = 1e-2  # max|out - ref| / max|ref|; bf16 output rounding alone is ~4e-3
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out = out.double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return float((out - ref).abs().max() / ref.abs().max())
+
+
+def fp8_case(backend, m, n, k, fast, rowwise):
+    a = torch.randn(m, k, device="cuda").to(FP8)
+    b = torch.randn(n, k, device="cuda").to(FP8).t()
+    if rowwise:
+        sa, sb = torch.rand(m, 1, device="cuda") + 0.5, torch.rand(1, n, device="cuda") + 0.5
+        bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    else:
+        sa, sb, bias = torch.tensor(0.5, device="cuda"), torch.tensor(2.0, device="cuda"), None
+    out = tmagemm.scaled_mm(a, b, sa, sb, bias=bias, use_fast_accum=fast, backend=backend)
+    ref = (a.double() @ b.double()) * sa.double() * sb.double()
+    return out, ref if bias is None else ref + bias.double()
+
+
+def half_case(backend, dtype, m, n, k, k_major):
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    b = torch.randn(n, k, device="cuda", dtype=dtype).t() if k_major else torch.randn(k, n, device="cuda", dtype=dtype)
+    return tmagemm.matmul(a, b, backend=backend), a.double() @ b.double()
+
+
+def main() -> int:
+    torch.manual_seed(0)
+    cases = [(f"scaled_mm {c[0]} {c[1]}x{c[2]}x{c[3]} fast={c[4]} rowwise={c[5]}", fp8_case, c) for c in FP8_CASES]
+    cases += [(f"matmul {c[0]} {str(c[1])[6:]} {c[2]}x{c[3]}x{c[4]} k_major={c[5]}", half_case, c) for c in HALF_CASES]
+    failed = 0
+    for name, make, params in cases:
+        try:
+            out, ref = make(*params)
+            torch.cuda.synchronize()
+            err = rel_err(out, ref)
+            status = "ok" if err <= TOL else "OFF"
+            print(f"{status:4s} {name}: rel err {err:.1e}", flush=True)
+        except Exception as exc:  # report and go on: the sanitizer report covers the other cases
+            status = "FAIL"
+            print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        failed += status != "ok"
+    print(f"sanitize_driver: {len(cases) - failed}/{len(cases)} cases ok")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

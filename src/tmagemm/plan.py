@@ -1,0 +1,395 @@
+"""The plan layer: where a checked GEMM call becomes a kernel launch.
+
+One problem description (:class:`GemmArgs`: operands, and :class:`Scaling`: how each scale
+applies), one :class:`Plan` type that every kernel family returns (its config plus one call that
+launches with the operands), one registry of kernel families, one preference order, and one
+cache of plans keyed by the call's signature, planned once per signature.
+
+Adding a kernel family: write ``tmagemm/<backend>/<family>.py`` with its kernel, frozen config,
+validity rule, heuristic and a ``VARIANTS`` list of :class:`Variant` whose ``build`` returns a
+:class:`Plan`; add the module to :data:`FAMILY_MODULES` (and, if "auto" should pick it, a rule to
+:func:`preference`). docs/plan-layer.md walks through the steps.
+
+Backend modules are imported lazily: importing ``tmagemm`` compiles and probes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+# Modules that define VARIANTS. One line per kernel family.
+FAMILY_MODULES = (
+    "tmagemm.triton.matmul_tma",
+    "tmagemm.triton.matmul_persistent",
+    "tmagemm.triton.matmul_splitk",
+    "tmagemm.triton.matmul_ptr",
+    "tmagemm.cuda.gemm",
+)
+
+BACKENDS = ("auto", "triton", "cuda")
+
+
+class Scaling(enum.IntEnum):
+    """How a dequantization scale applies to its operand (the kernels' SCALE_A / SCALE_B)."""
+
+    NONE = 0  # no scale (bf16/fp16 matmul)
+    TENSOR = 1  # one fp32 value for the whole operand
+    ROW = 2  # one fp32 value per row of A (M values) or per column of B (N values)
+
+    @classmethod
+    def of(cls, scale: torch.Tensor | None) -> "Scaling":
+        """The scaling of a normalised scale operand (see :class:`GemmArgs`)."""
+        if scale is None:
+            return cls.NONE
+        return cls.TENSOR if scale.numel() == 1 else cls.ROW
+
+
+class GemmArgs(NamedTuple):
+    """Validated, normalised operands of one GEMM: ``out = (scale_a*scale_b) * (a @ b) + bias``.
+
+    a: (M, K); b: (K, N); out: (M, N), preallocated, written by the kernel.
+    scale_a: None, or fp32 with one element (tensor-wise) or M elements 4 bytes apart (row-wise);
+        kernels read only its pointer and numel.
+    scale_b: None, or fp32 with one element or N elements 4 bytes apart.
+    bias: None, or contiguous (N,) in any float dtype; added in fp32.
+    fast_accum: fp8 only; True keeps wgmma's reduced-precision accumulation across all of K
+        (``use_fast_accum`` of the public API), False adds each k-block's sum into fp32.
+    (A NamedTuple: it is built on a first call, and that costs a fraction of a dataclass.)
+    """
+
+    a: torch.Tensor
+    b: torch.Tensor
+    out: torch.Tensor
+    scale_a: torch.Tensor | None = None
+    scale_b: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    fast_accum: bool = True
+
+    @property
+    def m(self) -> int:
+        return self.a.shape[0]
+
+    @property
+    def n(self) -> int:
+        return self.b.shape[1]
+
+    @property
+    def k(self) -> int:
+        return self.a.shape[1]
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.a.element_size() == 1
+
+    @property
+    def scaling(self) -> tuple[Scaling, Scaling]:
+        return Scaling.of(self.scale_a), Scaling.of(self.scale_b)
+
+    @property
+    def operands(self) -> tuple:
+        """What :meth:`Plan.run` takes: ``(a, b, out, scale_a, scale_b, bias)``."""
+        return self.a, self.b, self.out, self.scale_a, self.scale_b, self.bias
+
+
+@functools.lru_cache(maxsize=1)
+def _several_gpus() -> bool:
+    return torch.cuda.device_count() > 1
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """A resolved GEMM: what every kernel family's ``build`` returns.
+
+    variant: the registered name that built it; config: that family's frozen config (None when
+    it has none); launch: ``launch(a, b, out, scale_a, scale_b, bias)`` writes ``out`` for any
+    operands with the signature the plan was built for; device_index: the GPU the kernel is
+    loaded on (-1: CPU, the interpreter); direct: launched through ``tmagemm.jit`` (host time)
+    rather than Triton's launcher.
+    """
+
+    variant: str
+    config: Any
+    launch: Callable[..., None]
+    device_index: int = -1
+    direct: bool = False
+
+    def run(self, a, b, out, scale_a=None, scale_b=None, bias=None) -> None:
+        """Launch on ``out``'s GPU whatever the current device is, leaving the current device as
+        it was (the check costs one driver query, and only on machines with several GPUs)."""
+        if self.device_index >= 0 and _several_gpus() and torch.cuda.current_device() != self.device_index:
+            with torch.cuda.device(self.device_index):
+                self.launch(a, b, out, scale_a, scale_b, bias)
+            return
+        self.launch(a, b, out, scale_a, scale_b, bias)
+
+    def __call__(self, args: GemmArgs) -> None:
+        self.run(*args.operands)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One registered kernel path of a family.
+
+    ``supports(args)`` returns None when the variant computes ``args`` correctly, or a short
+    reason why not (e.g. "b leading stride of 12 bytes is not a multiple of 16"). ``build(args,
+    config=None)`` returns the :class:`Plan` for every problem with the same signature (shapes,
+    strides, dtypes, alignment, scaling, fast_accum) as ``args``; ``config`` overrides the
+    family's heuristic (tests, benchmarks).
+    """
+
+    name: str
+    backend: str  # "triton" or "cuda"
+    description: str
+    supports: Callable[[GemmArgs], str | None]
+    build: Callable[..., Plan]
+
+
+# ------------------------------------------------------------------------------------ registry
+
+_registry: dict[str, Variant] | None = None
+_unavailable: dict[str, str] = {}
+
+
+def _load() -> dict[str, Variant]:
+    global _registry
+    if _registry is None:
+        found: dict[str, Variant] = {}
+        for module_name in FAMILY_MODULES:
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError as exc:  # an optional dependency (e.g. cuda-bindings) is missing
+                _unavailable[module_name] = f"{type(exc).__name__}: {exc}"
+                continue
+            for variant in module.VARIANTS:
+                found[variant.name] = variant
+        _registry = found
+    return _registry
+
+
+def variants() -> list[Variant]:
+    """All registered variants, in registry order."""
+    return list(_load().values())
+
+
+def unavailable() -> dict[str, str]:
+    """Family modules that could not be imported, with the reason."""
+    _load()
+    return dict(_unavailable)
+
+
+def get(name: str) -> Variant:
+    registry = _load()
+    if name not in registry:
+        raise ValueError(f"unknown tmagemm variant {name!r}; known: {sorted(registry)}")
+    return registry[name]
+
+
+# ---------------------------------------------------------------------------------- preference
+
+# Largest M the non-persistent Triton kernel is preferred for (H200, graph-timed vs cuBLAS,
+# BENCHMARKS.md): at M = 384-512, N = K = 4096 the native cooperative kernel with 128x128 tiles
+# ran at 0.91-0.99x (fp8) and 1.04x (bf16 512) against 0.84-0.91x and 0.90x on Triton; at M = 256
+# Triton was ahead (fp8 1.01-1.02x).
+MID_M = 256
+
+
+def _splitk_first(args: GemmArgs) -> bool:
+    """Small M where split-K measured ahead of the tile kernel (H200, graph-timed vs cuBLAS fp8,
+    docs/small-m.md): fp8 at M <= 16 with K >= 4096 (N = K = 4096: 0.88-0.92x vs 0.82-0.87x;
+    long-K projections 0.97-1.04x vs 0.73-0.88x; with a short K, e.g. K = 512-1536 and N =
+    24-32K, the tile kernel was ahead), fp8 at M <= 32 with K > 8192 (the tile kernel then walks
+    a long K on few CTAs), and any M <= 32 with >= 100 MB of weight (earlier H100 sweep)."""
+    if args.m <= 32 and args.n * args.k * args.b.element_size() >= 100e6:
+        return True
+    return args.is_fp8 and ((args.m <= 16 and args.k >= 4096) or (args.m <= 32 and args.k > 8192))
+
+
+def preference(args: GemmArgs) -> tuple[str, ...]:
+    """Variants "auto" tries, best first, from the side-by-side measurements in BENCHMARKS.md.
+
+    A variant is skipped when it is not registered or refuses the problem; the pointer kernel
+    accepts everything.
+    - small M (see :func:`_splitk_first`): split-K, whose partial sums keep enough CTAs streaming
+      the weight.
+    - M <= MID_M (256): the non-persistent Triton kernel with host-encoded tensor maps, launched
+      directly (maps cached per address, so no per-call encode); its device-built-map twin
+      ``triton.tma_device`` costs ~2.5 us more GPU time and stays a fallback.
+    - larger M: the native persistent cooperative kernel (per-shape config), then the Triton
+      persistent one.
+    """
+    tma = ("triton.tma", "triton.tma_device")
+    if _splitk_first(args):
+        return ("triton.splitk", *tma, "triton.persistent", "triton.ptr")
+    if args.m <= MID_M:
+        return (*tma, "triton.persistent", "cuda.persistent_coop", "triton.ptr")
+    return ("cuda.persistent_coop", "triton.persistent", *tma, "triton.ptr")
+
+
+def _env_backend() -> str:
+    from .envs import forced_backend
+
+    value = forced_backend() or "auto"
+    if value not in BACKENDS:
+        raise ValueError(f"TMAGEMM_BACKEND={value!r} is not one of {BACKENDS}")
+    return value
+
+
+def choose(args: GemmArgs, backend: str = "auto") -> Variant:
+    """The variant that runs ``args`` for ``backend`` ("auto", "triton" or "cuda")."""
+    registry = _load()
+    if backend == "auto":
+        backend = _env_backend()
+    reasons = []
+    for name in preference(args):
+        variant = registry.get(name)
+        if variant is None or (backend != "auto" and variant.backend != backend):
+            continue
+        reason = variant.supports(args)
+        if reason is None:
+            return variant
+        reasons.append(f"{name}: {reason}")
+    # Anything registered for the backend that accepts the problem (e.g. the other native kernels).
+    for variant in registry.values():
+        if (backend == "auto" or variant.backend == backend) and variant.supports(args) is None:
+            return variant
+    missing = unavailable()
+    raise ValueError(
+        f"no {backend!r} tmagemm kernel accepts this problem (M={args.m}, N={args.n}, K={args.k}, "
+        f"a {args.a.dtype} stride {tuple(args.a.stride())}, b {args.b.dtype} stride {tuple(args.b.stride())}); "
+        f"refusals: {reasons or 'none'}; modules not importable: {missing or 'none'}. "
+        "Use backend='auto' to fall back to the pointer kernel."
+    )
+
+
+def on_device(dev: torch.device):
+    """A context that makes ``dev`` the current CUDA device when it is not already (planning
+    compiles and loads kernels on the current device); a no-op for CPU tensors."""
+    if dev.type != "cuda" or dev.index is None or dev.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(dev.index)
+
+
+def build(args: GemmArgs, backend: str = "auto", variant: str | None = None, config: Any = None) -> Plan:
+    """A plan for ``args``: the ``variant`` named, or the one :func:`choose` picks for ``backend``.
+    Not cached (the public API caches through :func:`cached`); compiles what it needs on the
+    operands' device."""
+    with on_device(args.out.device):
+        chosen = get(variant) if variant is not None else choose(args, backend)
+        return chosen.build(args, config)
+
+
+# ------------------------------------------------------------------------------------ the cache
+#
+# Host time per call is a measured goal (a decode step calls the same few GEMMs thousands of
+# times). Everything the checks and the plan read from the arguments (types, devices, dtypes,
+# shapes, strides, 16-byte alignment, flags) forms the call key; a key is stored only after a call
+# with it passed every check and was planned, so a hit skips both.
+
+_calls: dict[tuple, "Call"] = {}
+
+
+def tensor_key(t: torch.Tensor | None):
+    """What a call key holds of one tensor argument (None stays None)."""
+    if t is None:
+        return None
+    # get_device() is -1 off CUDA, so it tells devices apart.
+    return (type(t), t.get_device(), t.dtype, t.shape, t.stride(), t.data_ptr() % 16)
+
+
+def call_key(op: str, a, b, scale_a, scale_b, bias, out, out_dtype, fast_accum, backend) -> tuple:
+    """The cache key of one call (raises AttributeError / TypeError for non-tensor arguments,
+    which the caller's checks then name)."""
+    return (op, tensor_key(a), tensor_key(b), tensor_key(scale_a), tensor_key(scale_b), tensor_key(bias),
+            tensor_key(out), out_dtype, fast_accum, backend)
+
+
+def _scale_operand(scale: torch.Tensor | None) -> torch.Tensor | None:
+    """What the kernels read of a scale: its elements in order (tensor-wise: one value; row-wise:
+    M or N values 4 bytes apart). A scale already laid out that way is passed as is; a strided
+    row-wise scale is copied."""
+    if scale is None or scale.numel() == 1:
+        return scale
+    flat = scale.reshape(-1)
+    return flat if flat.stride(0) == 1 else flat.contiguous()
+
+
+def _as_given(scale: torch.Tensor | None) -> bool:
+    return scale is None or scale.numel() == 1 or scale.reshape(-1).stride(0) == 1
+
+
+def gemm_args(a, b, out, scale_a, scale_b, bias, fast_accum: bool) -> GemmArgs:
+    """The kernels' operands for checked user arguments (scales flattened, bias contiguous)."""
+    return GemmArgs(a, b, out, _scale_operand(scale_a), _scale_operand(scale_b),
+                    None if bias is None else bias.contiguous(), bool(fast_accum))
+
+
+class Call:
+    """One cached call signature: its plan, and what the call does around the launch (allocate
+    ``out``, flatten strided scales). ``call(a, b, scale_a, scale_b, bias, out)`` returns out."""
+
+    __slots__ = ("plan", "out_shape", "out_dtype", "device", "normalise", "fast_accum")
+
+    def __init__(self, plan: Plan, args: GemmArgs, user: tuple):
+        scale_a, scale_b, bias = user
+        self.plan = plan
+        self.out_shape, self.out_dtype, self.device = tuple(args.out.shape), args.out.dtype, args.out.device
+        self.normalise = not (_as_given(scale_a) and _as_given(scale_b) and (bias is None or bias.is_contiguous()))
+        self.fast_accum = args.fast_accum
+
+    def __call__(self, a, b, scale_a, scale_b, bias, out):
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
+        if self.normalise:
+            scale_a, scale_b = _scale_operand(scale_a), _scale_operand(scale_b)
+            bias = None if bias is None else bias.contiguous()
+        self.plan.run(a, b, out, scale_a, scale_b, bias)
+        return out
+
+
+def cached(key) -> Call | None:
+    return _calls.get(key)
+
+
+def _zero_size(args: GemmArgs) -> bool:
+    """Handle M, N or K of zero without a kernel; True when handled."""
+    if args.m == 0 or args.n == 0:
+        return True
+    if args.k == 0:
+        # An empty sum: zeros, plus the bias (scales multiply zero).
+        args.out.zero_()
+        if args.bias is not None:
+            args.out.add_(args.bias.to(args.out.dtype))
+        return True
+    return False
+
+
+def run_gemm(key, a, b, out, scale_a, scale_b, bias, fast_accum: bool, backend: str) -> torch.Tensor:
+    """Write the checked GEMM into ``out`` and return it, planning once per ``key`` (None: do not
+    remember). Plans made while a CUDA graph is being captured are not kept: a capture cannot
+    load modules, so they launch through Triton's launcher, and later eager calls deserve the
+    direct launch."""
+    args = gemm_args(a, b, out, scale_a, scale_b, bias, fast_accum)
+    if _zero_size(args):
+        return out
+    plan = build(args, backend)
+    plan(args)
+    if key is not None and out.is_cuda and not torch.cuda.is_current_stream_capturing():
+        _calls[key] = Call(plan, args, (scale_a, scale_b, bias))
+    return out
+
+
+def clear_plans() -> None:
+    """Forget cached plans (after changing tuning state or the ``TMAGEMM_*`` knobs)."""
+    _calls.clear()
+
+
+def cached_plans() -> list[Plan]:
+    """The plans of the cached call signatures (diagnostics, tests)."""
+    return [call.plan for call in _calls.values()]

@@ -1,0 +1,101 @@
+"""The plan layer: the choice of kernel per problem (pure rules fitted to measurements), the Plan
+contract every family returns, and the one cache of planned calls (CPU, the interpreter)."""
+
+import pytest
+import torch
+
+from tmagemm import plan
+from tmagemm.plan import GemmArgs
+
+F8 = torch.float8_e4m3fn
+
+
+def _args(m, n, k, dtype=F8):
+    a = torch.empty(m, k, dtype=dtype, device="meta")
+    b = torch.empty(n, k, dtype=dtype, device="meta").t()
+    return GemmArgs(a, b, torch.empty(m, n, dtype=torch.bfloat16, device="meta"))
+
+
+@pytest.mark.parametrize(
+    "m, n, k, dtype, first",
+    [
+        (1, 4096, 4096, F8, "triton.splitk"),  # decode on a 16 MB weight
+        (16, 4096, 14336, F8, "triton.splitk"),  # long K
+        (16, 32768, 512, F8, "triton.tma"),  # short K, wide N: the tile kernel was ahead
+        (32, 4096, 4096, F8, "triton.tma"),
+        (32, 4096, 14336, F8, "triton.splitk"),  # K > 8192
+        (32, 57344, 8192, F8, "triton.splitk"),  # 470 MB weight
+        (64, 4096, 4096, F8, "triton.tma"),
+        (256, 4096, 4096, F8, "triton.tma"),
+        (257, 4096, 4096, F8, "cuda.persistent_coop"),  # 128x128 tiles (coop_config)
+        (512, 4096, 4096, F8, "cuda.persistent_coop"),
+        (256, 4096, 4096, torch.bfloat16, "triton.tma"),
+        (512, 4096, 4096, torch.bfloat16, "cuda.persistent_coop"),
+        (8, 4096, 4096, torch.bfloat16, "triton.tma"),  # bf16 at small M: not measured to favour split-K
+        (8, 28672, 4096, torch.bfloat16, "triton.splitk"),  # ... unless the weight is >= 100 MB
+        (4096, 4096, 4096, torch.bfloat16, "cuda.persistent_coop"),
+    ],
+)
+def test_preference_table(m, n, k, dtype, first):
+    order = plan.preference(_args(m, n, k, dtype))
+    assert order[0] == first, order
+    assert order[-1] == "triton.ptr"  # the pointer kernel accepts anything: always the last resort
+
+
+# ------------------------------------------------------------------------------ the Plan contract
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU: the Triton families under the interpreter")
+@pytest.mark.parametrize("name", ["triton.tma", "triton.tma_device", "triton.persistent", "triton.splitk", "triton.ptr"])
+def test_every_triton_family_returns_a_plan(name, seeded):
+    from gemm_ref import assert_close, poisoned, reference
+
+    a = torch.randn(17, 96).half()
+    b = torch.randn(72, 96).half().t()
+    args = GemmArgs(a, b, poisoned((17, 72), torch.float32, "cpu"))
+    built = plan.build(args, variant=name)
+    assert isinstance(built, plan.Plan) and built.variant == name and built.config is not None
+    assert built.device_index == -1 and not built.direct  # CPU: Triton's launcher, no device
+    built.run(*args.operands)
+    assert_close(args.out, reference(a, b), 1e-5, name)
+    # The same plan serves another problem of the same signature.
+    again = GemmArgs(torch.randn(17, 96).half(), b, poisoned((17, 72), torch.float32, "cpu"))
+    built(again)
+    assert_close(again.out, reference(again.a, b), 1e-5, f"{name}, second problem")
+
+
+def test_native_families_refuse_cpu_tensors():
+    args = GemmArgs(torch.randn(17, 96).half(), torch.randn(96, 72).half(), torch.empty(17, 72))
+    native = [v for v in plan.variants() if v.backend == "cuda"]
+    for variant in native:
+        assert "CUDA" in variant.supports(args), variant.name
+
+
+def test_one_cache_plans_once_per_signature(monkeypatch, seeded):
+    """A call key is planned once; a new signature plans again; clear_plans forgets both."""
+    import tmagemm
+
+    calls = []
+    real_build = plan.build
+    monkeypatch.setattr(plan, "build", lambda *a, **k: calls.append(1) or real_build(*a, **k))
+    plan.clear_plans()
+    a, b = torch.randn(8, 32).half(), torch.randn(32, 16).half()
+    for _ in range(3):
+        tmagemm.matmul(a, b)
+    # CPU calls are not remembered (only CUDA ones skip the checks), so each plans: the cache is
+    # exercised on the GPU; here the key function must at least tell signatures apart.
+    key = plan.call_key("matmul", a, b, None, None, None, None, None, True, "auto")
+    assert key == plan.call_key("matmul", torch.randn(8, 32).half(), b, None, None, None, None, None, True, "auto")
+    assert key != plan.call_key("matmul", torch.randn(9, 32).half(), b, None, None, None, None, None, True, "auto")
+    assert key != plan.call_key("matmul", a.t().contiguous().t(), b, None, None, None, None, None, True, "auto")
+    assert len(calls) == 3
+    plan.clear_plans()
+    assert plan.cached_plans() == []
+
+
+def test_scaling_description():
+    assert plan.Scaling.of(None) is plan.Scaling.NONE
+    assert plan.Scaling.of(torch.ones(1)) is plan.Scaling.TENSOR
+    assert plan.Scaling.of(torch.ones(7)) is plan.Scaling.ROW
+    args = GemmArgs(torch.empty(7, 32, dtype=F8), torch.empty(5, 32, dtype=F8).t(), torch.empty(7, 5),
+                    torch.ones(7), torch.ones(1))
+    assert args.scaling == (plan.Scaling.ROW, plan.Scaling.TENSOR)
