@@ -117,3 +117,32 @@ def test_interpreter_check_zero_size_through_the_api(seeded):
 def test_check_refuses_bf16():
     with pytest.raises(ValueError, match="bf16"):
         runner.check(("bf16",))
+
+
+def test_check_passes_rowwise_and_accumulation_on(seeded, monkeypatch):
+    made, asked = [], []
+    real_case, real_providers = prov.make_case, prov.tmagemm_providers
+
+    def make_case(*args, **kwargs):
+        made.append(real_case(*args, **kwargs))
+        return made[-1]
+
+    def tmagemm_providers(fast_accum=True):
+        asked.append(fast_accum)
+        return real_providers(fast_accum)
+
+    monkeypatch.setattr(prov, "make_case", make_case)
+    monkeypatch.setattr(prov, "tmagemm_providers", tmagemm_providers)
+    result = runner.check(("fp8",), (Shape(5, 64, 64),), ("triton.tma",), stream=io.StringIO(),
+                          rowwise=True, fast_accum=False)
+    assert [r["status"] for r in result.records] == [CHECKED]
+    assert [c.scale_a.shape for c in made] == [(5,)] and asked == [False]  # row-wise scales, exact accumulation
+    assert result.metadata["config"]["rowwise"] is True and result.metadata["config"]["fast_accum"] is False
+
+
+def test_check_refuses_gpu_only_providers_naming_the_dtypes():
+    gpu_only = r"'cublas\.fp8\*' matches none .* for fp16 and fp8 .*cublas\.fp8\.exact need a GPU"
+    with pytest.raises(ValueError, match=gpu_only):
+        runner.check(("fp16", "fp8"), patterns=("cublas.fp8*",))
+    with pytest.raises(ValueError, match=r"'nope' matches none of the providers the interpreter check runs for fp8 \("):
+        runner.check(("fp8",), patterns=("nope",))

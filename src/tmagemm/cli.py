@@ -5,9 +5,11 @@
     tmagemm inspect triton.tma --dtype fp8 [--config block_m=128,block_n=256] | --cu FILE.cu [-D N=V]
     tmagemm env
 
-Without a GPU, ``bench`` runs the Triton kernels under the Triton interpreter on small shapes
-and checks them against float64; the interpreter has to be chosen before any kernel module is
-imported, so the command re-executes itself when that is too late.
+Without a GPU (or with ``--check``), ``bench`` runs the Triton kernels under the Triton
+interpreter on small shapes, fp16 and fp8 unless ``--dtype`` names one, and checks them against
+float64; options that only a GPU can honour (presets, ``--graph``, ``--budget-ms``) are refused
+by name. The interpreter has to be chosen before any kernel module is imported, so the command
+re-executes itself when that is too late.
 """
 
 from __future__ import annotations
@@ -46,25 +48,34 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tmagemm", description="TMA GEMM kernels for Hopper: benchmark and inspect.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    bench = sub.add_parser("bench", help="benchmark every tmagemm kernel against cuBLAS")
+    bench = sub.add_parser("bench", help="benchmark every tmagemm kernel against cuBLAS "
+                           "(without a GPU: check the Triton kernels under the interpreter)",
+                           description="Time every tmagemm kernel and the cuBLAS peers on a GPU. Without a GPU "
+                           "(or with --check) run the Triton kernels under the Triton interpreter on small "
+                           "shapes (fp16 and fp8 unless --dtype names one) and check them against float64; "
+                           "no timing, so --preset, --graph and --budget-ms are refused there.")  # fmt: skip
     bench.add_argument("--preset", choices=("sweep", "llm", "square", "tma"), default=None,
-                       help="sweep: M=1..8192 at N=K=4096 (default); llm: model projections; square: 1024..16384; "
-                            "tma: TMA copy throughput and NVRTC compile times")  # fmt: skip
+                       help="GPU only. sweep: M=1..8192 at N=K=4096 (default); llm: model projections; "
+                            "square: 1024..16384; tma: TMA copy throughput and NVRTC compile times")  # fmt: skip
     bench.add_argument("--m", type=_int_list, help="M values (with --n/--k: custom shapes; alone: overrides the preset's M)")
     bench.add_argument("--n", type=_int_list, help="N values (custom shapes)")
     bench.add_argument("--k", type=_int_list, help="K values (custom shapes)")
-    bench.add_argument("--dtype", choices=("fp8", "bf16", "fp16"), default=None, help="input dtype (default fp8)")
+    bench.add_argument("--dtype", choices=("fp8", "bf16", "fp16"), default=None,
+                       help="input dtype (default fp8; without a GPU: fp16 and fp8)")  # fmt: skip
     bench.add_argument("--providers", type=lambda s: [p for p in s.split(",") if p],
                        help="comma-separated provider names or globs, e.g. 'triton.*,cublas*'")  # fmt: skip
     bench.add_argument("--rowwise", action="store_true", help="fp8: row-wise scales instead of tensor-wise")
     bench.add_argument("--exact-accum", action="store_true", help="fp8: tmagemm kernels accumulate in fp32 every K tile")
-    bench.add_argument("--graph", action="store_true", help="also time CUDA-graph replay")
+    bench.add_argument("--graph", action="store_true", help="also time CUDA-graph replay (GPU only)")
     bench.add_argument("--no-host-loop", action="store_true", help="skip the per-call Python loop timing")
-    bench.add_argument("--budget-ms", type=float, default=200.0, help="GPU time of timed runs per (shape, provider)")
-    bench.add_argument("--out", type=Path, help="output directory (default results/<date>-<preset>-<dtype>)")
+    bench.add_argument("--budget-ms", type=float, default=None,
+                       help="GPU time of timed runs per (shape, provider), default 200 (GPU only)")  # fmt: skip
+    bench.add_argument("--out", type=Path, help="output directory (default results/<date>-<preset>-<dtype>; "
+                       "without a GPU results/<date>-check-<shapes>-<dtypes>)")  # fmt: skip
     bench.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
     bench.add_argument("--check", action="store_true",
-                       help="accuracy check only under the Triton interpreter (the default without a GPU)")  # fmt: skip
+                       help="accuracy check only, under the Triton interpreter on small shapes unless --m/--n/--k give "
+                            "others (the default without a GPU)")  # fmt: skip
 
     report = sub.add_parser("report", help="re-render tables and plots of a saved result")
     report.add_argument("path", type=Path, help="results.json or the directory holding it")
@@ -116,10 +127,41 @@ def _shapes(args: argparse.Namespace):
     return shapes.preset_shapes(args.preset or "sweep", args.m)
 
 
-def _default_out(args: argparse.Namespace) -> Path:
+def _shape_set(args: argparse.Namespace) -> str:
+    """What the shapes of a run are called in its folder name."""
+    return args.preset or ("custom" if args.n or args.k else "sweep")
+
+
+def _default_out(what: str) -> Path:
+    """results/<date>-<what>, ``what`` naming the shapes and dtypes the run actually covers."""
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    name = args.preset or ("custom" if args.n or args.k else "sweep")
-    return Path("results") / f"{stamp}-{name}-{args.dtype or 'fp8'}"
+    return Path("results") / f"{stamp}-{what}"
+
+
+def _check_mode_plan(args: argparse.Namespace):
+    """Dtypes, shapes and folder name of the interpreter check; refuses options it cannot honour."""
+    from .bench import runner, shapes
+
+    if args.dtype == "bf16":
+        raise ValueError("--dtype bf16 needs a GPU: the Triton interpreter's bf16 dot is wrong")
+    if args.preset and not (args.n or args.k):  # with --n/--k, _shapes names the conflict instead
+        if args.preset == "tma":
+            raise ValueError("--preset tma needs a GPU: it times TMA copies and NVRTC compiles")
+        largest = max(max(s.m, s.n, s.k) for s in shapes.preset_shapes(args.preset))
+        raise ValueError(f"--preset {args.preset} needs a GPU: its shapes (sizes up to {largest}) are far too large "
+                         "for the Triton interpreter. Without a GPU (or with --check) bench checks small shapes; "
+                         "give others with --m/--n/--k")  # fmt: skip
+    no_timing = "without a GPU (or with --check) bench only checks accuracy under the Triton interpreter"
+    if args.graph:
+        raise ValueError(f"--graph needs a GPU: it times CUDA-graph replay, and {no_timing}")
+    if args.budget_ms is not None:
+        raise ValueError(f"--budget-ms needs a GPU: it sets the time of timed runs, and {no_timing}")
+    dtypes = (args.dtype,) if args.dtype else ("fp16", "fp8")
+    if args.m or args.n or args.k:
+        checked, what = tuple(_shapes(args)), _shape_set(args)
+    else:
+        checked, what = runner.CHECK_SHAPES, "small"
+    return dtypes, checked, f"check-{what}-{'+'.join(dtypes)}"
 
 
 def _tma_extras() -> dict:
@@ -185,6 +227,13 @@ def _emit(result, out_dir: Path | None, plots: bool) -> None:
     print("\nwrote " + ", ".join(str(p) for p in paths))
 
 
+def _refuse_fp8_options_without_fp8(args: argparse.Namespace) -> None:
+    if args.dtype in ("bf16", "fp16"):
+        for flag, given in (("--rowwise", args.rowwise), ("--exact-accum", args.exact_accum)):
+            if given:
+                raise ValueError(f"{flag} applies to fp8 runs only, and --dtype {args.dtype} has no fp8 scales")
+
+
 def cmd_bench(args: argparse.Namespace, command: str) -> int:
     import torch
 
@@ -192,23 +241,24 @@ def cmd_bench(args: argparse.Namespace, command: str) -> int:
     from .bench.results import BenchResult
     from .bench import envinfo
 
-    out_dir = args.out or _default_out(args)
+    _refuse_fp8_options_without_fp8(args)
     if args.check or not torch.cuda.is_available():
-        dtype = args.dtype
-        if dtype == "bf16":
-            raise ValueError("--dtype bf16 needs a GPU: the Triton interpreter's bf16 dot is wrong")
-        if args.preset == "tma":
-            raise ValueError("--preset tma needs a GPU")
-        shapes = tuple(_shapes(args)) if (args.m or args.n or args.k) else runner.CHECK_SHAPES
-        print("No GPU (or --check): running the Triton kernels under the interpreter on small shapes; "
-              "timings need a GPU.", file=sys.stderr)  # fmt: skip
-        result = runner.check((dtype,) if dtype else ("fp16", "fp8"), shapes,
-                              tuple(args.providers) if args.providers else None, command)  # fmt: skip
+        dtypes, checked, what = _check_mode_plan(args)
+        out_dir = args.out or _default_out(what)
+        print(f"No GPU (or --check): checking the Triton kernels under the interpreter, {' and '.join(dtypes)} on "
+              f"{len(checked)} shape(s); timings need a GPU.", file=sys.stderr)  # fmt: skip
+        result = runner.check(dtypes, checked, tuple(args.providers) if args.providers else None, command,
+                              rowwise=args.rowwise, fast_accum=not args.exact_accum)  # fmt: skip
         _emit(result, out_dir, plots=False)
         return 0 if all(r["status"] in ("checked", "unsupported", "absent") for r in result.records) else 1
     if args.preset == "tma":
+        given = [flag for flag, value in (("--m", args.m), ("--n", args.n), ("--k", args.k), ("--dtype", args.dtype),
+                 ("--providers", args.providers), ("--rowwise", args.rowwise), ("--exact-accum", args.exact_accum),
+                 ("--graph", args.graph), ("--budget-ms", args.budget_ms is not None)) if value]  # fmt: skip
+        if given:
+            raise ValueError(f"--preset tma measures TMA copies and NVRTC compiles; {', '.join(given)} do not apply")
         result = BenchResult(envinfo.metadata(command), extras=_tma_extras())
-        _emit(result, out_dir, plots=False)
+        _emit(result, args.out or _default_out("tma"), plots=False)
         return 0
     config = runner.BenchConfig(
         shapes=tuple(_shapes(args)),
@@ -218,9 +268,10 @@ def cmd_bench(args: argparse.Namespace, command: str) -> int:
         fast_accum=not args.exact_accum,
         graph=args.graph,
         host_loop=not args.no_host_loop,
-        budget_ms=args.budget_ms,
         command=command,
+        **({} if args.budget_ms is None else {"budget_ms": args.budget_ms}),
     )
+    out_dir = args.out or _default_out(f"{_shape_set(args)}-{config.dtype}")
     result = runner.run(config)
     _emit(result, out_dir, plots=not args.no_plots)
     return 0 if not any(r["status"] == "wrong" for r in result.records) else 1
@@ -253,22 +304,24 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from . import inspection
 
     if args.list:
-        from . import dispatch
+        from . import plan
 
-        for v in dispatch.variants():
-            print(f"{v.name:22s} [{v.backend}] {v.description}")
-        for module, reason in dispatch.unavailable().items():
-            print(f"{module:22s} not importable: {reason}")
+        rows = [(v.name, f"[{v.backend}]", v.description) for v in plan.variants()]
+        rows += [(module, "", f"not importable: {reason}") for module, reason in plan.unavailable().items()]
+        widths = [max((len(row[i]) for row in rows), default=0) for i in (0, 1)]
+        for name, backend, text in rows:
+            print(f"{name:<{widths[0]}}  {backend:<{widths[1]}}  {text}".rstrip())
         return 0
     if bool(args.kernel) == bool(args.cu):
         raise ValueError("name exactly one of: a variant (e.g. triton.tma) or --cu FILE.cu")
     defines = {k: v for d in args.defines for k, v in d.items()}
-    if args.cu:
-        art = inspection.compile_native(args.cu, defines)
-    else:
-        if defines:
-            raise ValueError("-D applies to --cu sources only")
-        art = inspection.inspect_variant(args.kernel, args.dtype, args.config)
+    if not args.cu and defines:
+        raise ValueError("-D applies to --cu sources only")
+    with inspection.quiet_fp_fusion_notice():
+        if args.cu:
+            art = inspection.compile_native(args.cu, defines)
+        else:
+            art = inspection.inspect_variant(args.kernel, args.dtype, args.config)
     paths = inspection.write_dumps(art, args.out)
     summary = inspection.summarize(art)
     if args.json:

@@ -17,6 +17,7 @@ interpreter switched off.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
@@ -27,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -88,6 +90,19 @@ class Artifacts:
 # --------------------------------------------------------------------------------------------
 # Triton AOT
 # --------------------------------------------------------------------------------------------
+
+# Triton 3.9 warns, once per process on the first compile, that its FP-fusion default will change
+# when TRITON_DEFAULT_FP_FUSION is unset. It says nothing about the kernel being inspected, so the
+# inspect command hides exactly that message (matched from its start) and no other warning.
+_FP_FUSION_NOTICE = r"TRITON_DEFAULT_FP_FUSION is unset"
+
+
+@contextlib.contextmanager
+def quiet_fp_fusion_notice():
+    """Ignore Triton's FP-fusion default notice inside the block; every other warning still shows."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_FP_FUSION_NOTICE, category=UserWarning)
+        yield
 
 
 def _python_fn(fn: Any) -> Any:
@@ -189,7 +204,9 @@ def _child_main(request_path: str, out_path: str) -> None:
         module = importlib.util.module_from_spec(loader_spec)
         loader_spec.loader.exec_module(module)
     spec = KernelSpec(fn=getattr(module, request["fn"]), **request["spec"])
-    Path(out_path).write_bytes(pickle.dumps(_compile_in_process(spec)))
+    with quiet_fp_fusion_notice():  # its stderr becomes the error message when compiling fails
+        compiled = _compile_in_process(spec)
+    Path(out_path).write_bytes(pickle.dumps(compiled))
 
 
 # --------------------------------------------------------------------------------------------
@@ -354,10 +371,10 @@ _DTYPES = {"fp8": ("float8_e4m3fn", "bfloat16"), "bf16": ("bfloat16", "bfloat16"
 
 
 def _variant_module(name: str):
-    from . import dispatch
+    from . import plan
 
-    variant = dispatch.get(name)  # ValueError listing the known names
-    return variant, importlib.import_module(variant.run.__module__)
+    variant = plan.get(name)  # ValueError listing the known names
+    return variant, importlib.import_module(variant.build.__module__)
 
 
 def triton_spec(name: str, dtype: str = "fp8", config: Mapping[str, Any] | None = None) -> KernelSpec:
@@ -419,9 +436,9 @@ def native_source(name: str, dtype: str = "fp8") -> tuple[str, dict[str, Any]]:
 
 def inspect_variant(name: str, dtype: str = "fp8", config: Mapping[str, Any] | None = None) -> Artifacts:
     """Compile registered variant ``name`` (Triton or native) for sm_90a."""
-    from . import dispatch
+    from . import plan
 
-    if dispatch.get(name).backend == "cuda":
+    if plan.get(name).backend == "cuda":
         if config:
             raise ValueError("config overrides apply to Triton variants; pass defines for native sources")
         source, defines = native_source(name, dtype)

@@ -42,13 +42,20 @@ class Scaling(enum.IntEnum):
     NONE = 0  # no scale (bf16/fp16 matmul)
     TENSOR = 1  # one fp32 value for the whole operand
     ROW = 2  # one fp32 value per row of A (M values) or per column of B (N values)
+    BLOCK_1X128 = 3  # one per row of A (column of B) per 128-deep k-block: (M or N, ceil(K/128))
+    BLOCK_128X128 = 4  # B only: one per 128 x 128 block of the (N, K) weight: (ceil(N/128), ceil(K/128))
 
     @classmethod
     def of(cls, scale: torch.Tensor | None) -> "Scaling":
-        """The scaling of a normalised scale operand (see :class:`GemmArgs`)."""
+        """The scaling of a normalised tensor- or row-wise scale operand (block scalings are
+        never inferred: a :class:`GemmArgs` names them)."""
         if scale is None:
             return cls.NONE
         return cls.TENSOR if scale.numel() == 1 else cls.ROW
+
+    @property
+    def is_block(self) -> bool:
+        return self >= Scaling.BLOCK_1X128
 
 
 class GemmArgs(NamedTuple):
@@ -61,6 +68,11 @@ class GemmArgs(NamedTuple):
     bias: None, or contiguous (N,) in any float dtype; added in fp32.
     fast_accum: fp8 only; True keeps wgmma's reduced-precision accumulation across all of K
         (``use_fast_accum`` of the public API), False adds each k-block's sum into fp32.
+    block_scaling: None for tensor/row-wise scales (inferred from their sizes), or the
+        ``(Scaling, Scaling)`` of block-scaled operands: scale_a (M, ceil(K/128)) with
+        ``BLOCK_1X128``; scale_b (ceil(N/128), ceil(K/128)) with ``BLOCK_128X128`` or (N,
+        ceil(K/128)) with ``BLOCK_1X128``; both 2-D fp32 with any strides (kernels take them).
+        Block-scaled products always add each k-block's sum into fp32 (fast_accum is ignored).
     (A NamedTuple: it is built on a first call, and that costs a fraction of a dataclass.)
     """
 
@@ -71,6 +83,7 @@ class GemmArgs(NamedTuple):
     scale_b: torch.Tensor | None = None
     bias: torch.Tensor | None = None
     fast_accum: bool = True
+    block_scaling: tuple | None = None
 
     @property
     def m(self) -> int:
@@ -90,6 +103,8 @@ class GemmArgs(NamedTuple):
 
     @property
     def scaling(self) -> tuple[Scaling, Scaling]:
+        if self.block_scaling is not None:
+            return self.block_scaling
         return Scaling.of(self.scale_a), Scaling.of(self.scale_b)
 
     @property

@@ -16,6 +16,11 @@ def quantize_fp8(
     (rows, 1). For an activation x (M, K) the scale is ``scale_a``; for a weight w (N, K) pass
     ``w_fp8.t()`` as ``b`` and ``w_scale.t()`` (shape (1, N)) as ``scale_b``.
     An all-zero tensor (or row) gets the smallest positive scale, so it quantizes to zeros.
+
+    Raises ValueError when ``x`` holds Inf or NaN: no finite scale represents it, and quantizing
+    anyway would give an infinite scale and silently zero the tensor (or row). The message names
+    the row (``granularity="row"``) or the first (row, column) holding the value. The check is
+    skipped while a CUDA graph is being captured, where reading a flag back would break capture.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"quantize_fp8 expects a torch.Tensor, got {type(x).__name__}")
@@ -33,6 +38,26 @@ def quantize_fp8(
         amax = xf.abs().amax().reshape(1, 1) if x.numel() else xf.new_zeros(1, 1)
     else:
         amax = xf.abs().amax(dim=1, keepdim=True) if x.shape[1] else xf.new_zeros(x.shape[0], 1)
+    if not _capturing(x) and not bool(torch.isfinite(amax).all()):
+        raise ValueError(_non_finite_message(xf, amax, granularity))
     scale = (amax / fp8_max).clamp(min=torch.finfo(torch.float32).tiny)
     x_fp8 = (xf / scale).clamp(-fp8_max, fp8_max).to(dtype)
     return x_fp8, scale
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _non_finite_message(xf: torch.Tensor, amax: torch.Tensor, granularity: str) -> str:
+    """Where the Inf/NaN values of ``xf`` are (only computed once the cheap check failed)."""
+    bad = ~torch.isfinite(xf)
+    found = (("Inf", bool(xf.isinf().any())), ("NaN", bool(xf.isnan().any())))
+    kinds = " and ".join(kind for kind, present in found if present)
+    if granularity == "row":
+        rows = (~torch.isfinite(amax.flatten())).nonzero().flatten().tolist()
+        shown = ", ".join(map(str, rows[:8])) + (f", ... ({len(rows)} rows)" if len(rows) > 8 else "")
+        return f"quantize_fp8: x holds {kinds} in row {shown} of {tuple(xf.shape)}; no finite scale represents it"
+    row, col = bad.nonzero()[0].tolist()
+    return (f"quantize_fp8: x holds {kinds} ({int(bad.sum())} values, the first at row {row}, column {col}) "
+            f"of {tuple(xf.shape)}; no finite scale represents it")

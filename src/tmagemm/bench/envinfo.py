@@ -143,8 +143,8 @@ def capabilities() -> list[tuple[str, str]]:
 
 def registry() -> list[tuple[str, str]]:
     """(variant or module, description or import failure) from the tmagemm registry."""
-    from .. import dispatch
+    from .. import plan
 
-    rows = [(v.name, f"[{v.backend}] {v.description}") for v in dispatch.variants()]
-    rows += [(module, f"not importable: {reason}") for module, reason in dispatch.unavailable().items()]
+    rows = [(v.name, f"[{v.backend}] {v.description}") for v in plan.variants()]
+    rows += [(module, f"not importable: {reason}") for module, reason in plan.unavailable().items()]
     return rows

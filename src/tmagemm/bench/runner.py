@@ -7,6 +7,7 @@ interpreter on small shapes and verifies them; timing needs a GPU.
 
 from __future__ import annotations
 
+import fnmatch
 import sys
 import time
 import traceback
@@ -204,22 +205,47 @@ def run(config: BenchConfig, stream: TextIO | None = None) -> BenchResult:
     return derive(result)
 
 
+# Backends whose providers run under the Triton interpreter (the others need a GPU).
+INTERPRETER_BACKENDS = ("triton", "api")
+
+
+def _check_providers(dtypes: tuple[str, ...], patterns: tuple[str, ...] | None, fast_accum: bool) -> dict[str, list]:
+    """The interpreter-capable providers per dtype. A pattern that matches none of them is an
+    error naming the dtypes checked and the GPU-only providers it would have matched."""
+    everything = prov.tmagemm_providers(fast_accum) + prov.peer_providers()
+    runnable = [p for p in everything if p.backend in INTERPRETER_BACKENDS]
+    for pattern in patterns or ():
+        def matches(p: prov.Provider) -> bool:
+            return any(d in p.dtypes for d in dtypes) and fnmatch.fnmatchcase(p.name, pattern)
+
+        if not any(matches(p) for p in runnable):
+            names = ", ".join(p.name for p in runnable if any(d in p.dtypes for d in dtypes))
+            gpu_only = [p.name for p in everything if p not in runnable and matches(p)]
+            why = f"; {', '.join(gpu_only)} need a GPU" if gpu_only else ""
+            raise ValueError(f"--providers {pattern!r} matches none of the providers the interpreter check runs for "
+                             f"{' and '.join(dtypes)} (Triton kernels and tmagemm.auto): {names}{why}")  # fmt: skip
+    return {dtype: prov.select(runnable, dtype, list(patterns) if patterns else None) for dtype in dtypes}
+
+
 def check(dtypes: tuple[str, ...] = ("fp16", "fp8"), shapes: tuple[Shape, ...] = CHECK_SHAPES,
-          patterns: tuple[str, ...] | None = None, command: str = "", stream: TextIO | None = None) -> BenchResult:  # fmt: skip
-    """CPU mode: run the Triton providers under the interpreter on small shapes, no timing."""
+          patterns: tuple[str, ...] | None = None, command: str = "", stream: TextIO | None = None,
+          rowwise: bool = False, fast_accum: bool = True) -> BenchResult:  # fmt: skip
+    """CPU mode: run the Triton providers under the interpreter on small shapes, no timing.
+
+    rowwise and fast_accum mean what they do in :class:`BenchConfig` (fp8 cases only).
+    """
     if "bf16" in dtypes:
         raise ValueError("the Triton interpreter computes bf16 dots wrongly; check fp16 and fp8 on the CPU")
     meta = envinfo.metadata(command)
     meta["mode"] = "interpreter check (no GPU): accuracy only, timings need a GPU"
+    meta["config"] = {"dtypes": list(dtypes), "shapes": [str(s) for s in shapes], "rowwise": rowwise,
+                      "fast_accum": fast_accum, "providers": list(patterns) if patterns else None}  # fmt: skip
     result = BenchResult(meta)
-    per_dtype = {}
-    for dtype in dtypes:
-        everything = [p for p in prov.tmagemm_providers() if p.backend in ("triton", "api")]
-        per_dtype[dtype] = prov.select(everything, dtype, list(patterns) if patterns else None)
+    per_dtype = _check_providers(tuple(dtypes), patterns, fast_accum)
     progress = Progress(sum(len(v) for v in per_dtype.values()) * len(shapes), stream)
     for dtype, chosen in per_dtype.items():
         for shape in shapes:
-            case = prov.make_case(shape, dtype, "cpu")
+            case = prov.make_case(shape, dtype, "cpu", rowwise)
             for p in chosen:
                 result.records.append(_run_one(p, case, None, False))
                 progress.step(f"{dtype} {shape} {p.name}")

@@ -169,6 +169,8 @@ def unsupported_reason(args: GemmArgs, config: NativeGemmConfig) -> str | None:
         return f"out dtype {args.out.dtype} not supported (bf16, fp16, fp32)"
     if args.k == 0 or args.m == 0 or args.n == 0:
         return "zero-size problems are handled before dispatch"
+    if args.block_scaling is not None:
+        return "block scales (1x128 / 128x128) are applied by the block-scaled kernels only"
     if max(args.m, args.n, args.k) >= 2**31:
         return "dimensions must fit in int32"
     if args.bias is not None and args.bias.dtype not in _OUT_TYPES:

@@ -74,6 +74,8 @@ def tma_layout(args: GemmArgs) -> Layout | str:
     """Layout flags for the TMA kernels, or the reason TMA cannot describe the operands."""
     if args.m == 0 or args.n == 0 or args.k == 0:
         return "a zero-size dimension (the plan layer returns those without a kernel)"
+    if args.block_scaling is not None:
+        return "block scales (1x128 / 128x128) are applied by the block-scaled kernels only"
     a_row = tma.contiguous_dim(args.a) == 1
     b_row = tma.contiguous_dim(args.b) == 1
     if args.is_fp8 and not (a_row and not b_row):

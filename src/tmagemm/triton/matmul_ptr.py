@@ -7,10 +7,9 @@ stride, e.g. K*itemsize % 16 != 0, or arbitrary strided views), so it masks all 
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
-
-import torch
 
 from .. import tuning
 from ..configs import TritonGemmConfig
@@ -89,6 +88,14 @@ def kernel_call(args: GemmArgs, config: TritonGemmConfig) -> KernelCall:
                       _OPERANDS)
 
 
+def supports(args: GemmArgs) -> str | None:
+    if args.m == 0 or args.n == 0 or args.k == 0:
+        return "a zero-size dimension (the plan layer returns those without a kernel)"
+    if args.block_scaling is not None:
+        return "block scales (1x128 / 128x128) are applied by the block-scaled kernels only"
+    return None
+
+
 def build(args: GemmArgs, config: TritonGemmConfig | None = None) -> Plan:
     """Triton's launcher per call: the pointer kernel serves layouts the fast paths refuse."""
     if config is None:
@@ -105,7 +112,7 @@ VARIANTS = [
         name="triton.ptr",
         backend="triton",
         description="Triton, pointer loads (no TMA): the pre-Hopper baseline and the fallback for any strides",
-        supports=lambda args: None if args.m and args.n and args.k else "a zero-size dimension",
+        supports=supports,
         build=build,
     )
 ]

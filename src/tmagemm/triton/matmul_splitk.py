@@ -263,6 +263,8 @@ def _splitk_kernel(
 
 
 def supports(args: GemmArgs) -> str | None:
+    if args.block_scaling is not None:
+        return "block scales (1x128 / 128x128) are applied by the block-scaled kernels only"
     if args.m > MAX_M:
         return f"M={args.m} > {MAX_M}: the split-K kernels are for small M (decode)"
     if args.n > MAX_N:

@@ -1,0 +1,80 @@
+"""quantize_fp8: scales, round trips, ragged and all-zero inputs, and refusal of Inf/NaN."""
+
+import pytest
+import torch
+
+from tmagemm import quantize_fp8
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("granularity", ["tensor", "row"])
+@pytest.mark.parametrize("shape", [(1, 1), (1, 17), (17, 1), (5, 727), (33, 96)])
+def test_round_trip_on_ragged_shapes(seeded, shape, granularity, dtype):
+    x = torch.randn(*shape) * 3
+    q, scale = quantize_fp8(x, granularity, dtype)
+    assert q.dtype == dtype and q.shape == x.shape
+    assert scale.dtype == torch.float32 and scale.shape == ((1, 1) if granularity == "tensor" else (shape[0], 1))
+    amax = x.abs().amax() if granularity == "tensor" else x.abs().amax(dim=1, keepdim=True)
+    # The largest magnitude lands on the format's max, so the scale is amax / max exactly.
+    torch.testing.assert_close(scale, (amax / torch.finfo(dtype).max).expand_as(scale), rtol=1e-6, atol=0)
+    back = q.float() * scale
+    # One fp8 rounding: relative error <= 2^-(mantissa bits + 1) of each value (normal range).
+    rel = 2.0 ** -(4 if dtype == E4M3 else 3)
+    bound = rel * x.abs() + scale * 2.0 ** -9  # plus the subnormal step for tiny values
+    worst = ((back - x).abs() - bound).max()
+    assert worst <= 0, f"round trip off by {worst:.3g} beyond the bound"
+
+
+def test_integer_values_are_exact():
+    x = torch.tensor([[448.0, -3.0, 0.0], [2.0, 1.0, -0.5]])
+    q, scale = quantize_fp8(x, "tensor")
+    assert scale.item() == 1.0
+    assert torch.equal(q.float(), x)
+
+
+def test_all_zero_rows_and_tensors_quantize_to_zeros():
+    x = torch.tensor([[0.0, 0.0, 0.0], [1.0, -2.0, 4.0], [0.0, 0.0, 0.0]])
+    q, scale = quantize_fp8(x, "row")
+    assert torch.isfinite(scale).all() and (scale > 0).all()
+    assert torch.equal(q[0].float(), torch.zeros(3)) and torch.equal(q[2].float(), torch.zeros(3))
+    torch.testing.assert_close(q[1].float() * scale[1], x[1])
+    q, scale = quantize_fp8(torch.zeros(4, 9), "tensor")
+    assert torch.isfinite(scale).all() and scale.item() > 0 and not q.float().any()
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row"])
+@pytest.mark.parametrize("shape", [(0, 5), (4, 0), (0, 0)])
+def test_zero_size(shape, granularity):
+    q, scale = quantize_fp8(torch.empty(shape), granularity)
+    assert q.shape == shape and torch.isfinite(scale).all()
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_non_finite_rows_are_named(bad):
+    x = torch.randn(6, 10)
+    x[4, 7] = bad
+    kind = "NaN" if bad != bad else "Inf"
+    with pytest.raises(ValueError, match=rf"quantize_fp8: x holds {kind} in row 4 of \(6, 10\)"):
+        quantize_fp8(x, "row")
+    with pytest.raises(ValueError, match=rf"x holds {kind} \(1 values, the first at row 4, column 7\)"):
+        quantize_fp8(x, "tensor")
+
+
+def test_non_finite_message_lists_every_bad_row_and_both_kinds():
+    x = torch.ones(12, 3, dtype=torch.float16)
+    x[1, 0] = float("inf")
+    x[9, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"holds Inf and NaN in row 1, 9 of"):
+        quantize_fp8(x, "row")
+    x = torch.full((20, 2), float("nan"))
+    with pytest.raises(ValueError, match=r"row 0, 1, 2, 3, 4, 5, 6, 7, \.\.\. \(20 rows\)"):
+        quantize_fp8(x, "row")
+
+
+def test_fp16_overflow_is_reported_not_zeroed():
+    # 70000 is past fp16's max: the fp16 tensor already holds Inf, which used to quantize to 0.
+    x = torch.tensor([[1.0, 70000.0]]).half()
+    with pytest.raises(ValueError, match="row 0"):
+        quantize_fp8(x, "row")
