@@ -10,6 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tmagemm import cli
 
@@ -200,3 +201,17 @@ def test_inspect_command_prints_no_fp_fusion_notice(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "load path" in proc.stdout
     assert "FP_FUSION" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU-less refusal")
+@pytest.mark.parametrize("command", ["warmup", "tune"])
+def test_warmup_and_tune_refuse_without_a_gpu(command, capsys):
+    assert cli.main([command, "--shapes", "4096x4096"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shapes", ["4096", "4096x", "0x64", "axb"])
+def test_warmup_shapes_must_be_n_by_k(shapes, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["warmup", "--shapes", shapes])
+    assert "NxK" in capsys.readouterr().err

@@ -51,3 +51,25 @@ def test_the_heuristic_winning_the_pass_is_kept_without_more_timing():
     time_ms, calls = _clock({HEUR: [10.0], FAST: [11.0]})
     assert tuning.pick(HEUR, [HEUR, FAST], time_ms) == HEUR
     assert len(calls) == 2
+
+
+def test_pick_reports_the_times_it_compared():
+    timings = {}
+    time_ms, _ = _clock({HEUR: [12.0, 12.0, 12.1, 11.9], FAST: [10.0, 10.5, 10.4, 10.6]})
+    assert tuning.pick(HEUR, [HEUR, FAST], time_ms, timings) == FAST
+    assert timings == {"heuristic": 12.0, "chosen": 10.5}
+    timings = {}
+    time_ms, _ = _clock({HEUR: [12.0] * 4, FAST: [11.9] * 4})
+    assert tuning.pick(HEUR, [HEUR, FAST], time_ms, timings) == HEUR
+    assert timings["chosen"] == timings["heuristic"] == 12.0
+
+
+def test_call_time_tuning_is_off_by_default(monkeypatch):
+    from tmagemm import envs
+
+    monkeypatch.delenv("TMAGEMM_AUTOTUNE", raising=False)
+    assert not envs.autotune_enabled()
+    monkeypatch.setenv("TMAGEMM_AUTOTUNE", "1")
+    assert envs.autotune_enabled()
+    monkeypatch.setenv("TMAGEMM_AUTOTUNE", "0")
+    assert not envs.autotune_enabled()

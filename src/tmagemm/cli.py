@@ -1,9 +1,11 @@
-"""``tmagemm``: benchmark, report, inspect and environment commands.
+"""``tmagemm``: benchmark, report, inspect, environment, warm-up and tuning commands.
 
     tmagemm bench [--preset sweep|llm|square|tma] [--m ..] [--n ..] [--k ..] [--dtype fp8|bf16|fp16]
     tmagemm report results/<run>/results.json
     tmagemm inspect triton.tma --dtype fp8 [--config block_m=128,block_n=256] | --cu FILE.cu [-D N=V]
     tmagemm env
+    tmagemm warmup --shapes 4096x4096,2048x7168 | --preset llm  [--dtype fp8] [--max-m 8192]
+    tmagemm tune   --shapes 4096x4096 | --preset llm  [--dtype fp8] [--max-m 8192] [--retune]
 
 Without a GPU (or with ``--check``), ``bench`` runs the Triton kernels under the Triton
 interpreter on small shapes, fp16 and fp8 unless ``--dtype`` names one, and checks them against
@@ -94,7 +96,42 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("--json", action="store_true", help="print the summary as JSON")
 
     sub.add_parser("env", help="device, driver, library versions and which kernel paths are available")
+
+    for name, text in (("warmup", "compile and load every kernel the given weight shapes can pick, for every M "
+                                  "(run once at server start; artefacts persist on disk for later processes)"),
+                       ("tune", "tune the Triton kernels' configs per M bucket offline and store them on disk, "
+                                "where every later process reads them; reports the gain over the heuristic")):
+        cmd = sub.add_parser(name, help=text)
+        what = cmd.add_mutually_exclusive_group(required=True)
+        what.add_argument("--shapes", type=_weight_shapes,
+                          help="weight shapes NxK (nn.Linear(K, N)), comma-separated, e.g. 4096x4096,28672x4096")
+        what.add_argument("--preset", choices=("sweep", "llm", "square"),
+                          help="the weight shapes of a bench preset (llm: Llama-3, Qwen2.5, DeepSeek-V3 projections)")
+        cmd.add_argument("--dtype", action="append", choices=("fp8", "bf16", "fp16"),
+                         help="input dtype (repeatable; default fp8)")
+        cmd.add_argument("--scales", action="append", choices=("tensor", "row"),
+                         help="fp8 scaling the model uses (repeatable; default row)")
+        cmd.add_argument("--out-dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="output dtype")
+        cmd.add_argument("--max-m", type=int, default=8192, help="largest M (batch tokens) to prepare for")
+        cmd.add_argument("--exact-accum", action="store_true", help="fp8 with use_fast_accum=False")
+        if name == "warmup":
+            cmd.add_argument("--bias", action="store_true", help="the model's linears have a bias")
+        else:
+            cmd.add_argument("--retune", action="store_true", help="tune buckets that already have a stored config")
+        cmd.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
+
+
+def _weight_shapes(text: str) -> list[tuple[int, int]]:
+    shapes = []
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        n, sep, k = item.lower().partition("x")
+        if not sep or not n.isdigit() or not k.isdigit() or int(n) < 1 or int(k) < 1:
+            raise argparse.ArgumentTypeError(f"expected NxK weight shapes such as 4096x4096, got {item!r}")
+        shapes.append((int(n), int(k)))
+    if not shapes:
+        raise argparse.ArgumentTypeError("expected at least one NxK weight shape")
+    return shapes
 
 
 # --------------------------------------------------------------------------------------------
@@ -361,6 +398,45 @@ def cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_startup(args: argparse.Namespace) -> int:
+    """``tmagemm warmup`` / ``tmagemm tune``."""
+    import torch
+
+    from . import startup
+
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"{args.command} needs a CUDA GPU (it compiles and times kernels on it)")
+    if args.max_m < 1:
+        raise ValueError(f"--max-m must be >= 1, got {args.max_m}")
+    if args.shapes:
+        shapes = args.shapes
+    else:
+        from .bench import shapes as presets
+
+        shapes = list(dict.fromkeys((s.n, s.k) for s in presets.preset_shapes(args.preset)))
+    out_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.out_dtype]
+    common = dict(dtypes=args.dtype or ["fp8"], max_m=args.max_m, scales=args.scales or ["row"],
+                  out_dtype=out_dtype, use_fast_accum=not args.exact_accum, progress=not args.quiet)
+    if args.command == "warmup":
+        summary = startup.warmup(shapes, bias=args.bias, **common)
+        print(f"warmup: {len(shapes)} weight shapes, {summary.line()}")
+        return 0
+    summary = startup.tune(shapes, retune=args.retune, **common)
+    print(f"tune: {len(shapes)} weight shapes, {summary.line()}")
+    if not summary.outcomes:
+        print("nothing tuned: every bucket already had a stored config (--retune tunes again) or runs a kernel "
+              "with a fixed heuristic (split-K, native)")
+    for outcome in summary.outcomes:
+        if outcome.heuristic_ms and outcome.chosen_ms:
+            gain = f"{outcome.heuristic_ms / outcome.chosen_ms:.3f}x"
+            times = f"{outcome.heuristic_ms * 1e3:8.1f} us -> {outcome.chosen_ms * 1e3:8.1f} us"
+        else:
+            gain, times = "-", "(heuristic could not be timed)"
+        kept = "heuristic kept" if outcome.chosen == outcome.heuristic else "tuned config stored"
+        print(f"  {outcome.key:<64} {times}  {gain:>7}  {kept}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -375,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_report(args)
         if args.command == "inspect":
             return cmd_inspect(args)
+        if args.command in ("warmup", "tune"):
+            return cmd_startup(args)
         return cmd_env(args)
     except (ValueError, TypeError, RuntimeError) as exc:
         print(f"tmagemm {args.command}: error: {exc}", file=sys.stderr)

@@ -23,8 +23,10 @@ def cache_dir() -> Path:
 
 
 def autotune_enabled() -> bool:
-    """``TMAGEMM_AUTOTUNE=0`` disables call-time tuning: heuristic configs only."""
-    return os.environ.get("TMAGEMM_AUTOTUNE", "1") != "0"
+    """``TMAGEMM_AUTOTUNE=1`` enables call-time tuning (off by default: a first call at a new
+    shape would time every candidate config, a stall of up to seconds in a server; tune offline
+    with ``tmagemm tune`` instead, whose on-disk results every process reads)."""
+    return os.environ.get("TMAGEMM_AUTOTUNE", "0") not in ("", "0")
 
 
 def forced_backend() -> str | None:

@@ -1,14 +1,14 @@
-"""Config selection for the Triton kernels: tuned once per (device, problem bucket), cached on disk.
+"""Config selection for the Triton kernels: the heuristic, or a config tuned once per (device,
+problem bucket) and cached on disk.
 
 Policy, in order:
 1. a config already chosen in this process for the same key;
-2. one stored on disk by an earlier process (``$TMAGEMM_CACHE_DIR/tuning/<device>.json``);
-3. when tuning is allowed (a GPU, ``TMAGEMM_AUTOTUNE`` not 0, and the current stream is not
-   being captured into a CUDA graph) time every valid candidate and keep the fastest, if it
+2. one stored on disk by ``tmagemm tune`` or an earlier process
+   (``$TMAGEMM_CACHE_DIR/tuning/<device>.json``);
+3. when call-time tuning is enabled (``TMAGEMM_AUTOTUNE=1``, a GPU, and the current stream is
+   not being captured into a CUDA graph) time every valid candidate and keep the fastest, if it
    still beats the heuristic by 2% when the two are re-timed in alternation (:func:`pick`);
-4. otherwise the kernel's heuristic, which times nothing.
-Tuning never runs during CUDA-graph capture: tune beforehand (one eager call) or accept the
-heuristic.
+4. otherwise the kernel's heuristic, which times nothing (the default: no call stalls on timing).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import re
 import statistics
 import tempfile
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -33,6 +34,22 @@ from .plan import GemmArgs
 
 _memory: dict[str, TritonGemmConfig] = {}
 _disk_loaded: set[Path] = set()
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One tuning run: the heuristic's and the chosen config's median times (ms) from the same
+    alternating rounds (equal when the heuristic won the first pass)."""
+
+    key: str
+    heuristic: TritonGemmConfig
+    chosen: TritonGemmConfig
+    heuristic_ms: float | None
+    chosen_ms: float | None
+
+
+# What tuning did in this process, in order (``tmagemm tune`` reports it).
+outcomes: list[Outcome] = []
 
 
 def bucket_m(m: int) -> int:
@@ -52,7 +69,7 @@ def _cache_file(device: torch.device) -> Path:
 
 
 def _load_disk(path: Path) -> None:
-    if path in _disk_loaded:
+    if path in _disk_loaded or _IGNORE_STORED in _disk_loaded:
         return
     _disk_loaded.add(path)
     try:
@@ -64,6 +81,17 @@ def _load_disk(path: Path) -> None:
             _memory.setdefault(f"{path}|{key}", TritonGemmConfig.from_dict(cfg))
         except TypeError:
             continue  # written by another version of tmagemm: retune
+
+
+def forget() -> None:
+    """Forget every chosen config of this process and ignore the stored ones, so the next
+    selection tunes again (``tmagemm tune --retune``)."""
+    _memory.clear()
+    _disk_loaded.add(_IGNORE_STORED)
+
+
+# A marker in _disk_loaded: stored configs are not read again in this process.
+_IGNORE_STORED = Path("/dev/null/tmagemm-ignore-stored")
 
 
 def _store_disk(path: Path, key: str, config: TritonGemmConfig) -> None:
@@ -119,7 +147,9 @@ def select(
             return None  # the config does not fit this problem or dtype
 
     valid = [c for c in dict.fromkeys((fallback, *candidates)) if c.is_valid(*sizes)]
-    best = pick(fallback, valid, time_ms)
+    timings: dict[str, float] = {}
+    best = pick(fallback, valid, time_ms, timings)
+    outcomes.append(Outcome(key, fallback, best, timings.get("heuristic"), timings.get("chosen")))
     _memory[full_key] = best
     _store_disk(path, key, best)
     return best
@@ -138,13 +168,17 @@ def pick(
     fallback: TritonGemmConfig,
     candidates: Sequence[TritonGemmConfig],
     time_ms: Callable[[TritonGemmConfig], float | None],
+    timings: dict | None = None,
 ) -> TritonGemmConfig:
     """The fastest of ``candidates`` by ``time_ms`` (None: the config cannot run), confirmed
-    against ``fallback`` in alternating rounds; ``fallback`` when nothing beats it clearly."""
+    against ``fallback`` in alternating rounds; ``fallback`` when nothing beats it clearly.
+    ``timings``, when given, receives the "heuristic" and "chosen" times (ms) compared last."""
+    timings = {} if timings is None else timings
     timed = {c: ms for c in candidates if (ms := time_ms(c)) is not None}
     if not timed:
         return fallback
     best = min(timed, key=timed.get)
+    timings.update(heuristic=timed.get(fallback), chosen=timed[best])
     if best == fallback or fallback not in timed:
         return best
     mine, theirs = [], []
@@ -153,4 +187,8 @@ def pick(
         theirs.append(time_ms(best))
     if None in mine or None in theirs:
         return fallback
-    return best if statistics.median(theirs) <= (1.0 - _MIN_GAIN) * statistics.median(mine) else fallback
+    timings.update(heuristic=statistics.median(mine), chosen=statistics.median(theirs))
+    if statistics.median(theirs) <= (1.0 - _MIN_GAIN) * statistics.median(mine):
+        return best
+    timings["chosen"] = timings["heuristic"]
+    return fallback

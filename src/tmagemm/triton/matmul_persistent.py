@@ -36,7 +36,9 @@ def _epilogue(acc, c_desc, c_ptr, off_m, off_n, M, N, stride_cm, stride_cn, scal
     store_tile(c_desc, c_ptr, acc, offs_m, offs_n, off_m, off_n, M, N, stride_cm, stride_cn, TMA_STORE)
 
 
-@triton.jit
+# M changes with every batch: not specialising on it keeps one binary per config, so a new M
+# never compiles (the masks and TMA bounds take M at run time).
+@triton.jit(do_not_specialize=["M"])
 def persistent_gemm_kernel(
     a_desc, b_desc, c_desc, c_ptr, scale_a_ptr, scale_b_ptr, bias_ptr,
     M, N, K, stride_cm, stride_cn,

@@ -19,7 +19,9 @@ from .host import example_args
 from .launch import A, B, BIAS, OUT, SCALE_A, SCALE_B, KernelCall, aot_spec as _aot_spec
 
 
-@triton.jit
+# M changes with every batch: not specialising on it keeps one binary per config, so a new M
+# never compiles (the masks and TMA bounds take M at run time).
+@triton.jit(do_not_specialize=["M"])
 def ptr_gemm_kernel(
     a_ptr, b_ptr, c_ptr, scale_a_ptr, scale_b_ptr, bias_ptr,
     M, N, K,

@@ -65,7 +65,9 @@ def device_descriptor(base, rows, cols, lead, ROW_MAJOR: tl.constexpr, BLOCK_ROW
     return desc
 
 
-@triton.jit
+# M changes with every batch: not specialising on it keeps one binary per config, so a new M
+# never compiles (the masks and TMA bounds take M at run time).
+@triton.jit(do_not_specialize=["M"])
 def tma_gemm_kernel(
     a_desc, b_desc, c_desc, c_ptr, scale_a_ptr, scale_b_ptr, bias_ptr,
     M, N, K, stride_cm, stride_cn, lead_a, lead_b,

@@ -1,0 +1,289 @@
+"""Block-scaled FP8 GEMM: DeepSeek-V3 / Qwen3-FP8 checkpoints ("1x128 activations x 128x128 weights").
+
+    out[m, n] = sum_kb scale_a[m, kb] * scale_b[n // 128 (or n), kb] * (sum_{k in kb} a[m, k] * b[k, n]) + bias[n]
+
+a (M, K) fp8 e4m3 row-major; b (K, N) = w.t() of a row-major (N, K) fp8 weight (K-major);
+scale_a (M, ceil(K/128)) fp32; scale_b (ceil(N/128), ceil(K/128)) fp32 for 128x128 weight blocks
+(Scaling.BLOCK_128X128) or (N, ceil(K/128)) for one scale per output channel per k-block
+(Scaling.BLOCK_1X128). Scales may have any strides (row-major, or PyTorch's outer-dim-major
+(1, M) layout): the kernel takes both strides and nothing is copied.
+
+One program per output tile in grouped order; A and B tiles through host TensorDescriptors passed
+by value; the K step is one 128-deep scale block, whose product goes into a fresh fp32
+accumulator and is then scaled and added to the running fp32 sum: the per-block fp32 promotion
+the recipe needs (wgmma's fp8 adder keeps ~14 mantissa bits, enough for 128 terms, not for K).
+A ragged last k-block is zero-filled by TMA, so zeros meet its scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import device, tma, tuning
+from ..configs import TritonGemmConfig
+from ..plan import GemmArgs, Plan, Scaling, Variant
+from .common import grouped_tile
+from .host import GEMM_OPERANDS, descriptor
+from .launch import KernelCall, aot_spec as _aot_spec, direct_launch
+from .matmul_tma import store_tile
+
+NAME = "triton.blockscaled"
+SCALE_BLOCK = 128  # the recipe's k-block (and weight block height)
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_FP8 = torch.float8_e4m3fn
+
+
+# M changes every step of a server: do not specialize on it (one binary per config), nor on the
+# k-stride of an outer-dim-major scale_a, which equals M.
+@triton.jit(do_not_specialize=["M", "stride_sak"])
+def blockscaled_gemm_kernel(
+    a_desc, b_desc, c_desc, c_ptr, scale_a_ptr, scale_b_ptr, bias_ptr,
+    M, N, K, stride_cm, stride_cn, stride_sam, stride_sak, stride_sbn, stride_sbk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    B_PER_CHANNEL: tl.constexpr, TMA_STORE: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    # ---- static checks: one k-step is exactly one scale block
+    tl.static_assert(BLOCK_K == 128, "block-scaled GEMM: BLOCK_K must be the 128-deep scale block")
+    tl.static_assert(B_PER_CHANNEL or (128 % BLOCK_N == 0) or (BLOCK_N % 128 == 0),
+                     "128x128 weight scales: tiles must not straddle a 128-column block")
+
+    # ---- scheduler: grouped tile order (A row panels and B column panels reused from L2)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+
+    # ---- scale pointers. Rows past M / columns past N read 1.0, not 0: their products are zero
+    # (TMA zero-fill) and never stored, but 0 * (an inf from garbage) would be NaN in registers.
+    sa_ptrs = scale_a_ptr + offs_m * stride_sam
+    sa_mask = offs_m < M
+    if B_PER_CHANNEL:
+        sb_ptrs = scale_b_ptr + offs_n * stride_sbn  # one scale per output channel
+        sb_mask = offs_n < N
+    elif BLOCK_N <= 128:
+        sb_ptrs = scale_b_ptr + (off_n // 128) * stride_sbn  # the tile's single weight block row
+    else:
+        sb_ptrs = scale_b_ptr + (offs_n // 128) * stride_sbn  # wide tiles span several block rows
+        sb_mask = offs_n < N
+
+    # ---- main loop: per k-block a fresh fp32 product, scaled into the running sum. TMA zero-fills
+    # the ragged last k-block and the M / N edges, so the loads need no masks.
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        a = a_desc.load([off_m, kb * BLOCK_K])
+        b = b_desc.load([off_n, kb * BLOCK_K]).T  # K-major B: wgmma reads the transposed view
+        partial = tl.dot(a, b)  # no accumulator in: the block's sum starts from zero
+        sa = tl.load(sa_ptrs + kb * stride_sak, mask=sa_mask, other=1.0)
+        if B_PER_CHANNEL or BLOCK_N > 128:
+            sb = tl.load(sb_ptrs + kb * stride_sbk, mask=sb_mask, other=1.0)
+            acc += partial * sa[:, None] * sb[None, :]
+        else:
+            sb = tl.load(sb_ptrs + kb * stride_sbk)
+            acc += partial * (sa * sb)[:, None]
+
+    # ---- epilogue: bias in fp32, then one rounding to the output dtype
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+        acc = acc + bias.to(tl.float32)[None, :]
+    store_tile(c_desc, c_ptr, acc, offs_m, offs_n, off_m, off_n, M, N, stride_cm, stride_cn, TMA_STORE)
+
+
+# ------------------------------------------------------------------------------------- configs
+
+
+def is_valid(config: TritonGemmConfig, out_itemsize: int) -> bool:
+    """The family's config rule: the TMA GEMM rule (powers of two, shared memory) with the K step
+    fixed to the 128-deep scale block. Any power-of-two block_n works for both weight recipes
+    (<= 128 divides the weight block; wider tiles gather one scale per column)."""
+    return config.block_k == SCALE_BLOCK and config.is_valid(1, 1, out_itemsize)
+
+
+def _config(bm, bn, stages, warps, group_m=8) -> TritonGemmConfig:
+    return TritonGemmConfig(block_m=bm, block_n=bn, block_k=SCALE_BLOCK, group_m=group_m, num_stages=stages,
+                            num_warps=warps)
+
+
+# Tuning candidates. No 128x256 tile: the fresh per-block product doubles the accumulator
+# registers (two 128x256 fp32 tiles would spill with 8 warps).
+CONFIGS = (
+    _config(64, 64, 6, 4),
+    _config(64, 128, 5, 4),
+    _config(128, 64, 5, 4),
+    _config(128, 128, 4, 8),
+    _config(128, 128, 3, 8),
+)
+
+
+def heuristic_for(m: int, n: int, k: int, sms: int) -> TritonGemmConfig:
+    """A config from the problem size and SM count alone (pure; CUDA-graph capture, tuning off).
+
+    M <= 64: one 64-row wgmma tile per column panel; the GEMM streams the weight, so take
+    64-wide panels (twice the CTAs) unless 128-wide ones already fill the SMs. M <= 256: 64-row
+    tiles keep enough CTAs busy. Larger M: 128x128 tiles over two warpgroups.
+    (k is part of the signature for future rules, e.g. split-K at long K and tiny M.)
+    """
+    if m <= 256:
+        tiles_m = triton.cdiv(m, 64)
+        if tiles_m * triton.cdiv(n, 128) >= sms:
+            return _config(64, 128, 5, 4)
+        return _config(64, 64, 6, 4)
+    if triton.cdiv(m, 128) * triton.cdiv(n, 128) < sms:
+        return _config(128, 64, 5, 4)
+    return _config(128, 128, 4, 8)
+
+
+def heuristic(args: GemmArgs) -> TritonGemmConfig:
+    return heuristic_for(args.m, args.n, args.k, device.sms_of(args.out.device))
+
+
+# --------------------------------------------------------------------------------- host side
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Constexpr layout flags of one block-scaled problem."""
+
+    b_per_channel: bool  # scale_b (N, KB): one scale per output channel (Scaling.BLOCK_1X128)
+    tma_store: bool  # out row-major, aligned: TMA store; otherwise masked pointer stores
+    has_bias: bool
+
+
+def _scale_reason(scale, name: str, shape: tuple, recipe: str, dev) -> str | None:
+    if scale is None:
+        return f"{name} is missing ({recipe} needs an fp32 {shape} tensor)"
+    if scale.dtype != torch.float32:
+        return f"{name} must be float32, got {scale.dtype}"
+    if tuple(scale.shape) != shape:
+        return f"{name} has shape {tuple(scale.shape)}; {recipe} needs {shape}"
+    if scale.device != dev:
+        return f"{name} is on {scale.device}, the operands on {dev}"
+    return None
+
+
+def layout_of(args: GemmArgs) -> Layout | str:
+    """Layout flags for ``args``, or the reason this family cannot run it."""
+    if args.block_scaling is None:
+        return "no block scaling (GemmArgs.block_scaling is None): tensor/row-wise scales run on the TMA kernels"
+    sa_kind, sb_kind = args.block_scaling
+    if sa_kind != Scaling.BLOCK_1X128 or sb_kind not in (Scaling.BLOCK_128X128, Scaling.BLOCK_1X128):
+        return (f"block scaling ({Scaling(sa_kind).name}, {Scaling(sb_kind).name}) is not (BLOCK_1X128, "
+                "BLOCK_128X128 or BLOCK_1X128)")
+    m, n, k = args.m, args.n, args.k
+    if m == 0 or n == 0 or k == 0:
+        return "a zero-size dimension (the plan layer returns those without a kernel)"
+    if args.a.dtype != _FP8 or args.b.dtype != _FP8:
+        return f"a and b must be float8_e4m3fn, got {args.a.dtype} and {args.b.dtype}"
+    if args.out.dtype not in _OUT_DTYPES:
+        return f"out must be bfloat16, float16 or float32, got {args.out.dtype}"
+    dev = args.out.device
+    if args.a.device != dev or args.b.device != dev:
+        return f"a ({args.a.device}), b ({args.b.device}) and out ({dev}) must share a device"
+    # fp8 wgmma reads both operands K-major: A row-major, B = w.t() (column-major).
+    for t, name, row_major in ((args.a, "a", True), (args.b, "b", False)):
+        reason = tma.operand_reason(t, name, row_major)
+        if reason:
+            return reason
+    if tma.contiguous_dim(args.out) != 1:
+        return f"out {tuple(args.out.shape)} must be row-major (stride {tuple(args.out.stride())})"
+    kb = triton.cdiv(k, SCALE_BLOCK)
+    per_channel = sb_kind == Scaling.BLOCK_1X128
+    b_shape = (n, kb) if per_channel else (triton.cdiv(n, SCALE_BLOCK), kb)
+    for reason in (_scale_reason(args.scale_a, "scale_a", (m, kb), "1x128 activation scaling", dev),
+                   _scale_reason(args.scale_b, "scale_b", b_shape,
+                                 "per-channel 1x128" if per_channel else "128x128 weight scaling", dev)):
+        if reason:
+            return reason
+    bias = args.bias
+    if bias is not None:
+        if tuple(bias.shape) != (n,) or not bias.is_floating_point() or (n > 1 and bias.stride(0) != 1):
+            return f"bias must be a contiguous float ({n},) vector, got {bias.dtype} {tuple(bias.shape)}"
+        if bias.device != dev:
+            return f"bias is on {bias.device}, the operands on {dev}"
+    return Layout(b_per_channel=per_channel, tma_store=tma.store_reason(args.out) is None, has_bias=bias is not None)
+
+
+def supports(args: GemmArgs) -> str | None:
+    """``Variant.supports``: None, or why ``args`` is not a block-scaled problem this kernel runs."""
+    layout = layout_of(args)
+    return layout if isinstance(layout, str) else None
+
+
+def kernel_call(args: GemmArgs, config: TritonGemmConfig, layout: Layout) -> KernelCall:
+    """One launch, every kernel argument named once (direct launch, Triton's launcher, AOT)."""
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    a_desc = descriptor(args.a, True, bm, bk)
+    b_desc = descriptor(args.b, False, bk, bn)  # described as the (N, K) weight, box [bn, bk]
+    c_desc = descriptor(args.out, True, bm, bn) if layout.tma_store else None
+    sa, sb = args.scale_a, args.scale_b
+    grid = (triton.cdiv(args.m, bm) * triton.cdiv(args.n, bn),)
+    values = dict(
+        a_desc=a_desc, b_desc=b_desc, c_desc=c_desc, c_ptr=args.out, scale_a_ptr=sa, scale_b_ptr=sb,
+        bias_ptr=args.bias, M=args.m, N=args.n, K=args.k, stride_cm=args.out.stride(0),
+        stride_cn=args.out.stride(1), stride_sam=sa.stride(0), stride_sak=sa.stride(1),
+        stride_sbn=sb.stride(0), stride_sbk=sb.stride(1),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
+        B_PER_CHANNEL=layout.b_per_channel, TMA_STORE=layout.tma_store, HAS_BIAS=layout.has_bias,
+    )
+    return KernelCall(blockscaled_gemm_kernel, grid, values,
+                      dict(num_warps=config.num_warps, num_stages=config.num_stages), GEMM_OPERANDS)
+
+
+def build(args: GemmArgs, config: TritonGemmConfig | None = None) -> Plan:
+    """``Variant.build``: a plan for every problem with ``args``' signature (shapes, strides of
+    every operand and scale, dtypes, alignment, recipe). ``config`` overrides tuning/heuristic."""
+    layout = layout_of(args)
+    if isinstance(layout, str):
+        raise ValueError(f"{NAME} cannot run this problem: {layout}")
+    out_size = args.out.element_size()
+    if config is None:
+        config = tuning.select(NAME, args, CONFIGS, heuristic, lambda c: kernel_call(args, c, layout).launch())
+    elif config.block_k != SCALE_BLOCK:
+        raise ValueError(f"{NAME}: config.block_k must be {SCALE_BLOCK} (one scale block per K step), got {config}")
+    if not is_valid(config, out_size):
+        raise ValueError(f"{NAME}: {config} does not fit (powers of two, shared memory) for {args.out.dtype} output")
+    fast = direct_launch(NAME, kernel_call(args, config, layout))
+    if fast is not None:
+        return Plan(NAME, config, fast, fast.device_index, direct=True)
+    block_scaling = args.block_scaling
+
+    def launch(a, b, out, scale_a, scale_b, bias) -> None:
+        operands = GemmArgs(a, b, out, scale_a, scale_b, bias, False, block_scaling)
+        kernel_call(operands, config, layout).launch()
+
+    return Plan(NAME, config, launch, args.out.get_device())
+
+
+VARIANTS = [
+    Variant(
+        name=NAME,
+        backend="triton",
+        description="Triton, block-scaled fp8 (1x128 activations x 128x128 or per-channel weights), "
+                    "TMA loads, fp32 promotion per 128-deep k-block",
+        supports=supports,
+        build=build,
+    ),
+]
+
+
+def example_args(out_dtype=torch.bfloat16, m: int = 4096, n: int = 4096, k: int = 4096,
+                 recipe: Scaling = Scaling.BLOCK_128X128) -> GemmArgs:
+    """CPU operands as a DeepSeek-V3 linear layer passes them (scales row-major)."""
+    kb = triton.cdiv(k, SCALE_BLOCK)
+    rows_b = n if recipe == Scaling.BLOCK_1X128 else triton.cdiv(n, SCALE_BLOCK)
+    return GemmArgs(torch.empty(m, k, dtype=_FP8), torch.empty(n, k, dtype=_FP8).t(),
+                    torch.empty(m, n, dtype=out_dtype), torch.ones(m, kb), torch.ones(rows_b, kb), None, False,
+                    (Scaling.BLOCK_1X128, recipe))
+
+
+def aot_spec(config: TritonGemmConfig | None = None, a_dtype=None, out_dtype=None):
+    """A compilable instance for ``tmagemm inspect`` (fp8 e4m3, 128x128 weight blocks, bf16 out)."""
+    if a_dtype not in (None, _FP8):
+        raise ValueError(f"{NAME} takes float8_e4m3fn operands only, not {a_dtype}")
+    args = example_args(out_dtype or torch.bfloat16)
+    config = config or _config(128, 128, 4, 8)
+    return _aot_spec(kernel_call(args, config, layout_of(args)), NAME)

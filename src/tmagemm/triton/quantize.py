@@ -1,0 +1,161 @@
+"""Fused block quantizers for the block-scaled FP8 GEMM (DeepSeek-V3 / Qwen3-FP8 recipe).
+
+``quantize_1x128``: activations, one fp32 scale per row per 128-column group (scale_a of
+``triton.blockscaled``). ``quantize_128x128``: weights, one scale per 128 x 128 block (its
+scale_b). Both read the input once: a program loads its tile into registers, takes the amax of
+each group, and writes the fp8 values and the scales from the same registers.
+
+Scales are dequantization scales (x ~= q * scale), ``amax / fp8_max`` clamped below by the
+smallest normal fp32 so an all-zero group quantizes to zeros. ``pow2_scale=True`` rounds each
+scale up to a power of two (UE8M0, as DeepGEMM offers): dequantization then only shifts
+exponents, and since the scale only grows no value overflows fp8.
+
+Inf/NaN input raises ValueError: the kernel turns a group holding one into an infinite scale
+(NaN is mapped to +Inf before the max, since a hardware max drops NaN), and the host checks the
+small scale tensor, not the input, once after the launch (skipped during CUDA-graph capture,
+where reading a flag back would break the capture).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SCALE_BLOCK = 128  # the recipe's group width along K (and height along N for weights)
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_IN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_F32_TINY = torch.finfo(torch.float32).tiny
+
+
+@triton.jit
+def _block_quantize_kernel(
+    x_ptr, q_ptr, s_ptr,
+    R, K, stride_x, stride_q, stride_s,
+    FP8_MAX: tl.constexpr, F32_TINY: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PER_ROW: tl.constexpr, POW2: tl.constexpr,
+):
+    """One program: BLOCK_R rows x one BLOCK_K-wide column group of x.
+
+    PER_ROW: one scale per row of the tile (1x128 groups, s[r, kb]); otherwise one scale for the
+    whole tile (BLOCK_R = 128: a 128x128 block, s[rb, kb]).
+    """
+    # ---- load the tile once (ragged rows / columns masked to 0, which never raises an amax)
+    pid_r = tl.program_id(0)
+    kb = tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows[:, None] < R) & (cols[None, :] < K)
+    # int64 row offsets: a large weight (N * stride) can pass 2^31 elements.
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+
+    # ---- amax per group. NaN -> +Inf first: max.f32 on the GPU (and the interpreter) returns
+    # the non-NaN operand, which would hide a NaN; an infinite amax makes an infinite scale,
+    # which the host reports.
+    mag = tl.where(x == x, tl.abs(x), float("inf"))
+    if PER_ROW:
+        amax = tl.max(mag, axis=1)  # [BLOCK_R]
+    else:
+        amax = tl.max(tl.max(mag, axis=1), axis=0)  # scalar
+
+    # ---- scale: amax / fp8_max, correctly rounded (div_rn: Triton's "/" is approximate on the
+    # GPU) so it matches torch bit for bit; never below the smallest normal (zero groups -> 0).
+    scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), F32_TINY)
+    if POW2:
+        # Round up to a power of two exactly: carry any mantissa bit into the exponent and clear
+        # the mantissa (scale is a positive normal; +Inf stays +Inf).
+        bits = scale.to(tl.int32, bitcast=True)
+        bits = tl.where(bits < 0x7F800000, (bits + 0x7FFFFF) & 0x7F800000, bits)
+        scale = bits.to(tl.float32, bitcast=True)
+
+    # ---- quantize from the registers already holding x; clamp guards the rounding at amax.
+    if PER_ROW:
+        q = tl.math.div_rn(x, scale[:, None])
+    else:
+        q = tl.math.div_rn(x, scale)
+    q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+    tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    if PER_ROW:
+        tl.store(s_ptr + rows * stride_s + kb, scale, mask=rows < R)
+    else:
+        tl.store(s_ptr + pid_r * stride_s + kb, scale)
+
+
+def _check(x: torch.Tensor, dtype: torch.dtype, name: str, fn: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{fn} expects a torch.Tensor {name}, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"{fn}: {name} must be 2-D, got shape {tuple(x.shape)}")
+    if x.dtype not in _IN_DTYPES:
+        raise TypeError(f"{fn}: {name} must be float16/bfloat16/float32, got {x.dtype}")
+    if dtype not in _FP8_DTYPES:
+        raise TypeError(f"{fn}: dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        raise ValueError(f"{fn}: {name} {tuple(x.shape)} needs a contiguous last dimension "
+                         f"(stride {tuple(x.stride())}); pass {name}.contiguous()")
+
+
+def _quantize(x, dtype, pow2_scale, per_row: bool, fn: str, name: str):
+    _check(x, dtype, name, fn)
+    rows, k = x.shape
+    kb = triton.cdiv(k, SCALE_BLOCK)
+    # 1x128: 32 rows per program (8-16 KB read, enough bytes in flight per SM to stream at HBM
+    # rate); 128x128: one whole block per program (its amax needs all of it).
+    block_r = 32 if per_row else SCALE_BLOCK
+    q = torch.empty(rows, k, dtype=dtype, device=x.device)
+    scale = torch.empty(rows if per_row else triton.cdiv(rows, SCALE_BLOCK), kb, dtype=torch.float32, device=x.device)
+    if rows == 0 or k == 0:
+        return q, scale
+    grid = (triton.cdiv(rows, block_r), kb)
+    _block_quantize_kernel[grid](
+        x, q, scale, rows, k, x.stride(0), q.stride(0), scale.stride(0),
+        FP8_MAX=float(torch.finfo(dtype).max), F32_TINY=_F32_TINY,
+        BLOCK_R=block_r, BLOCK_K=SCALE_BLOCK, PER_ROW=per_row, POW2=bool(pow2_scale),
+        # 4 warps hold a 32x128 tile in 32 fp32 registers per thread; the 128x128 weight tile
+        # is spread over 8 warps to stay at 64.
+        num_warps=4 if per_row else 8,
+    )
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not capturing and not bool(torch.isfinite(scale).all()):
+        raise ValueError(_non_finite_message(x, scale, per_row, fn, name))
+    return q, scale
+
+
+def _non_finite_message(x, scale, per_row: bool, fn: str, name: str) -> str:
+    """Where the Inf/NaN values are (computed only once the cheap check failed)."""
+    xf = x.float()
+    kinds = " and ".join(k for k, present in (("Inf", bool(xf.isinf().any())), ("NaN", bool(xf.isnan().any())))
+                         if present)
+    groups = (~torch.isfinite(scale)).nonzero()
+    r, kb = groups[0].tolist()
+    where = f"row {r}" if per_row else f"rows {r * SCALE_BLOCK}..{min((r + 1) * SCALE_BLOCK, x.shape[0]) - 1}"
+    cols = f"columns {kb * SCALE_BLOCK}..{min((kb + 1) * SCALE_BLOCK, x.shape[1]) - 1}"
+    return (f"{fn}: {name} {tuple(x.shape)} holds {kinds} ({len(groups)} of {scale.numel()} scale groups; the "
+            f"first at {where}, {cols}); no finite scale represents it")
+
+
+def quantize_1x128(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, pow2_scale: bool = False):
+    """Quantize activations ``x`` (M, K) per row per 128 columns.
+
+    Returns ``(x_fp8, scale)``: x_fp8 (M, K) row-major in ``dtype``; scale (M, ceil(K/128))
+    fp32 row-major with ``x[m, k] ~= x_fp8[m, k] * scale[m, k // 128]`` (the scale_a of a
+    block-scaled GEMM). A ragged last group's amax covers only its valid columns.
+
+    x: float16/bfloat16/float32, any row stride, contiguous last dimension (ValueError
+    otherwise). pow2_scale: round scales up to powers of two. Raises ValueError when x holds Inf
+    or NaN.
+    """
+    return _quantize(x, dtype, pow2_scale, True, "quantize_1x128", "x")
+
+
+def quantize_128x128(w: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, pow2_scale: bool = False):
+    """Quantize a weight ``w`` (N, K) per 128 x 128 block.
+
+    Returns ``(w_fp8, scale)``: w_fp8 (N, K) row-major in ``dtype``; scale (ceil(N/128),
+    ceil(K/128)) fp32 row-major with ``w[n, k] ~= w_fp8[n, k] * scale[n // 128, k // 128]``.
+    Pass ``w_fp8.t()`` as the GEMM's b and ``scale`` as its scale_b (Scaling.BLOCK_128X128).
+    Ragged edge blocks take the amax of their valid elements. Same input rules and errors as
+    :func:`quantize_1x128`.
+    """
+    return _quantize(w, dtype, pow2_scale, False, "quantize_128x128", "w")
