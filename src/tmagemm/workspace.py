@@ -28,6 +28,7 @@ from __future__ import annotations
 import threading
 import warnings
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -60,7 +61,6 @@ class _DeviceState:
 
 _devices: dict[int, _DeviceState] = {}
 _lock = threading.Lock()
-_stream = None
 
 
 def _state(index: int) -> _DeviceState:
@@ -101,33 +101,44 @@ def _capture_id(stream: int) -> int | None:
     return int(result[2]) if result[0] == driver.CUresult.CUDA_SUCCESS else None
 
 
-def get(index: int, partials: int) -> Workspace:
-    """Scratch for one launch on the current stream of device ``index`` (which must be the
-    current device): at least ``partials`` fp32 partial sums and :data:`COUNTERS` counters."""
-    global _stream
-    if _stream is None:
-        _stream = stream_getter()
-    stream = _stream(index)
+def getter(index: int, partials: int) -> Callable[[], Workspace]:
+    """``get()`` -> scratch for one launch on the current stream of device ``index`` (which must
+    be the current device when it is called): at least ``partials`` fp32 partial sums and
+    :data:`COUNTERS` counters. Binds what is fixed, since it runs on every split-K call."""
     state = _state(index)
-    capturing = torch.cuda.is_current_stream_capturing()
-    if not capturing:
-        found = state.eager.get(stream)
-        if found is not None and found.partials.numel() >= partials:
-            return found
-        return _grow(state, index, stream, found, partials)
+    stream_of = stream_getter()
+    capturing = torch.cuda.is_current_stream_capturing
+
+    def get() -> Workspace:
+        stream = stream_of(index)
+        if not capturing():
+            found = state.eager.get(stream)
+            if found is not None and found.partials.numel() >= partials:
+                return found
+            return _grow(state, index, stream, found, partials)
+        return _for_capture(state, index, stream, partials)
+
+    return get
+
+
+def get(index: int, partials: int) -> Workspace:
+    """One launch's scratch (see :func:`getter`)."""
+    return getter(index, partials)()
+
+
+def _for_capture(state: _DeviceState, index: int, stream: int, partials: int) -> Workspace:
     key = (_capture_id(stream), stream)
     counters = state.captures.get(key) if key[0] is not None else None
     if counters is None:
         if state.spare:
             counters = state.spare.pop()
+            if key[0] is not None:
+                state.captures[key] = counters
         else:
             warnings.warn("tmagemm: no spare split-K counters left for this CUDA-graph capture; zeroing "
                           "them inside the graph (one memset node more). Build plans eagerly before "
-                          "capturing to avoid it.", RuntimeWarning, stacklevel=3)
+                          "capturing to avoid it.", RuntimeWarning, stacklevel=4)
             counters = torch.zeros(COUNTERS, dtype=torch.int32, device=f"cuda:{index}")
-            return Workspace(torch.empty(max(partials, 1), dtype=torch.float32, device=f"cuda:{index}"), counters)
-        if key[0] is not None:
-            state.captures[key] = counters
     return Workspace(torch.empty(max(partials, 1), dtype=torch.float32, device=f"cuda:{index}"), counters)
 
 

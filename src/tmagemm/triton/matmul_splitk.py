@@ -341,9 +341,10 @@ def build(args: GemmArgs, config: SplitKConfig | None = None) -> Plan:
     fast = direct_launch("triton.splitk", kernel_call(args, config, _scratch(args.out, need))) if on_gpu else None
     if fast is not None:
         index = fast.device_index
+        scratch = workspace.getter(index, need)
 
         def launch(a, b, out, scale_a, scale_b, bias) -> None:
-            ws = workspace.get(index, need)
+            ws = scratch()
             fast(a, b, out, scale_a, scale_b, bias, ws.partials, ws.counters)
 
         return Plan("triton.splitk", config, launch, index, direct=True)
