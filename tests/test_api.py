@@ -31,7 +31,7 @@ def _fp8(m=32, n=48, k=64):
         (lambda a, b, sa, sb: (a, b.contiguous(), sa, sb), ValueError, "b must be column-major"),
         (lambda a, b, sa, sb: (a, b, sa.half(), sb), TypeError, "scale_a must be float32"),
         (lambda a, b, sa, sb: (a, b, torch.ones(5, device=sa.device), sb), ValueError, "scale_a has shape (5,)"),
-        (lambda a, b, sa, sb: (a, b, sa, torch.ones(48, 1, device=sb.device)), ValueError, "scale_b has shape (48, 1)"),
+        (lambda a, b, sa, sb: (a, b, sa, torch.ones(48, 2, device=sb.device)), ValueError, "scale_b has shape (48, 2)"),
         (lambda a, b, sa, sb: (a, b, sa, [2.0]), TypeError, "scale_b must be a torch.Tensor"),
         (lambda a, b, sa, sb: ("a", b, sa, sb), TypeError, "a must be a torch.Tensor"),
     ],
@@ -311,3 +311,106 @@ def test_matmul_backward(seeded):
     assert_close(b.grad, a.detach().double().cpu().t() @ g16, 1.5e-3, "grad b")
     with pytest.raises(ValueError, match="does not support automatic differentiation"):
         tmagemm.matmul(a, b, out=torch.empty(33, 40, dtype=torch.float16, device=DEVICE))
+
+
+# ------------------------------------------------------------------------------ block scales
+
+def _layout(sa_shape, sb_shape, m, n, k, recipe_a=None, recipe_b=None, sb=None):
+    sa = torch.ones(sa_shape)
+    sb = torch.ones(sb_shape) if sb is None else sb
+    return api.scale_layout(sa, sb, m, n, k, recipe_a, recipe_b)
+
+
+@pytest.mark.parametrize("sa, sb, m, n, k, want", [
+    ((1,), (1,), 16, 256, 512, ("tensor", "tensor", False)),
+    ((16, 1), (1, 256), 16, 256, 512, ("row", "row", False)),
+    ((16, 4), (2, 4), 16, 256, 512, ("1x128", "128x128", False)),  # an HF checkpoint's (NB, KB)
+    ((16, 4), (4, 2), 16, 256, 512, ("1x128", "128x128", True)),  # PyTorch's (KB, NB)
+    ((16, 5), (8, 5), 16, 1000, 600, ("1x128", "128x128", False)),  # K = 600: 5 k-blocks, the last partial
+    ((16, 5), (8, 8), 16, 1000, 600, ("1x128", "128x128", True)),  # PyTorch pads KB to 4: (8, NB)
+    ((16, 4), (256, 4), 16, 256, 512, ("1x128", "1x128", False)),  # per output channel
+    ((16, 4), (4, 256), 16, 256, 512, ("1x128", "1x128", True)),
+    ((16, 1), (2, 4), 16, 256, 512, ("row", "128x128", False)),  # row-wise activations, block weights
+    ((1, 4), (1,), 1, 64, 512, ("1x128", "tensor", False)),  # M = 1: (1, KB) is 1x128 (1 element would be tensor)
+])
+def test_scale_layout_table(sa, sb, m, n, k, want):
+    layout = _layout(sa, sb, m, n, k)
+    assert (layout.a, layout.b, layout.b_k_first) == want
+
+
+def test_square_block_scales_follow_their_layout():
+    """NB == KB: a row-major scale is the checkpoint's (n-block, k-block), an outer-dim-major one
+    PyTorch's (k-block, n-block)."""
+    hf = torch.arange(16.0).reshape(4, 4)
+    assert not _layout((8, 4), (4, 4), 8, 512, 512, sb=hf).b_k_first
+    assert _layout((8, 4), (4, 4), 8, 512, 512, sb=hf.t().contiguous().t()).b_k_first
+
+
+def test_recipe_keywords_decide_ambiguous_shapes():
+    # N = 4, K = 512: (1, 4) is row-wise (1, N) and also one 128-row block of 4 k-blocks.
+    assert _layout((2, 1), (1, 4), 2, 4, 512).b == "row"
+    assert _layout((2, 1), (1, 4), 2, 4, 512, recipe_b="128x128").b == "128x128"
+    from types import SimpleNamespace
+
+    scaling_type = SimpleNamespace(name="BlockWise128x128")  # how torch's ScalingType members read
+    assert _layout((2, 1), (1, 4), 2, 4, 512, recipe_b=scaling_type).b == "128x128"
+    with pytest.raises(ValueError, match=r"scale_b has shape \(1, 4\); the 1x128 recipe expects \(4, 4\)"):
+        _layout((2, 1), (1, 4), 2, 4, 512, recipe_b="1x128")
+    with pytest.raises(ValueError, match="weight \\(b\\) only"):
+        _layout((2, 4), (1, 4), 2, 4, 512, recipe_a="128x128")
+    with pytest.raises(ValueError, match="scale_recipe_b must be"):
+        _layout((2, 1), (1, 4), 2, 4, 512, recipe_b="block")
+
+
+def _block_quantized(m, n, k, device):
+    """fp8 operands with random 1x128 / 128x128 scales spanning 1e-3..1e2 (not a quantizer's: the
+    GEMM must apply any scales)."""
+    kb, nb = -(-k // 128), -(-n // 128)
+    a = (torch.randn(m, k, device=device) * 4).to(FP8)
+    w = (torch.randn(n, k, device=device) * 4).to(FP8)
+    sa = 10 ** (torch.rand(m, kb, device=device) * 5 - 3)
+    sb = 10 ** (torch.rand(nb, kb, device=device) * 5 - 3)
+    return a, w, sa, sb
+
+
+def _block_reference(a, w, sa, sb, per_channel=False, bias=None):
+    k = a.shape[1]
+    kb = torch.arange(k, device=a.device) // 128
+    rows = torch.arange(w.shape[0], device=a.device)
+    b_scale = sb.double()[rows if per_channel else rows // 128][:, kb]
+    ref = (a.double() * sa.double()[:, kb]) @ (w.double() * b_scale).t()
+    return ref if bias is None else ref + bias.double()
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 72, 208), (17, 200, 384), (33, 130, 144)])
+@pytest.mark.parametrize("scale_layout", ["row-major", "pytorch"])
+def test_block_scaled_scaled_mm(m, n, k, scale_layout, seeded):
+    a, w, sa, sb = _block_quantized(m, n, k, DEVICE)
+    bias = torch.randn(n, device=DEVICE)
+    if scale_layout == "pytorch":  # 1x128 outer-dim-major; 128x128 as (KB, NB), outer-dim-major
+        sa_in, sb_in = sa.t().contiguous().t(), sb.t()
+    else:
+        sa_in, sb_in = sa, sb
+    out = poisoned((m, n), torch.float32, DEVICE)
+    tmagemm.scaled_mm(a, w.t(), sa_in, sb_in, bias=bias, out=out, out_dtype=torch.float32)
+    ref = _block_reference(a, w, sa, sb, bias=bias)
+    # fp32 accumulation of exact fp8 products, scaled once per k-block: ~1e-6 of the magnitudes.
+    scale = (a.double().abs() * sa.double()[:, torch.arange(k, device=a.device) // 128]).sum(1, keepdim=True)
+    bound = 1e-5 * scale * float(sb.max()) * 448 + 1e-5 * ref.abs()
+    err = (out.double() - ref).abs()
+    assert bool((err <= bound).all()), f"max err / bound {float((err / bound).max()):.3f}"
+
+
+def test_block_scaled_mixes_with_row_and_per_channel_scales(seeded):
+    m, n, k = 9, 100, 304
+    a, w, sa, sb = _block_quantized(m, n, k, DEVICE)
+    kb = -(-k // 128)
+    per_channel = 10 ** (torch.rand(n, kb, device=DEVICE) * 3 - 2)
+    row = torch.rand(m, 1, device=DEVICE) + 0.5
+    cases = [
+        (sa, per_channel, _block_reference(a, w, sa, per_channel, per_channel=True)),
+        (row, sb, _block_reference(a, w, row.expand(m, kb), sb)),
+    ]
+    for scale_a, scale_b, ref in cases:
+        out = tmagemm.scaled_mm(a, w.t(), scale_a, scale_b, out_dtype=torch.float32)
+        assert_close(out, ref, 1e-5, f"scale_a {tuple(scale_a.shape)} scale_b {tuple(scale_b.shape)}")

@@ -8,10 +8,12 @@ A call whose signature was seen before skips the checks and the planning (``plan
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from . import device, envs
-from .plan import BACKENDS, cached, call_key, run_gemm
+from .plan import BACKENDS, Scaling, cached, call_key, run_gemm
 
 _FP8_A = (torch.float8_e4m3fn, torch.float8_e5m2)
 _FP8_B = (torch.float8_e4m3fn,)
@@ -98,15 +100,120 @@ def _check_runtime_device(dev: torch.device, dtype: torch.dtype) -> None:
         )
 
 
-def _scale_vector(scale, name: str, rows: int, row_shapes: tuple[tuple[int, ...], ...]) -> None:
+_RECIPES = {"tensor": "tensor", "row": "row", "1x128": "1x128", "128x128": "128x128",
+            "TensorWise": "tensor", "RowWise": "row", "BlockWise1x128": "1x128", "BlockWise128x128": "128x128"}
+BLOCK = 128  # the block-scaled recipes' block edge
+
+
+def _recipe(value, name: str) -> str | None:
+    """A scaling recipe keyword: None, one of "tensor", "row", "1x128", "128x128", or the
+    matching member of torch's ``ScalingType`` (``TensorWise``, ``RowWise``, ``BlockWise1x128``,
+    ``BlockWise128x128``)."""
+    if value is None:
+        return None
+    key = value if isinstance(value, str) else getattr(value, "name", None)
+    if key not in _RECIPES:
+        raise ValueError(f"{name} must be 'tensor', 'row', '1x128' or '128x128' (or torch's ScalingType "
+                         f"TensorWise / RowWise / BlockWise1x128 / BlockWise128x128), got {value!r}")
+    return _RECIPES[key]
+
+
+def _scale_tensor(scale, name: str) -> None:
     _check_tensor(scale, name)
     if scale.dtype != torch.float32:
         raise TypeError(f"{name} must be float32 (a dequantization scale), got {scale.dtype}")
-    if scale.numel() != 1 and tuple(scale.shape) not in row_shapes:
-        raise ValueError(
-            f"{name} has shape {tuple(scale.shape)}; expected one element (tensor-wise) or "
-            f"{' or '.join(str(s) for s in row_shapes)} (row-wise)"
-        )
+    if scale.dim() > 2:
+        raise ValueError(f"{name} must have at most 2 dimensions, got shape {tuple(scale.shape)}")
+
+
+def _pick(name: str, shape: tuple, fits: dict, wanted: str | None, expected: dict) -> str:
+    """The recipe of a scale: the one asked for, which must fit its shape, or else the first that
+    fits (the candidates that can all fit one shape describe the same product)."""
+    if wanted is not None:
+        if wanted not in fits:
+            raise ValueError(f"{name}: the {wanted} recipe does not apply to this operand; "
+                             f"use one of {', '.join(repr(r) for r in fits)}")
+        if not fits[wanted]:
+            raise ValueError(f"{name} has shape {shape}; the {wanted} recipe expects {expected[wanted]}")
+        return wanted
+    for recipe, ok in fits.items():
+        if ok:
+            return recipe
+    options = "; ".join(f"{recipe}: {text}" for recipe, text in expected.items())
+    raise ValueError(f"{name} has shape {shape}; expected {options}")
+
+
+@dataclass(frozen=True)
+class ScaleLayout:
+    """How the two scales of a call apply (resolved from their shapes and the recipe keywords)."""
+
+    a: str  # "tensor", "row" or "1x128"
+    b: str  # "tensor", "row", "1x128" or "128x128"
+    b_k_first: bool  # b's block scales given as (k-blocks, N or N/128) (PyTorch's orientation)
+
+    @property
+    def is_block(self) -> bool:
+        return self.a == "1x128" or self.b in ("1x128", "128x128")
+
+
+def scale_layout(scale_a, scale_b, m: int, n: int, k: int, recipe_a=None, recipe_b=None) -> ScaleLayout:
+    """Resolve the scaling of ``scale_mm``'s operands, or raise ValueError naming the shapes the
+    recipes expect.
+
+    scale_a: one element (tensor-wise), (M, 1) or (M,) (row-wise), or (M, KB) (1x128: one per row
+    per 128-deep k-block; KB = ceil(K/128)). scale_b: one element, (1, N) or (N,) (row-wise), or
+    block scales of the (N, K) weight: 128x128 blocks as (NB, KB) (an HF checkpoint's
+    ``weight_scale_inv``; NB = ceil(N/128)) or (KB, NB) / (KB rounded up to 4, NB) (PyTorch's
+    orientation), 1x128 groups per output channel as (N, KB) or (KB, N). Block scales may have any
+    strides. A square block scale (NB == KB) is read in PyTorch's orientation when its first
+    dimension is the contiguous one (PyTorch's outer-dim-major layout) and in the checkpoint's
+    otherwise. Where two recipes fit a shape with different meanings (tiny N or K), the first in
+    this order wins unless ``recipe_a`` / ``recipe_b`` name one: tensor, row, 128x128, 1x128.
+    """
+    recipe_a, recipe_b = _recipe(recipe_a, "scale_recipe_a"), _recipe(recipe_b, "scale_recipe_b")
+    kb, nb = -(-k // BLOCK), -(-n // BLOCK)
+    kb4 = -(-kb // 4) * 4
+    sa, sb = tuple(scale_a.shape), tuple(scale_b.shape)
+    if recipe_a == "128x128":
+        raise ValueError("scale_recipe_a: 128x128 blocks apply to the weight (b) only; activations take 1x128 groups")
+    a = _pick("scale_a", sa, {"tensor": scale_a.numel() == 1, "row": sa in ((m, 1), (m,)), "1x128": sa == (m, kb)},
+              recipe_a, {"tensor": "one element", "row": f"({m}, 1) or ({m},)", "1x128": f"({m}, {kb})"})
+    blocks = {"128x128": ((nb, kb), ((kb, nb), (kb4, nb))), "1x128": ((n, kb), ((kb, n),))}
+    b = _pick("scale_b", sb, {"tensor": scale_b.numel() == 1, "row": sb in ((1, n), (n,)),
+                              **{r: sb == weight or sb in k_first for r, (weight, k_first) in blocks.items()}},
+              recipe_b, {"tensor": "one element", "row": f"(1, {n}) or ({n},)",
+                         "128x128": f"({nb}, {kb}) or ({kb}, {nb}) (KB rounded up to 4 allowed there)",
+                         "1x128": f"({n}, {kb}) or ({kb}, {n})"})
+    k_first = False
+    if b in blocks:
+        weight, k_first_shapes = blocks[b]
+        k_first = sb in k_first_shapes
+        if k_first and sb == weight:  # square: the layout decides
+            k_first = scale_b.stride(0) == 1 and scale_b.stride(1) != 1
+    return ScaleLayout(a, b, k_first)
+
+
+def block_views(layout: ScaleLayout, m: int, n: int, k: int):
+    """``(block_scaling, transform)``: the kernels' view of block scales. transform(scale_a,
+    scale_b) returns scale_a as (M, KB) and scale_b as (NB, KB) (128x128) or (N, KB) (per output
+    channel), as views (tensor- and row-wise sides become stride-0 expansions): no copy."""
+    kb, nb = -(-k // BLOCK), -(-n // BLOCK)
+    per_channel = layout.b in ("row", "1x128")
+    rows_b = n if per_channel else nb
+
+    def transform(scale_a, scale_b):
+        if layout.a == "1x128":
+            va = scale_a
+        else:
+            va = scale_a.reshape(1 if layout.a == "tensor" else m, 1).expand(m, kb)
+        if layout.b in ("tensor", "row"):
+            vb = scale_b.reshape(1 if layout.b == "tensor" else n, 1).expand(rows_b, kb)
+        else:
+            vb = scale_b.t()[:, :kb] if layout.b_k_first else scale_b
+        return va, vb
+
+    scaling = (Scaling.BLOCK_1X128, Scaling.BLOCK_1X128 if per_channel else Scaling.BLOCK_128X128)
+    return scaling, transform
 
 
 def _check_bias(bias, n: int) -> None:
@@ -119,7 +226,8 @@ def _check_bias(bias, n: int) -> None:
         raise TypeError(f"bias must be bfloat16, float16 or float32, got {bias.dtype}")
 
 
-def check_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, out, use_fast_accum, backend) -> None:
+def check_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, out, use_fast_accum, backend,
+                    scale_recipe_a=None, scale_recipe_b=None) -> ScaleLayout:
     _check_tensor(a, "a")
     _check_tensor(b, "b")
     if a.dtype not in _FP8_A:
@@ -136,14 +244,16 @@ def check_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, out, use_fast_accum
             f"b must be column-major (stride(0) == 1) for fp8, got stride {tuple(b.stride())}; "
             "pass w.t() of a row-major (N, K) weight"
         )
-    _scale_vector(scale_a, "scale_a", m, ((m, 1), (m,)))
-    _scale_vector(scale_b, "scale_b", n, ((1, n), (n,)))
+    _scale_tensor(scale_a, "scale_a")
+    _scale_tensor(scale_b, "scale_b")
+    layout = scale_layout(scale_a, scale_b, m, n, k, scale_recipe_a, scale_recipe_b)
     _check_bias(bias, n)
     _check_out_dtype(out_dtype)
     dev = _check_devices({"a": a, "b": b, "scale_a": scale_a, "scale_b": scale_b, "bias": bias})
     _check_out(out, m, n, out_dtype, dev)
     _check_fast_accum(use_fast_accum)
     _check_backend(backend)
+    return layout
 
 
 def check_matmul(a, b, out_dtype, out, backend) -> torch.dtype:
@@ -167,7 +277,8 @@ def _check_fast_accum(use_fast_accum) -> None:
         raise TypeError(f"use_fast_accum must be a bool, got {type(use_fast_accum).__name__} {use_fast_accum!r}")
 
 
-def _interpreted_nonfinite(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, scale_a, scale_b, bias) -> None:
+def _interpreted_nonfinite(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, scale_a, scale_b, bias,
+                           layout: ScaleLayout | None) -> None:
     """The Triton interpreter reads a NaN or Inf of an fp8 operand as a finite value (NaN as
     480): recompute the rows of ``out`` with a non-finite value in ``a`` and the columns with one
     in ``b`` in float64, as the GPU's IEEE arithmetic gives them (NaN propagates, Inf * 0 is NaN)."""
@@ -175,38 +286,41 @@ def _interpreted_nonfinite(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, 
     cols = (~torch.isfinite(b.float())).any(dim=0).nonzero().flatten()
     if rows.numel() == 0 and cols.numel() == 0:
         return
+    (m, k), n = a.shape, b.shape[1]
+    _, views = block_views(layout or ScaleLayout("tensor", "tensor", False), m, n, k)
+    sa, sb = views(scale_a if scale_a is not None else torch.ones(1), scale_b if scale_b is not None else torch.ones(1))
+    per_k = torch.arange(k) // BLOCK
+    b_rows = torch.arange(n) if sb.shape[0] == n else torch.arange(n) // BLOCK
+    a_deq = a.double() * sa.double()[:, per_k]
+    b_deq = b.double() * sb.double()[b_rows][:, per_k].t()
 
     def exact(r: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        value = a[r].double() @ b[:, c].double()
-        if scale_a is not None:
-            sa = scale_a.double().reshape(-1)
-            value = value * (sa if sa.numel() == 1 else sa[r][:, None])
-        if scale_b is not None:
-            sb = scale_b.double().reshape(-1)
-            value = value * (sb if sb.numel() == 1 else sb[c][None, :])
+        value = a_deq[r] @ b_deq[:, c]
         if bias is not None:
             value = value + bias.double()[c][None, :]
         return value.to(out.dtype)
 
-    every_row = torch.arange(out.shape[0])
-    every_col = torch.arange(out.shape[1])
     if rows.numel():
-        out[rows] = exact(rows, every_col)
+        out[rows] = exact(rows, torch.arange(n))
     if cols.numel():
-        out[:, cols] = exact(every_row, cols)
+        out[:, cols] = exact(torch.arange(m), cols)
 
 
-def execute(key, a, b, scale_a, scale_b, bias, out, out_dtype, fast_accum, backend) -> torch.Tensor:
+def execute(key, a, b, scale_a, scale_b, bias, out, out_dtype, fast_accum, backend,
+            layout: ScaleLayout | None = None) -> torch.Tensor:
     """Run a call whose arguments passed the checks (eager calls and the torch ops); ``key``:
-    the call's cache key, or None."""
+    the call's cache key, or None; ``layout``: how fp8 scales apply (None: no scales)."""
     if a.device.type == "meta":  # shape propagation only
         return out if out is not None else torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device="meta")
     _check_runtime_device(a.device, a.dtype)
     if out is None:
         out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
-    run_gemm(key, a, b, out, scale_a, scale_b, bias, fast_accum, backend)
+    block_scaling = block_scales = None
+    if layout is not None and layout.is_block:
+        block_scaling, block_scales = block_views(layout, a.shape[0], b.shape[1], a.shape[1])
+    run_gemm(key, a, b, out, scale_a, scale_b, bias, fast_accum, backend, block_scales, block_scaling)
     if not out.is_cuda and a.element_size() == 1 and a.shape[1]:
-        _interpreted_nonfinite(a, b, out, scale_a, scale_b, bias)
+        _interpreted_nonfinite(a, b, out, scale_a, scale_b, bias, layout)
     return out
 
 
@@ -221,15 +335,25 @@ def scaled_mm(
     use_fast_accum: bool = True,
     out: torch.Tensor | None = None,
     backend: str = "auto",
+    scale_recipe_a=None,
+    scale_recipe_b=None,
 ) -> torch.Tensor:
-    """FP8 GEMM with the ``torch._scaled_mm`` contract: ``(scale_a * scale_b) * (a @ b) + bias``.
+    """FP8 GEMM with the ``torch._scaled_mm`` contract: ``(scale_a * scale_b) * (a @ b) + bias``,
+    and the block-scaled recipe of FP8 checkpoints (1x128 activations x 128x128 weights).
 
     a: (M, K) float8_e4m3fn or float8_e5m2, row-major. b: (K, N) float8_e4m3fn, column-major
     (``w.t()`` of a row-major (N, K) weight). Leading strides may be padded.
-    scale_a / scale_b: float32 dequantization scales, tensor-wise (one element) or row-wise
-    ((M, 1) or (M,) for a; (1, N) or (N,) for b). bias: (N,), added after scaling.
-    out_dtype: bfloat16 (default), float16 or float32. use_fast_accum: keep wgmma's fast fp8
-    accumulation across K (False promotes partial sums to fp32 every K tile).
+    scale_a / scale_b: float32 dequantization scales: tensor-wise (one element), row-wise
+    ((M, 1) or (M,) for a; (1, N) or (N,) for b), or block-wise: scale_a (M, ceil(K/128)) for 1x128
+    groups of a; scale_b (ceil(N/128), ceil(K/128)) for 128x128 blocks of the (N, K) weight (an HF
+    checkpoint's ``weight_scale_inv``; PyTorch's transposed (ceil(K/128) [rounded up to 4],
+    ceil(N/128)) layout too) or (N, ceil(K/128)) for 1x128 groups per output channel. Block scales
+    may have any strides; see :func:`scale_layout` for how shapes are read.
+    scale_recipe_a / scale_recipe_b: "tensor", "row", "1x128", "128x128" (or torch's ScalingType
+    members): decide where a shape fits two recipes (tiny M, N or K); optional otherwise.
+    bias: (N,), added after scaling. out_dtype: bfloat16 (default), float16 or float32.
+    use_fast_accum: keep wgmma's fast fp8 accumulation across K (False promotes partial sums to
+    fp32 every 128-deep k-block; block-scaled products always do).
     backend: "auto" (measured best), "triton" or "cuda" (native kernels).
     Raises TypeError / ValueError naming the argument at fault.
     """
@@ -237,19 +361,22 @@ def scaled_mm(
     key = None
     if not compiling:
         try:
-            key = call_key("scaled_mm", a, b, scale_a, scale_b, bias, out, out_dtype, use_fast_accum, backend)
+            key = call_key("scaled_mm", a, b, scale_a, scale_b, bias, out, out_dtype, use_fast_accum, backend,
+                           (scale_recipe_a, scale_recipe_b))
             known = cached(key)
         except (AttributeError, TypeError):  # not tensors, or unhashable options: the checks say why
             key = known = None
         if known is not None:
             return known(a, b, scale_a, scale_b, bias, out)
-    check_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, out, use_fast_accum, backend)
+    layout = check_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, out, use_fast_accum, backend,
+                             scale_recipe_a, scale_recipe_b)
     if compiling:
         if out is None:
-            return torch.ops.tmagemm.scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, backend)
-        torch.ops.tmagemm.scaled_mm_out(a, b, scale_a, scale_b, bias, use_fast_accum, backend, out)
+            return torch.ops.tmagemm.scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, backend,
+                                               layout.a, layout.b)
+        torch.ops.tmagemm.scaled_mm_out(a, b, scale_a, scale_b, bias, use_fast_accum, backend, out, layout.a, layout.b)
         return out
-    return execute(key, a, b, scale_a, scale_b, bias, out, out_dtype, use_fast_accum, backend)
+    return execute(key, a, b, scale_a, scale_b, bias, out, out_dtype, use_fast_accum, backend, layout)
 
 
 def matmul(

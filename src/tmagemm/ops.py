@@ -24,14 +24,19 @@ def scaled_mm_op(
     out_dtype: torch.dtype = torch.bfloat16,
     use_fast_accum: bool = True,
     backend: str = "auto",
+    scale_recipe_a: str | None = None,
+    scale_recipe_b: str | None = None,
 ) -> torch.Tensor:
-    api.check_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, None, use_fast_accum, backend)
-    key = call_key("scaled_mm", a, b, scale_a, scale_b, bias, None, out_dtype, use_fast_accum, backend)
-    return api.execute(key, a, b, scale_a, scale_b, bias, None, out_dtype, use_fast_accum, backend)
+    layout = api.check_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, None, use_fast_accum, backend,
+                                 scale_recipe_a, scale_recipe_b)
+    key = call_key("scaled_mm", a, b, scale_a, scale_b, bias, None, out_dtype, use_fast_accum, backend,
+                   (scale_recipe_a, scale_recipe_b))
+    return api.execute(key, a, b, scale_a, scale_b, bias, None, out_dtype, use_fast_accum, backend, layout)
 
 
 @scaled_mm_op.register_fake
-def _(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, use_fast_accum=True, backend="auto"):
+def _(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, use_fast_accum=True, backend="auto",
+      scale_recipe_a=None, scale_recipe_b=None):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
@@ -45,14 +50,18 @@ def scaled_mm_out_op(
     use_fast_accum: bool,
     backend: str,
     out: torch.Tensor,
+    scale_recipe_a: str | None = None,
+    scale_recipe_b: str | None = None,
 ) -> None:
-    api.check_scaled_mm(a, b, scale_a, scale_b, bias, out.dtype, out, use_fast_accum, backend)
-    key = call_key("scaled_mm", a, b, scale_a, scale_b, bias, out, out.dtype, use_fast_accum, backend)
-    api.execute(key, a, b, scale_a, scale_b, bias, out, out.dtype, use_fast_accum, backend)
+    layout = api.check_scaled_mm(a, b, scale_a, scale_b, bias, out.dtype, out, use_fast_accum, backend,
+                                 scale_recipe_a, scale_recipe_b)
+    key = call_key("scaled_mm", a, b, scale_a, scale_b, bias, out, out.dtype, use_fast_accum, backend,
+                   (scale_recipe_a, scale_recipe_b))
+    api.execute(key, a, b, scale_a, scale_b, bias, out, out.dtype, use_fast_accum, backend, layout)
 
 
 @scaled_mm_out_op.register_fake
-def _(a, b, scale_a, scale_b, bias, use_fast_accum, backend, out):
+def _(a, b, scale_a, scale_b, bias, use_fast_accum, backend, out, scale_recipe_a=None, scale_recipe_b=None):
     return None
 
 

@@ -30,6 +30,7 @@ FAMILY_MODULES = (
     "tmagemm.triton.matmul_persistent",
     "tmagemm.triton.matmul_splitk",
     "tmagemm.triton.matmul_ptr",
+    "tmagemm.triton.matmul_blockscaled",
     "tmagemm.cuda.gemm",
 )
 
@@ -238,7 +239,10 @@ def preference(args: GemmArgs) -> tuple[str, ...]:
       ``triton.tma_device`` costs ~2.5 us more GPU time and stays a fallback.
     - larger M: the native persistent cooperative kernel (per-shape config), then the Triton
       persistent one.
+    - block-scaled fp8 (1x128 x 128x128): the block-scaled kernel.
     """
+    if args.block_scaling is not None:
+        return ("triton.blockscaled",)
     tma = ("triton.tma", "triton.tma_device")
     if _splitk_first(args):
         return ("triton.splitk", *tma, "triton.persistent", "triton.ptr")
@@ -278,8 +282,8 @@ def choose(args: GemmArgs, backend: str = "auto") -> Variant:
     raise ValueError(
         f"no {backend!r} tmagemm kernel accepts this problem (M={args.m}, N={args.n}, K={args.k}, "
         f"a {args.a.dtype} stride {tuple(args.a.stride())}, b {args.b.dtype} stride {tuple(args.b.stride())}); "
-        f"refusals: {reasons or 'none'}; modules not importable: {missing or 'none'}. "
-        "Use backend='auto' to fall back to the pointer kernel."
+        f"refusals: {reasons or 'none'}; modules not importable: {missing or 'none'}"
+        + (". Use backend='auto' to fall back to the pointer kernel." if backend != "auto" else "")
     )
 
 
@@ -318,11 +322,11 @@ def tensor_key(t: torch.Tensor | None):
     return (type(t), t.get_device(), t.dtype, t.shape, t.stride(), t.data_ptr() % 16)
 
 
-def call_key(op: str, a, b, scale_a, scale_b, bias, out, out_dtype, fast_accum, backend) -> tuple:
+def call_key(op: str, a, b, scale_a, scale_b, bias, out, out_dtype, fast_accum, backend, recipes=None) -> tuple:
     """The cache key of one call (raises AttributeError / TypeError for non-tensor arguments,
     which the caller's checks then name)."""
     return (op, tensor_key(a), tensor_key(b), tensor_key(scale_a), tensor_key(scale_b), tensor_key(bias),
-            tensor_key(out), out_dtype, fast_accum, backend)
+            tensor_key(out), out_dtype, fast_accum, backend, recipes)
 
 
 def _scale_operand(scale: torch.Tensor | None) -> torch.Tensor | None:
@@ -339,30 +343,37 @@ def _as_given(scale: torch.Tensor | None) -> bool:
     return scale is None or scale.numel() == 1 or scale.reshape(-1).stride(0) == 1
 
 
-def gemm_args(a, b, out, scale_a, scale_b, bias, fast_accum: bool) -> GemmArgs:
-    """The kernels' operands for checked user arguments (scales flattened, bias contiguous)."""
-    return GemmArgs(a, b, out, _scale_operand(scale_a), _scale_operand(scale_b),
-                    None if bias is None else bias.contiguous(), bool(fast_accum))
+def gemm_args(a, b, out, scale_a, scale_b, bias, fast_accum: bool, block_scaling=None) -> GemmArgs:
+    """The kernels' operands for checked user arguments (tensor/row-wise scales flattened, bias
+    contiguous; block scales are 2-D views the kernels read through their strides)."""
+    if block_scaling is None:
+        scale_a, scale_b = _scale_operand(scale_a), _scale_operand(scale_b)
+    return GemmArgs(a, b, out, scale_a, scale_b, None if bias is None else bias.contiguous(), bool(fast_accum),
+                    block_scaling)
 
 
 class Call:
     """One cached call signature: its plan, and what the call does around the launch (allocate
     ``out``, flatten strided scales). ``call(a, b, scale_a, scale_b, bias, out)`` returns out."""
 
-    __slots__ = ("plan", "out_shape", "out_dtype", "device", "normalise", "fast_accum")
+    __slots__ = ("plan", "out_shape", "out_dtype", "device", "normalise", "scales")
 
-    def __init__(self, plan: Plan, args: GemmArgs, user: tuple):
+    def __init__(self, plan: Plan, args: GemmArgs, user: tuple, scales: Callable | None = None):
         scale_a, scale_b, bias = user
         self.plan = plan
         self.out_shape, self.out_dtype, self.device = tuple(args.out.shape), args.out.dtype, args.out.device
-        self.normalise = not (_as_given(scale_a) and _as_given(scale_b) and (bias is None or bias.is_contiguous()))
-        self.fast_accum = args.fast_accum
+        self.scales = scales  # block-scaled calls: the user's scales -> the kernels' 2-D views
+        plain = scales is None and _as_given(scale_a) and _as_given(scale_b)
+        self.normalise = not (plain and (bias is None or bias.is_contiguous()))
 
     def __call__(self, a, b, scale_a, scale_b, bias, out):
         if out is None:
             out = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
         if self.normalise:
-            scale_a, scale_b = _scale_operand(scale_a), _scale_operand(scale_b)
+            if self.scales is not None:
+                scale_a, scale_b = self.scales(scale_a, scale_b)
+            else:
+                scale_a, scale_b = _scale_operand(scale_a), _scale_operand(scale_b)
             bias = None if bias is None else bias.contiguous()
         self.plan.run(a, b, out, scale_a, scale_b, bias)
         return out
@@ -385,18 +396,23 @@ def _zero_size(args: GemmArgs) -> bool:
     return False
 
 
-def run_gemm(key, a, b, out, scale_a, scale_b, bias, fast_accum: bool, backend: str) -> torch.Tensor:
+def run_gemm(key, a, b, out, scale_a, scale_b, bias, fast_accum: bool, backend: str,
+             block_scales: Callable | None = None, block_scaling=None) -> torch.Tensor:
     """Write the checked GEMM into ``out`` and return it, planning once per ``key`` (None: do not
-    remember). Plans made while a CUDA graph is being captured are not kept: a capture cannot
-    load modules, so they launch through Triton's launcher, and later eager calls deserve the
-    direct launch."""
-    args = gemm_args(a, b, out, scale_a, scale_b, bias, fast_accum)
+    remember). Block-scaled calls pass ``block_scales`` (the user's scales -> the kernels' 2-D
+    views) and the resulting ``block_scaling``. Plans made while a CUDA graph is being captured
+    are not kept: a capture cannot load modules, so they launch through Triton's launcher, and
+    later eager calls deserve the direct launch."""
+    user = (scale_a, scale_b, bias)
+    if block_scales is not None:
+        scale_a, scale_b = block_scales(scale_a, scale_b)
+    args = gemm_args(a, b, out, scale_a, scale_b, bias, fast_accum, block_scaling)
     if _zero_size(args):
         return out
     plan = build(args, backend)
     plan(args)
     if key is not None and out.is_cuda and not torch.cuda.is_current_stream_capturing():
-        _calls[key] = Call(plan, args, (scale_a, scale_b, bias))
+        _calls[key] = Call(plan, args, user, block_scales)
     return out
 
 

@@ -1,0 +1,264 @@
+"""Two GPUs in one process: operands on one GPU while the other is current, devices alternating
+call by call, one thread per GPU, CUDA-graph capture on the second GPU, and cuBLAS still working
+on both afterwards.
+
+Guards the issue where tensors on cuda:1 with cuda:0 current gave wrong results or left the
+process's CUDA context broken. Needs two Hopper GPUs; skipped otherwise. References are float64
+GEMMs on the operands' own GPU (a CPU float64 reference of M = 4096 would dominate the runtime).
+"""
+
+import threading
+
+import pytest
+import torch
+from gemm_ref import FP8, poisoned
+
+import tmagemm
+from tmagemm import plan
+
+
+def _two_hoppers() -> bool:
+    # device_count() does not initialise CUDA, so this is free on a machine without a GPU.
+    return torch.cuda.device_count() >= 2 and all(torch.cuda.get_device_capability(i) == (9, 0) for i in range(2))
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _two_hoppers(), reason="needs two Hopper (sm_90) GPUs")]
+
+# (N, K) per M. N = K = 4096 at M = 1 and 16 puts fp8 on the split-K kernel (fp8, M <= 16,
+# K >= 4096: plan._splitk_first), whose workspace is per device; 2048 elsewhere keeps the float64
+# references of M = 4096 cheap. "auto" then covers split-K, the Triton tile kernel and the native
+# persistent kernel (M = 4096); "triton" and "cuda" force their families.
+SHAPES = {1: (4096, 4096), 16: (4096, 4096), 256: (2048, 2048), 4096: (2048, 2048)}
+KINDS = ("fp8-tensor", "fp8-row", "bf16")
+# "op": the torch.library ops (torch.ops.tmagemm.*), which torch.compile calls, with backend "auto".
+APIS = ("auto", "triton", "cuda", "op")
+
+# Elementwise bound on |out - ref|: bf16 output rounding (half an ulp is 2^-9 relative; doubled)
+# plus the accumulation's error as a fraction of sum_k |a_ik b_kj| (scaled): fp8 fast accumulation
+# 2^-10; bf16 products summed in fp32 2^-12, 4x the worst case of K/16 fp32 roundings at K = 8192.
+OUT_ROUNDING = 2.0**-8
+ACCUMULATION = {FP8: 2.0**-10, torch.bfloat16: 2.0**-12}
+
+
+@pytest.fixture(autouse=True)
+def heuristic_configs(monkeypatch):
+    """Heuristic configs: correctness does not depend on them, and tuning would dominate the time."""
+    monkeypatch.setenv("TMAGEMM_AUTOTUNE", "0")
+
+
+def check(out, a, b, scale_a=None, scale_b=None, what="", accumulation=None):
+    """``out`` against ``(scale_a * scale_b) * (a @ b)`` computed in float64 on the operands' GPU,
+    element by element. A NaN left in a poisoned output (an element never written) fails."""
+    assert out.device == a.device, f"{what}: result on {out.device}, operands on {a.device}"
+    a64, b64 = a.double(), b.double()
+    ref, size = a64 @ b64, a64.abs() @ b64.abs()
+    for scale, axis in ((scale_a, 0), (scale_b, 1)):
+        if scale is not None:
+            s = scale.double().reshape(-1)
+            s = s if s.numel() == 1 else (s[:, None] if axis == 0 else s[None, :])
+            ref, size = ref * s, size * s.abs()
+    bound = OUT_ROUNDING * ref.abs() + (accumulation or ACCUMULATION[a.dtype]) * size
+    bad = ~((out.double() - ref).abs() <= bound)  # NaN compares False
+    if bool(bad.any()):
+        r, c = bad.nonzero()[0].tolist()
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {out.numel()} elements off; first at ({r}, {c}): got {float(out[r, c]):.6g}, "
+            f"want {float(ref[r, c]):.6g} +- {float(bound[r, c]):.3g}"
+        )
+
+
+def make(kind: str, m: int, device) -> tuple:
+    """Fresh random operands ``(a, b, scale_a, scale_b)`` of one problem (scales None for bf16);
+    fp8 ones quantized from Gaussian data like a real activation and weight."""
+    n, k = SHAPES[m]
+    if kind == "bf16":
+        return (torch.randn(m, k, device=device, dtype=torch.bfloat16),
+                torch.randn(k, n, device=device, dtype=torch.bfloat16), None, None)
+    granularity = kind.removeprefix("fp8-")
+    a, scale_a = tmagemm.quantize_fp8(torch.randn(m, k, device=device), granularity)
+    w, scale_w = tmagemm.quantize_fp8(torch.randn(n, k, device=device), granularity)
+    return a, w.t(), scale_a, scale_w.t()
+
+
+def gemm(operands: tuple, api: str = "auto", out=None) -> torch.Tensor:
+    """One call through the public function (``api`` = its backend) or the torch op ("op")."""
+    a, b, scale_a, scale_b = operands
+    fp8 = a.dtype != torch.bfloat16
+    if api != "op":
+        if fp8:
+            return tmagemm.scaled_mm(a, b, scale_a, scale_b, out=out, backend=api)
+        return tmagemm.matmul(a, b, out=out, backend=api)
+    ops = torch.ops.tmagemm
+    if out is None:
+        return ops.scaled_mm(a, b, scale_a, scale_b) if fp8 else ops.matmul(a, b)
+    if fp8:
+        ops.scaled_mm_out(a, b, scale_a, scale_b, None, True, "auto", out)
+    else:
+        ops.matmul_out(a, b, "auto", out)
+    return out
+
+
+def run_checked(kind: str, m: int, device: int, api: str = "auto", what: str = "") -> None:
+    """Fresh operands on ``device``, a poisoned output, one call; the result and the current
+    device (which the call must leave as it found it) checked."""
+    current = torch.cuda.current_device()
+    operands = make(kind, m, f"cuda:{device}")
+    out = poisoned((m, SHAPES[m][0]), torch.bfloat16, f"cuda:{device}")
+    assert gemm(operands, api, out=out) is out
+    assert torch.cuda.current_device() == current, f"{what}: the call left cuda:{torch.cuda.current_device()} current"
+    check(out, *operands, what=what)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("m", list(SHAPES))
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("api", APIS)
+@pytest.mark.parametrize("data,current", [(1, 0), (0, 1)], ids=["data1-current0", "data0-current1"])
+def test_operands_on_the_other_gpu(data, current, api, kind, m, seeded):
+    """Operands on one GPU, the other current: into a poisoned ``out``, the first call plans and
+    the second takes the cached plan (new operands, same signature); then the same twice with
+    the output allocated by tmagemm (on the operands' GPU, not the current one)."""
+    what = f"{kind} M={m} api={api} data on cuda:{data}, cuda:{current} current"
+    with torch.cuda.device(current):
+        for call in ("planned", "cached"):
+            run_checked(kind, m, data, api, f"{what}, {call}")
+        for call in ("planned", "cached"):
+            operands = make(kind, m, f"cuda:{data}")
+            got = gemm(operands, api)
+            assert torch.cuda.current_device() == current, f"{what}: left cuda:{torch.cuda.current_device()} current"
+            check(got, *operands, what=f"{what}, out=None, {call}")
+
+
+@pytest.mark.parametrize("kind", ["fp8-row", "bf16"])
+def test_alternating_devices(kind, seeded):
+    """The same signatures on cuda:0 and cuda:1 in turn, with either GPU current: every result is
+    right, each device keeps its own cached call, and later rounds plan nothing new."""
+    ms = (1, 256)  # split-K (fp8) and the tile kernel
+    planned = None
+    for round_ in range(4):
+        with torch.cuda.device(round_ % 2):  # rounds 0 and 2 with cuda:0 current, 1 and 3 with cuda:1
+            for m in ms:
+                for device in (0, 1):
+                    run_checked(kind, m, device, what=f"{kind} M={m} round {round_} on cuda:{device}")
+        if round_ == 0:
+            planned = len(plan.cached_plans())
+        else:
+            assert len(plan.cached_plans()) == planned, f"round {round_} planned again"
+    for m in ms:
+        calls = []
+        for device in (0, 1):
+            a, b, scale_a, scale_b = make(kind, m, f"cuda:{device}")
+            out = torch.empty(m, SHAPES[m][0], device=f"cuda:{device}", dtype=torch.bfloat16)
+            op = "matmul" if kind == "bf16" else "scaled_mm"
+            key = plan.call_key(op, a, b, scale_a, scale_b, None, out, torch.bfloat16 if op == "scaled_mm" else None,
+                                True, "auto")
+            call = plan.cached(key)
+            assert call is not None, f"M={m}: no cached call for cuda:{device}"
+            assert call.device == out.device, f"M={m}: the cached call for cuda:{device} allocates on {call.device}"
+            calls.append(call)
+        assert calls[0] is not calls[1]
+
+
+@pytest.mark.parametrize("set_device", [True, False], ids=["thread-sets-device", "thread-keeps-cuda0"])
+def test_one_thread_per_gpu(set_device, seeded):
+    """Two threads, each driving one GPU with 20 calls of mixed kinds and sizes, planning at the
+    same time (plans are cleared after a warm-up, so they plan concurrently but do not compile
+    Triton kernels concurrently, which is Triton's business rather than tmagemm's)."""
+    work = [(kind, m) for m in (1, 16, 256) for kind in ("fp8-row", "bf16")]
+    for device in (0, 1):
+        for kind, m in work:
+            run_checked(kind, m, device, what=f"warm-up {kind} M={m} on cuda:{device}")
+    plan.clear_plans()
+    torch.cuda.synchronize(0)
+    torch.cuda.synchronize(1)
+    errors = []
+    start = threading.Barrier(2)
+
+    def drive(device: int) -> None:
+        try:
+            if set_device:
+                torch.cuda.set_device(device)
+            start.wait(timeout=60)
+            for i in range(20):
+                kind, m = work[(i + 3 * device) % len(work)]  # the two threads call different shapes at once
+                run_checked(kind, m, device, what=f"thread for cuda:{device}, call {i}, {kind} M={m}")
+            torch.cuda.synchronize(device)
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append((device, exc))
+            start.abort()
+
+    threads = [threading.Thread(target=drive, args=(device,)) for device in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not any(thread.is_alive() for thread in threads), "a thread hung"
+    assert not errors, "; ".join(f"cuda:{device}: {type(exc).__name__}: {exc}" for device, exc in errors)
+
+
+@pytest.mark.parametrize("how", ["device-context", "stream-only"])
+def test_graph_capture_on_second_gpu(how, monkeypatch, seeded):
+    """Capture an fp8 split-K call and a bf16 tile-kernel call on cuda:1, replay with new inputs.
+
+    "device-context": ``with torch.cuda.device(1), torch.cuda.graph(g)``. torch.cuda.graph's
+    default capture stream is one class attribute made on whatever device was current at its
+    first use, so it is reset here to be made on cuda:1 (otherwise a stream of cuda:0 left by an
+    earlier capture in this process would capture nothing of cuda:1: a torch gotcha, not tmagemm's).
+    "stream-only": cuda:0 stays current and torch.cuda.graph gets a stream of cuda:1 (entering the
+    stream makes cuda:1 current during the capture, and leaving restores cuda:0)."""
+    fp8 = make("fp8-row", 16, "cuda:1")
+    bf16 = make("bf16", 256, "cuda:1")
+    outs = [poisoned((m, SHAPES[m][0]), torch.bfloat16, "cuda:1") for m in (16, 256)]
+    with torch.cuda.device(0):
+        gemm(fp8, out=outs[0])  # eager warm-up: plans and compiles outside the capture
+        gemm(bf16, out=outs[1])
+        check(outs[0], *fp8, what="fp8 eager warm-up")
+        check(outs[1], *bf16, what="bf16 eager warm-up")
+        if how == "device-context":
+            monkeypatch.setattr(torch.cuda.graph, "default_capture_stream", None)
+            with torch.cuda.device(1):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    gemm(fp8, out=outs[0])
+                    gemm(bf16, out=outs[1])
+        else:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=torch.cuda.Stream(device=1)):
+                gemm(fp8, out=outs[0])
+                gemm(bf16, out=outs[1])
+        assert torch.cuda.current_device() == 0
+        for replay in range(2):
+            # New values in the captured tensors (the graph reads their addresses).
+            for captured, fresh in ((fp8, make("fp8-row", 16, "cuda:1")), (bf16, make("bf16", 256, "cuda:1"))):
+                captured[0].copy_(fresh[0])
+                if captured[2] is not None:
+                    captured[2].copy_(fresh[2])
+            for out in outs:
+                out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize(1)
+            assert torch.cuda.current_device() == 0
+            check(outs[0], *fp8, what=f"{how}: fp8 replay {replay}")
+            check(outs[1], *bf16, what=f"{how}: bf16 replay {replay}")
+
+
+def test_cublas_still_works_on_both_gpus(seeded):
+    """After tmagemm calls with the other GPU current (here and in the tests before: this one runs
+    last), cuBLAS's bf16 GEMM and fp8 torch._scaled_mm still run and are right on each GPU: the
+    old bug left the CUDA context broken."""
+    m, n, k = 256, 384, 512
+    for device in (0, 1):
+        with torch.cuda.device(1 - device):
+            run_checked("fp8-row", 16, device, what=f"tmagemm on cuda:{device}")
+            x = torch.randn(m, k, device=f"cuda:{device}", dtype=torch.bfloat16)
+            w = torch.randn(k, n, device=f"cuda:{device}", dtype=torch.bfloat16)
+            # cuBLAS may reduce split-K partials in bf16 (torch's default), hence fp8's looser
+            # accumulation term.
+            check(torch.matmul(x, w), x, w, what=f"torch.matmul on cuda:{device}", accumulation=2.0**-10)
+            a, sa = tmagemm.quantize_fp8(torch.randn(m, k, device=f"cuda:{device}"), "tensor")
+            wq, sw = tmagemm.quantize_fp8(torch.randn(n, k, device=f"cuda:{device}"), "tensor")
+            got = torch._scaled_mm(a, wq.t(), sa.reshape(()), sw.reshape(()), out_dtype=torch.bfloat16)
+            check(got, a, wq.t(), sa, sw, what=f"torch._scaled_mm on cuda:{device}")
+        torch.cuda.synchronize(device)
