@@ -47,7 +47,7 @@ def test_argparse_errors_exit_2(argv, capsys):
     (["bench", "--dtype", "fp16", "--exact-accum"], "--exact-accum applies to fp8 runs only"),
     (["report", "/nonexistent/results.json"], "no benchmark result"),
     (["inspect"], "exactly one"),
-    (["inspect", "triton.tma", "--cu", "gemm_sm90_ws.cu"], "exactly one"),
+    (["inspect", "triton.tma", "--cu", "gemm_sm90_warp_specialized.cu"], "exactly one"),
     (["inspect", "triton.nope"], "unknown tmagemm variant"),
     (["inspect", "triton.tma", "-D", "X=1"], "-D applies"),
 ])
@@ -97,7 +97,7 @@ def test_bench_check_names_the_dtypes_it_checks_when_providers_match_nothing(cap
     # No --dtype: the interpreter check runs fp16 and fp8, and the message must say both.
     assert cli.main(["bench", "--check", "--providers", "cuda.*", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "for fp16 and fp8" in err and "cuda.ws" in err and "need a GPU" in err, err
+    assert "for fp16 and fp8" in err and "cuda.warp_specialized" in err and "need a GPU" in err, err
     assert cli.main(["bench", "--check", "--dtype", "fp8", "--providers", "cuda.*", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "for fp8 " in err and "fp16" not in err, err

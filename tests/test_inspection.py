@@ -100,7 +100,7 @@ def test_unknown_variant_and_config_fields():
 def test_native_source_compiles_with_nvrtc_and_shows_tma_and_setmaxnreg():
     pytest.importorskip("cuda.bindings.nvrtc")
     defines = {"TMAGEMM_AB_TYPE": 2, "TMAGEMM_OUT_TYPE": 1, "TMAGEMM_B_KMAJOR": 1, "TMAGEMM_BLOCK_N": 128, "TMAGEMM_STAGES": 4}
-    art = inspection.compile_native("gemm_sm90_ws.cu", defines)
+    art = inspection.compile_native("gemm_sm90_warp_specialized.cu", defines)
     s = inspection.summarize(art)
     assert s["load path"] == "TMA" and s["math"] == "wgmma"
     assert s["sass UTMALDG"] > 0 and s["sass QGMMA"] > 0

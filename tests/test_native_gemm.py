@@ -1,8 +1,8 @@
-"""Native sm_90a GEMM ladder (tmagemm.cuda.gemm).
+"""Native sm_90a GEMM kernels (tmagemm.cuda.gemm).
 
-CPU: every rung builds through NVRTC for sm_90a for each dtype/layout family, and its SASS has
-the tensor-core op (HGMMA / QGMMA), TMA loads and stores, no local memory, and, for the
-warp-specialized rungs, the setmaxnreg register split. GPU: results vs a float64 reference on
+CPU: every native variant builds through NVRTC for sm_90a for each dtype/layout family, and its
+SASS has the tensor-core op (HGMMA / QGMMA), TMA loads and stores, no local memory, and, for the
+warp-specialized kernels, the setmaxnreg register split. GPU: results vs a float64 reference on
 ragged shapes, outputs poisoned with NaN (inside and around the output), alpha/beta, fp8 scales
 and bias.
 """
@@ -62,10 +62,10 @@ def test_params_struct_matches_device_layout():
     assert native._Params.scale_a_rowwise.offset == 64
 
 
-@pytest.mark.parametrize("name", sorted(native.RUNGS))
+@pytest.mark.parametrize("name", sorted(native.NATIVE_CONFIGS))
 @pytest.mark.parametrize("out_size", [2, 4])
-def test_rung_configs_fit_shared_memory(name, out_size):
-    config = native.RUNGS[name]
+def test_default_configs_fit_shared_memory(name, out_size):
+    config = native.NATIVE_CONFIGS[name]
     fitted = config.fitted(out_size)
     assert fitted.is_valid(out_size), f"{name} does not fit with {out_size}-byte output: {fitted}"
     assert fitted.smem_bytes(out_size) <= 232448
@@ -74,22 +74,23 @@ def test_rung_configs_fit_shared_memory(name, out_size):
 
 
 def test_invalid_configs_are_refused():
-    assert not native.NativeGemmConfig("seed", block_n=256, stages=3).is_valid(2)  # 256 acc regs
-    assert not native.NativeGemmConfig("ws", block_n=256, stages=5).is_valid(2)  # 240 KB ring
-    assert not native.NativeGemmConfig("ws", block_n=128, stages=4, pingpong=True).is_valid(2)
+    assert not native.NativeGemmConfig("one_warpgroup", block_n=256, stages=3).is_valid(2)  # 256 acc regs
+    assert not native.NativeGemmConfig("warp_specialized", block_n=256, stages=5).is_valid(2)  # 240 KB ring
+    assert not native.NativeGemmConfig("warp_specialized", block_n=128, stages=4, pingpong=True).is_valid(2)
     assert not native.NativeGemmConfig("persistent", block_n=256, stages=2, pingpong=True).is_valid(2)
-    assert not native.NativeGemmConfig("seed", block_n=128, stages=1).is_valid(2)
-    assert not native.NativeGemmConfig("ws", block_n=256, stages=4, ctas=8).is_valid(2)  # not persistent
-    assert not native.NativeGemmConfig("ws", block_n=256, stages=4, cluster_m=2).is_valid(2)
+    assert not native.NativeGemmConfig("one_warpgroup", block_n=128, stages=1).is_valid(2)
+    assert not native.NativeGemmConfig("warp_specialized", block_n=256, stages=4, ctas=8).is_valid(2)  # not persistent
+    assert not native.NativeGemmConfig("warp_specialized", block_n=256, stages=4, cluster_m=2).is_valid(2)
     assert not native.NativeGemmConfig("persistent", block_n=128, stages=5, pingpong=True, cluster_m=4).is_valid(2)
     assert not native.NativeGemmConfig("persistent", block_n=128, stages=5, pingpong=True, epi_passes=2).is_valid(2)
-    coop = native.RUNGS["cuda.persistent_coop"]
+    coop = native.NATIVE_CONFIGS["cuda.persistent_coop"]
     assert not replace(coop, epi_passes=1, epi_buffers=2).is_valid(2)  # nothing to alternate
     assert not replace(coop, epi_passes=8).is_valid(2)  # 4 chunks of 128 bytes per row
     assert coop.epi_passes == 4 and coop.fitted(4).is_valid(4)  # fp32 out: 8 chunks, 3 stages
     assert not replace(coop, block_n=128, epi_passes=4).is_valid(2)  # 2 chunks
     assert not replace(coop, epi_buffers=3).is_valid(2)
-    assert not native.NativeGemmConfig("ws", block_n=256, stages=3, epi_passes=2, epi_buffers=2).is_valid(2)
+    sliced = native.NativeGemmConfig("warp_specialized", block_n=256, stages=3, epi_passes=2, epi_buffers=2)
+    assert not sliced.is_valid(2)  # slices belong to the persistent epilogue
 
 
 # Shapes for the per-shape heuristic: ragged, tiny, tall, wide, and the benchmark targets.
@@ -111,14 +112,14 @@ def test_coop_config_is_a_valid_cooperative_config(ab_itemsize, k_major, sms):
 def test_coop_config_choices():
     # The measured rules (docs/native-gemm.md): balanced grids at 2-9 waves with K <= 8 KB, ping-pong
     # for large fp8, the 132-CTA cooperative default elsewhere.
-    default = native.RUNGS["cuda.persistent_coop"]
+    default = native.NATIVE_CONFIGS["cuda.persistent_coop"]
     assert native.coop_config(4096, 4096, 4096, 2, False, 132) == replace(default, ctas=128)  # 512 tiles
     assert native.coop_config(6144, 6144, 6144, 1, True, 132) == replace(default, ctas=128)  # 1152 tiles
     assert native.coop_config(8192, 8192, 8192, 2, False, 132) == default  # 16 KB of K
     assert native.coop_config(6144, 6144, 6144, 2, False, 132) == default  # 12 KB of K
     assert native.coop_config(1024, 4096, 4096, 1, True, 132) == default  # one wave (128 tiles)
     assert native.coop_config(4096, 14336, 4096, 2, False, 132) == default  # 14 waves
-    assert native.coop_config(8192, 8192, 8192, 1, True, 132) == native.RUNGS["cuda.persistent_pingpong"]
+    assert native.coop_config(8192, 8192, 8192, 1, True, 132) == native.NATIVE_CONFIGS["cuda.persistent_pingpong"]
     assert native.coop_config(2048, 8192, 8192, 1, True, 132).pingpong is False
     assert native.coop_config(727, 256 * 40, 4096, 2, True, 132) == replace(default, ctas=120)  # 6 x 40 tiles
     # At most half the SMs busy with 128x256 tiles: 128x128 tiles instead, unless they are no more.
@@ -144,7 +145,7 @@ def test_promote_needs_cooperative_128_wide_tiles():
     assert promote.is_valid(2)
     assert not replace(promote, block_n=256, stages=4, epi_passes=4, epi_buffers=2).is_valid(2)  # 3 x 128 regs
     assert not replace(promote, pingpong=True, stages=5).is_valid(2)
-    assert not replace(promote, kernel="ws", stages=4).is_valid(2)
+    assert not replace(promote, kernel="warp_specialized", stages=4).is_valid(2)
     assert not replace(promote, cluster_m=2).is_valid(2)  # not built or tested on clusters
 
 
@@ -156,11 +157,11 @@ def test_aot_source_matches_the_launcher_build(dtype):
     source, defines = native.aot_source("cuda.persistent_coop", dtype)
     assert source == "gemm_sm90_persistent.cu"
     ab, out, k_major = native._AOT_FAMILIES[dtype]
-    module = native.compile_module(native.RUNGS["cuda.persistent_coop"], ab, out, k_major)
+    module = native.compile_module(native.NATIVE_CONFIGS["cuda.persistent_coop"], ab, out, k_major)
     assert jit.compile(source, defines=defines).key == module.key  # the same binary
     assert inspection.native_source("cuda.persistent_coop", dtype) == (source, defines)
     with pytest.raises(ValueError, match="dtype must be one of"):
-        native.aot_source("cuda.seed", "int8")
+        native.aot_source("cuda.one_warpgroup", "int8")
     with pytest.raises(ValueError, match="unknown native variant"):
         native.aot_source("cuda.nope", "bf16")
 
@@ -173,7 +174,7 @@ def test_cpu_tensors_are_refused_with_a_reason():
         assert variant.backend == "cuda"
         assert "CUDA" in variant.supports(args)
     with pytest.raises(ValueError, match="CUDA tensors"):
-        native.run(args, native.RUNGS["cuda.seed"])
+        native.run(args, native.NATIVE_CONFIGS["cuda.one_warpgroup"])
 
 
 def test_b_layout_detection():
@@ -193,20 +194,20 @@ def _count(sass: str, op: str) -> int:
 
 @needs_nvrtc
 @pytest.mark.parametrize("family", FAMILIES, ids=_family_id)
-@pytest.mark.parametrize("name", sorted(native.RUNGS))
-def test_rung_builds_for_sm90a(name, family):
+@pytest.mark.parametrize("name", sorted(native.NATIVE_CONFIGS))
+def test_variant_builds_for_sm90a(name, family):
     from tmagemm import jit
 
     ab, out, k_major = family
-    config = native.RUNGS[name]
+    config = native.NATIVE_CONFIGS[name]
     module = native.compile_module(config, ab, out, k_major)
     sass = jit.sass(module.cubin)
     usage = jit.resource_usage(module.cubin, native.kernel_name(config))
 
     mma = "QGMMA" if ab == FP8 else "HGMMA"
     other = "HGMMA" if ab == FP8 else "QGMMA"
-    # Two 64-row fragments x 4 K-steps per stage (seed, ping-pong) or one fragment (ws, coop).
-    per_stage = 8 if config.kernel == "seed" or config.pingpong else 4
+    # Two 64-row fragments x 4 K-steps per stage (one_warpgroup, ping-pong) or one fragment (warp_specialized, coop).
+    per_stage = 8 if config.kernel == "one_warpgroup" or config.pingpong else 4
     assert _count(sass, mma) == per_stage, f"{mma} count in {name}"
     assert _count(sass, other) == 0
     n_width = 128 if per_stage == 8 else config.block_n
@@ -220,7 +221,7 @@ def test_rung_builds_for_sm90a(name, family):
     assert _count(sass, "MEMBAR.ALL.GPU") <= (1 if config.cluster_m > 1 else 0), "GPU-wide barrier in the pipeline"
     # ptxas C7514/C7515: registers of an in-flight wgmma touched, so it waits after every wgmma.
     assert "are serialized" not in module.log, "ptxas serialized the wgmmas"
-    if config.kernel == "seed":
+    if config.kernel == "one_warpgroup":
         assert "USETMAXREG" not in sass
     else:
         # launch_bounds(384, 1) caps the kernel at 168 registers; the producer gives back to 40
@@ -252,11 +253,11 @@ def test_fast_accum_false_is_accepted_only_by_promoting_configs():
     args = GemmArgs(a, a.t(), torch.empty(64, 64, dtype=torch.bfloat16), fast_accum=False)
     if torch.cuda.is_available() and native._device.hopper_available() is None:
         args = GemmArgs(a.cuda(), a.cuda().t(), args.out.cuda(), fast_accum=False)
-        assert "use_fast_accum=False" in native.unsupported_reason(args, native.RUNGS["cuda.ws"])
+        assert "use_fast_accum=False" in native.unsupported_reason(args, native.NATIVE_CONFIGS["cuda.warp_specialized"])
         assert native.unsupported_reason(args, native._COOP_PROMOTE) is None
         coop = next(v for v in native.VARIANTS if v.name == "cuda.persistent_coop")
         assert coop.supports(args) is None
-        assert native._coop_prepare(args).config.promote
+        assert coop.build(args).config.promote
     else:  # without a Hopper GPU every native config refuses first, naming the device
         assert native.unsupported_reason(args, native._COOP_PROMOTE) is not None
 
@@ -320,8 +321,8 @@ SHAPES = [(1, 264, 144), (17, 72, 336), (727, 520, 208), (300, 1000, 1104)]
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("family", FAMILIES, ids=_family_id)
-@pytest.mark.parametrize("name", sorted(native.RUNGS))
-def test_rung_matches_float64(name, family, shape, seeded):
+@pytest.mark.parametrize("name", sorted(native.NATIVE_CONFIGS))
+def test_variant_matches_float64(name, family, shape, seeded):
     ab, out_dtype, k_major = family
     m, n, k = shape
     a, b = _operands(m, n, k, ab, k_major)
@@ -366,7 +367,8 @@ def test_persistent_ctas_walk_many_tiles(name, family, raster_n, seeded):
     # Groups of 4 rows (6 tile rows, 3 cluster rows) or 3 columns (4 or 8 tile columns): the last
     # group is partial either way.
     group = 3 if raster_n else 4
-    config = replace(native.RUNGS[name], ctas=4 if name.endswith("_mc") else 3, group_m=group, raster_n=raster_n)
+    config = replace(native.NATIVE_CONFIGS[name], ctas=4 if name.endswith("_mc") else 3, group_m=group,
+                     raster_n=raster_n)
     native.run(GemmArgs(a, b, out), config)
     torch.cuda.synchronize()
     tol = _OUT_TOL[out_dtype]
@@ -376,14 +378,14 @@ def test_persistent_ctas_walk_many_tiles(name, family, raster_n, seeded):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", sorted(native.RUNGS))
+@pytest.mark.parametrize("name", sorted(native.NATIVE_CONFIGS))
 def test_alpha_beta(name, seeded):
     m, n, k = 727, 520, 208
     a, b = _operands(m, n, k, torch.bfloat16, False)
     c = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     big, out = _poisoned_out(m, n, torch.bfloat16)
     alpha, beta = 0.75, -1.5
-    native.run(GemmArgs(a, b, out), native.RUNGS[name], alpha=alpha, beta=beta, c=c)
+    native.run(GemmArgs(a, b, out), native.NATIVE_CONFIGS[name], alpha=alpha, beta=beta, c=c)
     torch.cuda.synchronize()
     ref = alpha * (a.double() @ b.double()) + beta * c.double()
     tol = _OUT_TOL[torch.bfloat16]
@@ -400,7 +402,7 @@ def test_beta_in_place_and_tensorwise_fp8(seeded):
     before = out.double().clone()
     sa = torch.tensor([0.25], device="cuda")
     sb = torch.tensor([3.0], device="cuda")
-    native.run(GemmArgs(a, b, out, sa, sb), native.RUNGS["cuda.persistent_coop"], beta=1.0, c=out)
+    native.run(GemmArgs(a, b, out, sa, sb), native.NATIVE_CONFIGS["cuda.persistent_coop"], beta=1.0, c=out)
     torch.cuda.synchronize()
     ref = (a.double() @ b.double()) * 0.75 + before
     _assert_close(out, ref, rtol=1e-5, atol=1e-3 + 0.75 * _fp8_accum_atol(a, b), what="fp8 tensor-wise, in-place beta")

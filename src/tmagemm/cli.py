@@ -227,7 +227,7 @@ def _tma_extras() -> dict:
     except ImportError as exc:
         extras["nvrtc"] = f"absent: tmagemm.jit not importable ({exc})"
         return extras
-    source = "gemm_sm90_seed.cu"
+    source = "gemm_sm90_one_warpgroup.cu"
     previous = os.environ.get("TMAGEMM_CACHE_DIR")
     try:
         with tempfile.TemporaryDirectory(prefix="tmagemm-nvrtc-") as cache:

@@ -1,6 +1,6 @@
 """Ahead-of-time compilation for sm_90a and a summary of what the compiler produced.
 
-This is the seed's PTX analysis as a tool: does the load path use ``cp.async`` (one 16-byte
+This is the seed write-ups' PTX analysis as a tool: does the load path use ``cp.async`` (one 16-byte
 copy per thread, addresses in registers) or ``cp.async.bulk.tensor`` (TMA: one thread issues a
 whole tile through a tensor map)? Does the math use ``wgmma`` (HGMMA/QGMMA in SASS) or the
 older ``mma.sync`` fed by ``ldmatrix``? How many registers, how much shared memory, any spills?

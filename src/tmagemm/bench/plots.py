@@ -1,4 +1,4 @@
-"""PNG figures of a benchmark result: TFLOP/s per provider (the seed's figure 1), speedup over
+"""PNG figures of a benchmark result: TFLOP/s per provider (the seed write-ups' figure 1), speedup over
 cuBLAS, and a roofline view. Uses matplotlib's Agg backend, so it runs headless."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 from .providers import main_peer
 from .results import OK, BenchResult, shape_key
 
-# Peers drawn dashed so our kernels stand out, as in the seed's figures.
+# Peers drawn dashed so our kernels stand out, as in the seed write-ups' figures.
 _PEER_STYLE = {"linestyle": "--", "alpha": 0.8}
 
 
@@ -30,7 +30,7 @@ def _pyplot():
 
 
 def _axis(records: list[dict[str, Any]]) -> tuple[str, list[tuple], list[str]]:
-    """How to lay shapes on the x axis: "m" (one N, K: the seed's M sweep), "square", or
+    """How to lay shapes on the x axis: "m" (one N, K: an M sweep), "square", or
     "category" (mixed shapes, one tick each). Returns (kind, shape keys in order, tick labels)."""
     keys = sorted({shape_key(r) for r in records})
     nk = {(n, k) for _, n, k, _ in keys}
@@ -93,7 +93,7 @@ def _line_plot(result: BenchResult, series: dict[str, dict[tuple, float]], ylabe
 
 
 def plot_tflops(result: BenchResult, path: Path) -> Path:
-    """TFLOP/s of every provider over the shapes (the seed's figure 1 for the sweep preset)."""
+    """TFLOP/s of every provider over the shapes (the seed write-ups' figure 1 for the sweep preset)."""
     return _line_plot(result, _series(result, "tflops"), "TFLOP/s (median, L2 flushed)", _title(result, "GEMM throughput"), path)
 
 

@@ -215,7 +215,7 @@ def _cublas_matmul(case: Case) -> Prepared:
 
 
 def _cublas_fp16_of_fp8(case: Case) -> Prepared:
-    """The seed's comparison: the same e4m3 values as fp16 (exact), cuBLAS fp16 GEMM."""
+    """The seed write-ups' comparison: the same e4m3 values as fp16 (exact), cuBLAS fp16 GEMM."""
     if case.dtype != "fp8":
         raise Unsupported("only compared against fp8 runs")
     if case.scale_a.numel() != 1 or case.scale_b.numel() != 1:
@@ -250,7 +250,7 @@ def peer_providers() -> list[Provider]:
     scaled_mm_absent = None if hasattr(torch, "_scaled_mm") else f"torch {torch.__version__} has no _scaled_mm"
     return [
         Provider("cublas", "peer", "torch", "cuBLAS via torch.matmul", ("bf16", "fp16"), _cublas_matmul),
-        Provider("cublas.fp16", "peer", "torch", "cuBLAS fp16 on the fp8 values (seed's comparison)", ("fp8",),
+        Provider("cublas.fp16", "peer", "torch", "cuBLAS fp16 on the fp8 values (exact in fp16)", ("fp8",),
                  _cublas_fp16_of_fp8),  # fmt: skip
         Provider("cublas.fp8", "peer", "torch", "cuBLAS via torch._scaled_mm, fast accumulation", ("fp8",),
                  _cublas_fp8(True), scaled_mm_absent),  # fmt: skip

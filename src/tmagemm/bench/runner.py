@@ -21,7 +21,7 @@ from .results import ABSENT, CHECKED, FAILED, OK, UNSUPPORTED, WRONG, BenchResul
 from .shapes import CHECK_SHAPES, Shape
 from .timing import Timer, copy_bandwidth_gbs, host_loop_us, matmul_peak_tflops
 
-# The seed's end-to-end number: a decode-sized GEMM where host overhead dominates.
+# The seed write-ups' end-to-end number: a decode-sized GEMM where host overhead dominates.
 HOST_LOOP_SHAPE = Shape(16, 4096, 4096)
 
 

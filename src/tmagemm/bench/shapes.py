@@ -1,4 +1,4 @@
-"""Problem shapes for the benchmark: the seed's M sweep, LLM projections, squares, custom lists."""
+"""Problem shapes for the benchmark: an M sweep at N = K = 4096, LLM projections, squares, custom lists."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ class Shape:
         return f"{base} {self.label}" if self.label else base
 
 
-# The seed's figures 1 and 10: M from a single token to a large batch at N = K = 4096.
+# The seed write-ups' figures 1 and 10: M from a single token to a large batch at N = K = 4096.
 SWEEP_M = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 # (label, N, K) of the dense projections of common open models, unsplit (tensor parallel = 1).

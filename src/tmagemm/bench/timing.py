@@ -141,7 +141,7 @@ class Timer:
 def host_loop_us(fn: Callable[[], object], calls: int = 200) -> float:
     """Per-call wall time of ``calls`` back-to-back calls with one sync at the end.
 
-    This is the seed's end-to-end number: it includes Python, argument checks, descriptor
+    This is the seed write-ups' end-to-end number: it includes Python, argument checks, descriptor
     creation and launch; when the GPU is the slower side it converges to the kernel time.
     """
     for _ in range(5):

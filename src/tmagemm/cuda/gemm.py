@@ -1,15 +1,15 @@
-"""Launchers of the native sm_90a GEMM ladder and its dispatch variants.
+"""Launchers of the native sm_90a GEMM kernels and their dispatch variants.
 
-Rungs (device code in ``gemm_sm90_*.cu``, shared pieces in ``include/tmagemm/gemm_sm90.cuh``;
+Variants (device code in ``gemm_sm90_*.cu``, shared pieces in ``include/tmagemm/gemm_sm90.cuh``;
 docs/native-gemm.md explains each and records what it is worth):
 
 =========================  =====================================================================
-cuda.seed                  1 warpgroup, 128x128x64 tile, thread 0 also issues TMA (seeds/004)
-cuda.ws                    producer + 2 consumer warpgroups, 128x256 tile, setmaxnreg
-cuda.persistent_coop       persistent ws, grouped static scheduler, both consumers per tile;
+cuda.one_warpgroup         1 warpgroup, 128x128x64 tile, thread 0 also issues TMA
+cuda.warp_specialized      producer + 2 consumer warpgroups, 128x256 tile, setmaxnreg
+cuda.persistent_coop       persistent warp-specialized, grouped static scheduler, both consumers per tile;
                            per-shape config from coop_config (the dispatcher's choice)
 cuda.persistent_coop_mc    the same on 2x1 clusters, B multicast by TMA to both CTAs
-cuda.persistent_pingpong   persistent ws, consumers alternate 128x128 tiles (epilogue hidden)
+cuda.persistent_pingpong   persistent warp-specialized, consumers alternate 128x128 tiles (epilogue hidden)
 cuda.persistent_pingpong_mc  the same on 2x1 clusters, B multicast by TMA to both CTAs
 =========================  =====================================================================
 
@@ -42,7 +42,8 @@ _ROW_BYTES = 128  # one k-block is one 128-byte swizzle row of A and B
 
 @dataclass(frozen=True)
 class NativeGemmConfig:
-    """One rung's launch shape. ``kernel``: "seed" | "ws" | "persistent"; ``pingpong`` picks the
+    """One native kernel's launch shape. ``kernel``: "one_warpgroup" | "warp_specialized" |
+    "persistent" (the source file and kernel it builds); ``pingpong`` picks the
     persistent consumer schedule; ``stages``: depth of the TMA ring; ``group_m``: rows of tiles
     per L2 group of the grouped order (columns of tiles with ``raster_n``); ``ctas``: persistent
     grid size (0 = one CTA per SM; tests use a few to make every CTA walk several tiles);
@@ -69,7 +70,7 @@ class NativeGemmConfig:
 
     @property
     def threads(self) -> int:
-        return 128 if self.kernel == "seed" else 384
+        return 128 if self.kernel == "one_warpgroup" else 384
 
     def stage_bytes(self) -> int:
         return (128 + self.block_n) * _ROW_BYTES
@@ -88,8 +89,8 @@ class NativeGemmConfig:
     def is_valid(self, out_itemsize: int) -> bool:
         """The one rule the launcher, defaults and tests use to accept a config."""
         tile_ok = {
-            "seed": self.block_n in (128,),
-            "ws": self.block_n in (128, 256),
+            "one_warpgroup": self.block_n in (128,),
+            "warp_specialized": self.block_n in (128, 256),
             "persistent": self.block_n in ((128,) if self.pingpong else (128, 256)),
         }.get(self.kernel, False)
         reuse_ok = self.kernel == "persistent" or self.stages * self.stage_bytes() >= 128 * self.block_n * out_itemsize
@@ -120,10 +121,10 @@ class NativeGemmConfig:
         return config
 
 
-# The ladder's default configs; stages are the most that fit with 16-bit output.
-RUNGS: dict[str, NativeGemmConfig] = {
-    "cuda.seed": NativeGemmConfig("seed", block_n=128, stages=3),
-    "cuda.ws": NativeGemmConfig("ws", block_n=256, stages=4),
+# Each native variant's default config; stages are the most that fit with 16-bit output.
+NATIVE_CONFIGS: dict[str, NativeGemmConfig] = {
+    "cuda.one_warpgroup": NativeGemmConfig("one_warpgroup", block_n=128, stages=3),
+    "cuda.warp_specialized": NativeGemmConfig("warp_specialized", block_n=256, stages=4),
     "cuda.persistent_coop": NativeGemmConfig("persistent", block_n=256, stages=4, epi_passes=4, epi_buffers=2),
     "cuda.persistent_coop_mc": NativeGemmConfig("persistent", block_n=256, stages=4, cluster_m=2, epi_passes=4,
                                                 epi_buffers=2),
@@ -131,7 +132,11 @@ RUNGS: dict[str, NativeGemmConfig] = {
     "cuda.persistent_pingpong_mc": NativeGemmConfig("persistent", block_n=128, stages=5, pingpong=True, cluster_m=2),
 }
 
-_SOURCES = {"seed": "gemm_sm90_seed.cu", "ws": "gemm_sm90_ws.cu", "persistent": "gemm_sm90_persistent.cu"}
+_SOURCES = {
+    "one_warpgroup": "gemm_sm90_one_warpgroup.cu",
+    "warp_specialized": "gemm_sm90_warp_specialized.cu",
+    "persistent": "gemm_sm90_persistent.cu",
+}
 
 
 class _Params(ctypes.Structure):
@@ -216,7 +221,7 @@ def _defines(config: NativeGemmConfig, ab_dtype: torch.dtype, out_dtype: torch.d
 
 
 def compile_module(config: NativeGemmConfig, ab_dtype: torch.dtype, out_dtype: torch.dtype, b_k_major: bool):
-    """The NVRTC module of one rung variant (no GPU needed; tests inspect its SASS)."""
+    """The NVRTC module of one native config (no GPU needed; tests inspect its SASS)."""
     from .. import jit
 
     config = config.fitted(out_dtype.itemsize)
@@ -326,7 +331,7 @@ def run(
     element of c is read before the tile holding it is written).
     """
     with on_device(args.out.device):
-        _Launch(args, config or RUNGS["cuda.ws"], alpha, beta, c).operands(*args.operands, c)
+        _Launch(args, config or NATIVE_CONFIGS["cuda.warp_specialized"], alpha, beta, c).operands(*args.operands, c)
 
 
 # ------------------------------------------------------------------------------------ heuristic
@@ -370,8 +375,8 @@ def coop_config(
     promote = ab_itemsize == 1 and not fast_accum
     min_m, min_n, min_k = _PINGPONG_FP8_MIN
     if not promote and ab_itemsize == 1 and m >= min_m and n >= min_n and k >= min_k:
-        return RUNGS["cuda.persistent_pingpong"]
-    config = _COOP_PROMOTE if promote else RUNGS["cuda.persistent_coop"]
+        return NATIVE_CONFIGS["cuda.persistent_pingpong"]
+    config = _COOP_PROMOTE if promote else NATIVE_CONFIGS["cuda.persistent_coop"]
     tiles = -(-m // 128) * -(-n // config.block_n)
     if not promote and 2 * tiles <= sms and -(-m // 128) * -(-n // _COOP_N128.block_n) > tiles:
         return _COOP_N128
@@ -384,7 +389,7 @@ def coop_config(
 
 
 def _variant(name: str, description: str) -> Variant:
-    default = RUNGS[name]
+    default = NATIVE_CONFIGS[name]
     per_shape = name == "cuda.persistent_coop"  # the dispatcher's choice at large M: per-shape configs
 
     def supports(args: GemmArgs) -> str | None:
@@ -415,12 +420,12 @@ _AOT_FAMILIES = {
 def aot_source(name: str, dtype: str = "fp8") -> tuple[str, dict[str, int]]:
     """(source file under tmagemm/cuda, NVRTC defines) of native variant ``name`` with its
     default config, for ``tmagemm inspect`` (tmagemm.inspection.native_source)."""
-    if name not in RUNGS:
-        raise ValueError(f"unknown native variant {name!r}; known: {sorted(RUNGS)}")
+    if name not in NATIVE_CONFIGS:
+        raise ValueError(f"unknown native variant {name!r}; known: {sorted(NATIVE_CONFIGS)}")
     if dtype not in _AOT_FAMILIES:
         raise ValueError(f"dtype must be one of {sorted(_AOT_FAMILIES)}, got {dtype!r}")
     ab, out, k_major = _AOT_FAMILIES[dtype]
-    config = RUNGS[name]
+    config = NATIVE_CONFIGS[name]
     return _SOURCES[config.kernel], _defines(config, ab, out, k_major)
 
 
@@ -431,11 +436,12 @@ VARIANTS = [
         "cuda.persistent_coop",
         "native persistent WS, per-shape config (coop_config): cooperative 128x256 tiles, 4 stages, "
         "balanced grid for short K; ping-pong for large fp8; 128x128 tiles with fp32 promotion for fp8 "
-        "without fast accumulation (rung 3)",
+        "without fast accumulation",
     ),
-    _variant("cuda.ws", "native warp-specialized TMA + wgmma, 128x256 tiles, setmaxnreg (rung 2)"),
-    _variant("cuda.persistent_pingpong", "native persistent WS, ping-pong consumers, 128x128 tiles (rung 3)"),
-    _variant("cuda.seed", "native seed TMA + wgmma, one warpgroup, 128x128 tiles, 3 stages (rung 1)"),
-    _variant("cuda.persistent_coop_mc", "native persistent WS, cooperative, 2x1 clusters with B multicast (rung 3)"),
-    _variant("cuda.persistent_pingpong_mc", "native persistent WS, ping-pong, 2x1 clusters with B multicast (rung 3)"),
+    _variant("cuda.warp_specialized", "native warp-specialized TMA + wgmma, 128x256 tiles, setmaxnreg"),
+    _variant("cuda.persistent_pingpong", "native persistent WS, ping-pong consumers, 128x128 tiles"),
+    _variant("cuda.one_warpgroup", "native TMA + wgmma, one warpgroup (thread 0 also issues TMA), 128x128 tiles, "
+             "3 stages"),
+    _variant("cuda.persistent_coop_mc", "native persistent WS, cooperative, 2x1 clusters with B multicast"),
+    _variant("cuda.persistent_pingpong_mc", "native persistent WS, ping-pong, 2x1 clusters with B multicast"),
 ]

@@ -1,4 +1,4 @@
-// Rung 1 of the native GEMM ladder: the seed design (docs/native-gemm.md).
+// One-warpgroup TMA + wgmma GEMM, the design of the seed write-ups (seeds/004); docs/native-gemm.md.
 //
 // One warpgroup (128 threads) per 128 x BLOCK_N output tile. Thread 0 doubles as the TMA
 // producer: it keeps STAGES k-blocks in flight, refilling a stage as soon as every consumer
@@ -20,8 +20,10 @@ static_assert(kBlockN <= 128, "one warpgroup holds 128 x BLOCK_N fp32 accumulato
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
-    tmagemm_gemm_sm90_seed(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                           const __grid_constant__ CUtensorMap map_d, const __grid_constant__ Params params) {
+    tmagemm_gemm_sm90_one_warpgroup(const __grid_constant__ CUtensorMap map_a,
+                                    const __grid_constant__ CUtensorMap map_b,
+                                    const __grid_constant__ CUtensorMap map_d,
+                                    const __grid_constant__ Params params) {
   // ---- shared-memory plan: STAGES x [A 128 x 128 B | B BLOCK_N x 128 B], 1 KB aligned -------
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = aligned_smem(smem_raw);

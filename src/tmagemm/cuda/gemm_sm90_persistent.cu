@@ -1,4 +1,4 @@
-// Rung 3 of the native GEMM ladder: persistent warp-specialized kernels (docs/native-gemm.md).
+// Persistent warp-specialized GEMM kernels, cooperative and ping-pong (docs/native-gemm.md).
 //
 // One CTA per SM walks the tiles blockIdx.x, blockIdx.x + gridDim.x, ... in grouped order, so
 // the producer streams the next tile's k-blocks while the consumers run the current tile's
@@ -51,7 +51,7 @@ constexpr int kEpiBytesPerConsumer = kFrags * kFragBytes / kEpiPasses * kEpiBuff
 // cooperative schedule, the tile's owner in ping-pong) of every CTA whose TMA writes into it.
 // The producer's wait on `empty` needs no cluster-scope acquire either (that one invalidates L1):
 // it only orders its next TMA write after reads that are already complete.
-constexpr int kReadersPerCta = kPingPong ? 1 : kWsConsumers;
+constexpr int kReadersPerCta = kPingPong ? 1 : kConsumerWarpgroups;
 constexpr int kStageReaders = kCluster * kReadersPerCta;
 // Named barriers: 0 is __syncthreads; 1 + i private to consumer i; 3 and 4 order the mainloops
 // of consumer 0 -> 1 and 1 -> 0 (ping-pong only).
@@ -60,7 +60,7 @@ constexpr int kBarTurnTo1 = 3;
 constexpr int kBarTurnTo0 = 4;
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(kWsThreads, 1)
+extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
     tmagemm_gemm_sm90_persistent(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                                  const __grid_constant__ CUtensorMap map_d, const __grid_constant__ Params params) {
   // ---- shared-memory plan: STAGES x [A | B] ring, then one epilogue buffer per consumer ------
@@ -130,7 +130,7 @@ extern "C" __global__ void __launch_bounds__(kWsThreads, 1)
   PipelineState read;
   // Ping-pong: consumer 1 starts at the second tile's first k-block; both skip the other's tiles.
   const int first = kPingPong ? consumer : 0;
-  const int step = kPingPong ? kWsConsumers : 1;
+  const int step = kPingPong ? kConsumerWarpgroups : 1;
   if (kPingPong && consumer == 1)
     for (int kt = 0; kt < k_tiles; ++kt) read.advance();
 

@@ -1,11 +1,11 @@
-// Rung 2 of the native GEMM ladder: warp specialization (docs/native-gemm.md).
+// Warp-specialized TMA + wgmma GEMM: a producer warpgroup and two consumers (docs/native-gemm.md).
 //
 // Three warpgroups per 128 x BLOCK_N tile (BLOCK_N = 256 by default). Warpgroup 0 is the
 // producer: it gives most of its registers back (setmaxnreg.dec) and one thread only issues
 // TMA, so loads never wait behind math. Warpgroups 1 and 2 are consumers with the registers
 // the producer released (setmaxnreg.inc): each owns 64 rows and issues one m64n256k16 (or k32
 // for e4m3) wgmma per 32-byte K step, which reads B from shared memory once per 64 x 256
-// product instead of twice for the seed's 2 x m64n128. Stores go through swizzled shared
+// product instead of twice for the one-warpgroup kernel's 2 x m64n128. Stores go through swizzled shared
 // memory and TMA, one warpgroup at a time.
 #include "tmagemm/gemm_sm90.cuh"
 
@@ -14,15 +14,18 @@ using namespace tmagemm::gemm;
 
 namespace {
 // The epilogue stages each consumer's 64 x BLOCK_N fragment in the (then idle) operand ring.
-static_assert(kStages * kStageBytes >= kWsConsumers * kFragBytes, "operand ring too small to stage the output tile");
+static_assert(kStages * kStageBytes >= kConsumerWarpgroups * kFragBytes,
+              "operand ring too small to stage the output tile");
 // Named barriers: 0 is __syncthreads, 1 spans both consumers, 2 + i is consumer i alone.
 constexpr int kBarConsumers = 1;
 constexpr int kBarConsumer0 = 2;
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(kWsThreads, 1)
-    tmagemm_gemm_sm90_ws(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                         const __grid_constant__ CUtensorMap map_d, const __grid_constant__ Params params) {
+extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
+    tmagemm_gemm_sm90_warp_specialized(const __grid_constant__ CUtensorMap map_a,
+                                       const __grid_constant__ CUtensorMap map_b,
+                                       const __grid_constant__ CUtensorMap map_d,
+                                       const __grid_constant__ Params params) {
   // ---- shared-memory plan: STAGES x [A 128 x 128 B | B BLOCK_N x 128 B], 1 KB aligned -------
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = aligned_smem(smem_raw);
@@ -34,7 +37,7 @@ extern "C" __global__ void __launch_bounds__(kWsThreads, 1)
   const int warpgroup = threadIdx.x / 128;
 
   // ---- descriptor prefetch, barrier init + fence + sync ------------------------------------
-  if (threadIdx.x == 0) init_pipeline(full, empty, kWsConsumers, &map_a, &map_b, &map_d);
+  if (threadIdx.x == 0) init_pipeline(full, empty, kConsumerWarpgroups, &map_a, &map_b, &map_d);
   __syncthreads();
 
   if (warpgroup == 0) {
@@ -89,7 +92,7 @@ extern "C" __global__ void __launch_bounds__(kWsThreads, 1)
 
   // ---- epilogue ---------------------------------------------------------------------------------
   // The other consumer may still be reading the ring with wgmma: wait for both before reusing it.
-  named_barrier_sync(kBarConsumers, 128 * kWsConsumers);
+  named_barrier_sync(kBarConsumers, 128 * kConsumerWarpgroups);
   const bool leader = threadIdx.x % 128 == 0;
   epilogue_fragment<kBlockN>(acc, smem + consumer * kFragBytes, &map_d, tile.m0 + 64 * consumer, tile.n0, params, op,
                              kBarConsumer0 + consumer, leader);

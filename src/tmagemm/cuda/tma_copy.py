@@ -1,6 +1,6 @@
 """Launchers for ``tma_copy.cu``: elementwise op on TMA tiles, the layout probe, pipelined copy.
 
-These kernels exist to show and check TMA itself: the elementwise kernel generalises the seed's
+These kernels exist to show and check TMA itself: the elementwise kernel generalises the seed write-ups'
 "load a tile, add in shared memory, store" to several dtypes and every swizzle mode; the probe
 returns the exact shared-memory bytes of one TMA load so tests can compare them with
 :func:`tmagemm.tma.swizzle_offset`; the copy kernel measures TMA throughput.

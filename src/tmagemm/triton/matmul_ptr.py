@@ -1,7 +1,7 @@
 """The pre-Hopper baseline: the same tiling as the TMA kernel, with pointer loads and masks.
 
 Every thread computes addresses and issues its own (cp.async) loads, which is what the seed
-compares TMA against. It also takes every input TMA cannot describe (unaligned base or leading
+write-ups compare TMA against. It also takes every input TMA cannot describe (unaligned base or leading
 stride, e.g. K*itemsize % 16 != 0, or arbitrary strided views), so it masks all three dims.
 """
 

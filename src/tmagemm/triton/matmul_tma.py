@@ -2,7 +2,7 @@
 
 One program per output tile, in grouped (L2-friendly) order. A and B tiles arrive through host
 ``TensorDescriptor``s passed by value (no per-call host-to-device descriptor copy, the cost the
-seed measured); Triton software-pipelines the K loop over ``num_stages`` TMA buffers.
+seed write-ups measured); Triton software-pipelines the K loop over ``num_stages`` TMA buffers.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def tma_gemm_kernel(
     if DEVICE_DESC:
         # a_desc / b_desc are base pointers: each program encodes its own tensor maps in a
         # global scratch slot, so the host launches with plain pointers and encodes nothing
-        # (host-side encoding per call is what made the seed's end-to-end latency explode).
+        # (host-side encoding per call is what made the seed write-ups' end-to-end latency explode).
         a_desc = device_descriptor(a_desc, M, K, lead_a, A_ROW_MAJOR, BLOCK_M, BLOCK_K)
         b_desc = device_descriptor(b_desc, K, N, lead_b, B_ROW_MAJOR, BLOCK_K, BLOCK_N)
         if TMA_STORE:

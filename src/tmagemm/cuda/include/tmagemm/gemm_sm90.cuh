@@ -1,4 +1,4 @@
-// Pieces shared by the sm_90a GEMM rungs (gemm_sm90_seed.cu, gemm_sm90_ws.cu,
+// Pieces shared by the sm_90a GEMM kernels (gemm_sm90_one_warpgroup.cu, gemm_sm90_warp_specialized.cu,
 // gemm_sm90_persistent.cu): compile-time problem types, kernel parameters, the pipeline
 // stage/phase helper, grouped tile order, the TMA producer step, the wgmma consumer step and
 // the epilogue (alpha/scales/bias/beta*C in registers -> swizzled smem -> TMA store).
@@ -49,14 +49,15 @@ constexpr int kStageBytes = kStageBytesA + kStageBytesB;
 // thread, kFragBytes once converted to the output type.
 constexpr int kAccRegs = kBlockN / 2;
 constexpr int kFragBytes = 64 * kBlockN * kOutBytes;
-// Warp-specialized rungs (ws, persistent): one producer warpgroup and kWsConsumers consumers.
+// Warp-specialized kernels (warp_specialized, persistent): one producer warpgroup and
+// kConsumerWarpgroups consumers.
 // 65536 registers / 384 threads = 168 each at launch; the producer gives back down to 40 so each
 // consumer thread can hold 128 fp32 accumulators plus addressing and the epilogue.
-constexpr int kWsConsumers = 2;
-constexpr int kWsThreads = 128 * (1 + kWsConsumers);
+constexpr int kConsumerWarpgroups = 2;
+constexpr int kWarpSpecializedThreads = 128 * (1 + kConsumerWarpgroups);
 constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;
-static_assert(128 * kProducerRegs + 128 * kWsConsumers * kConsumerRegs <= 65536, "register file");
+static_assert(128 * kProducerRegs + 128 * kConsumerWarpgroups * kConsumerRegs <= 65536, "register file");
 // Epilogue tiles are staged as 64-row chunks one 128-byte swizzle row wide, which is also the
 // TMA store box: 64 columns of 16-bit output or 32 of fp32.
 constexpr int kEpiCols = kRowBytes / kOutBytes;
