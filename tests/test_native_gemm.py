@@ -24,6 +24,9 @@ from tmagemm.plan import GemmArgs
 FP8 = torch.float8_e4m3fn
 
 # (a/b dtype, out dtype, B K-major): the families the launcher can build.
+# Every native config a plain (tensor/row-scaled or unscaled) problem can use.
+PLAIN = sorted(name for name, config in native.NATIVE_CONFIGS.items() if not config.block_scaled)
+
 FAMILIES = [
     (torch.bfloat16, torch.bfloat16, True),
     (torch.float16, torch.float16, False),
@@ -55,11 +58,14 @@ needs_nvrtc = pytest.mark.skipif(_nvrtc_reason() is not None, reason=str(_nvrtc_
 
 
 def test_params_struct_matches_device_layout():
-    # gemm_sm90.cuh: 4 int + 2 float, 6 x 8-byte fields, 4 int = 80 bytes, pointers 8-aligned.
-    assert ctypes.sizeof(native._Params) == 80
+    # gemm_sm90.cuh: 4 int + 2 float, 6 x 8-byte fields, 4 int, then the block scales' 2 pointers
+    # and 4 strides = 128 bytes, pointers 8-aligned.
+    assert ctypes.sizeof(native._Params) == 128
     assert native._Params.c.offset == 24
     assert native._Params.bias.offset == 56
     assert native._Params.scale_a_rowwise.offset == 64
+    assert native._Params.block_scale_a.offset == 80
+    assert native._Params.block_scale_b_k.offset == 120
 
 
 @pytest.mark.parametrize("name", sorted(native.NATIVE_CONFIGS))
@@ -194,7 +200,7 @@ def _count(sass: str, op: str) -> int:
 
 @needs_nvrtc
 @pytest.mark.parametrize("family", FAMILIES, ids=_family_id)
-@pytest.mark.parametrize("name", sorted(native.NATIVE_CONFIGS))
+@pytest.mark.parametrize("name", PLAIN)
 def test_variant_builds_for_sm90a(name, family):
     from tmagemm import jit
 
@@ -321,7 +327,7 @@ SHAPES = [(1, 264, 144), (17, 72, 336), (727, 520, 208), (300, 1000, 1104)]
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("family", FAMILIES, ids=_family_id)
-@pytest.mark.parametrize("name", sorted(native.NATIVE_CONFIGS))
+@pytest.mark.parametrize("name", PLAIN)
 def test_variant_matches_float64(name, family, shape, seeded):
     ab, out_dtype, k_major = family
     m, n, k = shape
@@ -378,7 +384,7 @@ def test_persistent_ctas_walk_many_tiles(name, family, raster_n, seeded):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", sorted(native.NATIVE_CONFIGS))
+@pytest.mark.parametrize("name", PLAIN)
 def test_alpha_beta(name, seeded):
     m, n, k = 727, 520, 208
     a, b = _operands(m, n, k, torch.bfloat16, False)
@@ -490,3 +496,83 @@ def test_unaligned_stride_is_refused():
     b = torch.randn(70, 64, device="cuda", dtype=torch.bfloat16)
     args = GemmArgs(a, b, torch.empty(64, 64, device="cuda", dtype=torch.bfloat16))
     assert "multiple of 16" in native.VARIANTS[0].supports(args)
+
+
+# ------------------------------------------------------------------------------- block-scaled fp8
+
+
+@needs_nvrtc
+def test_block_scaled_builds_for_sm90a():
+    """The promoting mainloop with scales: the same four fp8 wgmmas per stage, no spills, and no
+    serialized wgmma (ptxas warns when the scale loads would force it)."""
+    from tmagemm import jit
+
+    config = native.NATIVE_CONFIGS["cuda.blockscaled"]
+    module = native.compile_module(config, FP8, torch.bfloat16, True)
+    sass = jit.sass(module.cubin)
+    assert _count(sass, "QGMMA") == 4
+    assert "64x128x32" in sass
+    usage = jit.resource_usage(module.cubin, native.kernel_name(config))
+    assert usage.local_bytes == 0 and usage.stack_bytes == 0, usage
+    assert "serialized" not in module.log
+    assert not native.NATIVE_CONFIGS["cuda.blockscaled"].__class__(
+        "persistent", block_n=128, stages=6, block_scaled=True).is_valid(2), "scales need the promoting mainloop"
+
+
+def _block_operands(m, n, k, device="cuda"):
+    kb, nb = -(-k // 128), -(-n // 128)
+    a = (torch.randn(m, k, device=device) * 4).to(FP8)
+    w = (torch.randn(n, k, device=device) * 4).to(FP8)
+    # Scales across 1e-6..1e4, as checkpoints with outlier blocks have them.
+    sa = 10 ** (torch.rand(m, kb, device=device) * 10 - 6)
+    sb = 10 ** (torch.rand(nb, kb, device=device) * 4 - 2)
+    return a, w, sa, sb
+
+
+def _block_reference(a, w, sa, sb):
+    kb = torch.arange(a.shape[1], device=a.device) // 128
+    rows = torch.arange(w.shape[0], device=a.device) // 128
+    return (a.double() * sa.double()[:, kb]) @ (w.double() * sb.double()[rows][:, kb]).t()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(1, 2112, 576), (17, 520, 7168), (727, 2112, 576), (300, 1000, 1104)])
+@pytest.mark.parametrize("scale_layout", ["row-major", "outer-dim-major"])
+def test_block_scaled_matches_float64(m, n, k, scale_layout, seeded):
+    from tmagemm.plan import Scaling
+
+    a, w, sa, sb = _block_operands(m, n, k)
+    if scale_layout == "outer-dim-major":
+        sa = sa.t().contiguous().t()
+    big, out = _poisoned_out(m, n, torch.float32)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    args = GemmArgs(a, w.t(), out, sa, sb, bias, True, (Scaling.BLOCK_1X128, Scaling.BLOCK_128X128))
+    variant = next(v for v in native.VARIANTS if v.name == "cuda.blockscaled")
+    assert variant.supports(args) is None, variant.supports(args)
+    variant.build(args)(args)
+    torch.cuda.synchronize()
+    ref = _block_reference(a, w, sa, sb) + bias.double()
+    # Each k-block's sum is exact products added by wgmma (fp8 adder, ~2^-14 relative on 128
+    # terms), then scaled and added in fp32.
+    kb = torch.arange(k, device="cuda") // 128
+    magnitude = (a.double().abs() * sa.double()[:, kb]) @ (w.double().abs() * sb.double()[torch.arange(n, device="cuda") // 128][:, kb]).t()
+    _assert_close(out, ref, rtol=1e-5, atol=2.0**-12 * magnitude + 1e-6, what=f"block-scaled {m}x{n}x{k}")
+    _check_untouched(big, m, n)
+
+
+@pytest.mark.gpu
+def test_block_scaled_refusals():
+    from tmagemm.plan import Scaling
+
+    a, w, sa, sb = _block_operands(16, 256, 512)
+    out = torch.empty(16, 256, device="cuda", dtype=torch.bfloat16)
+    variant = next(v for v in native.VARIANTS if v.name == "cuda.blockscaled")
+    per_channel = torch.ones(256, 4, device="cuda")
+    reason = variant.supports(GemmArgs(a, w.t(), out, sa, per_channel, None, True,
+                                       (Scaling.BLOCK_1X128, Scaling.BLOCK_1X128)))
+    assert "128x128 scales for b" in reason
+    assert "block-scaled kernels only" not in (variant.supports(GemmArgs(a, w.t(), out, sa, sb, None, True,
+                                                                         (Scaling.BLOCK_1X128, Scaling.BLOCK_128X128))) or "")
+    plain = next(v for v in native.VARIANTS if v.name == "cuda.persistent_coop")
+    assert "block-scaled kernels only" in plain.supports(GemmArgs(a, w.t(), out, sa, sb, None, True,
+                                                                  (Scaling.BLOCK_1X128, Scaling.BLOCK_128X128)))

@@ -242,7 +242,7 @@ def preference(args: GemmArgs) -> tuple[str, ...]:
     - block-scaled fp8 (1x128 x 128x128): the block-scaled kernel.
     """
     if args.block_scaling is not None:
-        return ("triton.blockscaled",)
+        return ("cuda.blockscaled", "triton.blockscaled")
     tma = ("triton.tma", "triton.tma_device")
     if _splitk_first(args):
         return ("triton.splitk", *tma, "triton.persistent", "triton.ptr")

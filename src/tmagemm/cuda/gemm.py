@@ -32,7 +32,7 @@ import torch
 from .. import device as _device
 from .. import tma
 from ..jit.runtime import stream_getter
-from ..plan import GemmArgs, Plan, Variant, on_device
+from ..plan import GemmArgs, Plan, Scaling, Variant, on_device
 from ..tma import MapsByAddress, params_for_tensor
 
 _AB_TYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
@@ -53,8 +53,9 @@ class NativeGemmConfig:
     buffers, so staging takes ``epi_buffers / epi_passes`` of the tile (2 passes x 1 buffer or 4 x
     2 leave room for a 4th ring stage); ``promote``: fp8 with fp32-promoted accumulation (each
     k-block's wgmma sum is added into fp32 registers: the ``use_fast_accum=False`` semantics),
-    persistent cooperative 128x128 tiles without clusters only. Block M is always 128 and block K
-    one 128-byte row."""
+    persistent cooperative 128x128 tiles without clusters only; ``block_scaled``: the promoting
+    mainloop also multiplies each k-block's sum by its 1x128 activation and 128x128 weight scales
+    (fp8 block-scaled checkpoints). Block M is always 128 and block K one 128-byte row."""
 
     kernel: str
     block_n: int
@@ -67,6 +68,7 @@ class NativeGemmConfig:
     epi_buffers: int = 1
     raster_n: bool = False
     promote: bool = False
+    block_scaled: bool = False
 
     @property
     def threads(self) -> int:
@@ -110,6 +112,7 @@ class NativeGemmConfig:
             # promotion's scratch fragments fit the registers beside 64 accumulators only
             and (not self.promote or (self.kernel == "persistent" and not self.pingpong and self.block_n == 128
                                       and self.cluster_m == 1))
+            and (not self.block_scaled or self.promote)  # scales ride on the promotion step
             and self.smem_bytes(out_itemsize) + 256 <= _device.SM90_SMEM_PER_BLOCK
         )
 
@@ -158,6 +161,12 @@ class _Params(ctypes.Structure):
         ("scale_b_colwise", ctypes.c_int32),
         ("bias_type", ctypes.c_int32),
         ("raster_n", ctypes.c_int32),
+        ("block_scale_a", ctypes.c_void_p),
+        ("block_scale_b", ctypes.c_void_p),
+        ("block_scale_a_m", ctypes.c_int64),
+        ("block_scale_a_k", ctypes.c_int64),
+        ("block_scale_b_n", ctypes.c_int64),
+        ("block_scale_b_k", ctypes.c_int64),
     ]
 
 
@@ -174,8 +183,13 @@ def unsupported_reason(args: GemmArgs, config: NativeGemmConfig) -> str | None:
         return f"out dtype {args.out.dtype} not supported (bf16, fp16, fp32)"
     if args.k == 0 or args.m == 0 or args.n == 0:
         return "zero-size problems are handled before dispatch"
-    if args.block_scaling is not None:
+    if args.block_scaling is not None and not config.block_scaled:
         return "block scales (1x128 / 128x128) are applied by the block-scaled kernels only"
+    if config.block_scaled:
+        if args.block_scaling != (Scaling.BLOCK_1X128, Scaling.BLOCK_128X128):
+            return "the native block-scaled kernel takes 1x128 scales for a and 128x128 scales for b"
+        if args.a.dtype != torch.float8_e4m3fn:
+            return f"block-scaled a must be float8_e4m3fn, got {args.a.dtype}"
     if max(args.m, args.n, args.k) >= 2**31:
         return "dimensions must fit in int32"
     if args.bias is not None and args.bias.dtype not in _OUT_TYPES:
@@ -217,6 +231,7 @@ def _defines(config: NativeGemmConfig, ab_dtype: torch.dtype, out_dtype: torch.d
         defines["TMAGEMM_EPI_PASSES"] = config.epi_passes
         defines["TMAGEMM_EPI_BUFFERS"] = config.epi_buffers
         defines["TMAGEMM_PROMOTE"] = int(config.promote)
+        defines["TMAGEMM_BLOCK_SCALED"] = int(config.block_scaled)
     return defines
 
 
@@ -275,8 +290,13 @@ class _Launch:
         params.m, params.n, params.k, params.group_m = args.m, args.n, args.k, config.group_m
         params.alpha, params.beta = float(alpha), float(beta)
         params.ldc = c.stride(0) if beta != 0.0 else 0
-        params.scale_a_rowwise = int(args.scale_a is not None and args.scale_a.numel() != 1)
-        params.scale_b_colwise = int(args.scale_b is not None and args.scale_b.numel() != 1)
+        self._block = config.block_scaled
+        if self._block:  # the mainloop reads the 2-D block scales through their strides
+            params.block_scale_a_m, params.block_scale_a_k = args.scale_a.stride()
+            params.block_scale_b_n, params.block_scale_b_k = args.scale_b.stride()
+        else:
+            params.scale_a_rowwise = int(args.scale_a is not None and args.scale_a.numel() != 1)
+            params.scale_b_colwise = int(args.scale_b is not None and args.scale_b.numel() != 1)
         params.bias_type = _OUT_TYPES[args.bias.dtype] if args.bias is not None else 0
         params.raster_n = int(config.raster_n)
         self._uses_c = beta != 0.0
@@ -311,8 +331,11 @@ class _Launch:
             pointers[1] = self._maps[1].get(b.data_ptr()).address
             pointers[2] = self._maps[2].get(out.data_ptr()).address
             params.c = c.data_ptr() if self._uses_c else None
-            params.scale_a = scale_a.data_ptr() if scale_a is not None else None
-            params.scale_b = scale_b.data_ptr() if scale_b is not None else None
+            if self._block:
+                params.block_scale_a, params.block_scale_b = scale_a.data_ptr(), scale_b.data_ptr()
+            else:
+                params.scale_a = scale_a.data_ptr() if scale_a is not None else None
+                params.scale_b = scale_b.data_ptr() if scale_b is not None else None
             params.bias = bias.data_ptr() if bias is not None else None
             self._launch(self._stream(self._device_index))
 
@@ -350,6 +373,8 @@ _COOP_N128 = NativeGemmConfig("persistent", block_n=128, stages=6)
 # fp8 with use_fast_accum=False: the same tiles with per-k-block fp32 promotion (registers allow
 # it beside 128-wide tiles only).
 _COOP_PROMOTE = replace(_COOP_N128, promote=True)
+# Block-scaled fp8: the promoting tiles, scaling each k-block's sum as it is added.
+NATIVE_CONFIGS["cuda.blockscaled"] = replace(_COOP_PROMOTE, block_scaled=True)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -390,17 +415,21 @@ def coop_config(
 
 def _variant(name: str, description: str) -> Variant:
     default = NATIVE_CONFIGS[name]
-    per_shape = name == "cuda.persistent_coop"  # the dispatcher's choice at large M: per-shape configs
+    # The dispatcher's choices get per-shape configs (grid balance, tile width, promotion).
+    per_shape = name in ("cuda.persistent_coop", "cuda.blockscaled")
 
     def supports(args: GemmArgs) -> str | None:
-        return unsupported_reason(args, _COOP_PROMOTE if per_shape and args.is_fp8 and not args.fast_accum else default)
+        promoting = name == "cuda.persistent_coop" and args.is_fp8 and not args.fast_accum
+        return unsupported_reason(args, _COOP_PROMOTE if promoting else default)
 
     def build(args: GemmArgs, config: NativeGemmConfig | None = None) -> Plan:
         if config is None:
             config = default
             if per_shape:
+                block = default.block_scaled
                 config = coop_config(args.m, args.n, args.k, args.a.element_size(), tma.b_is_k_major(args.b),
-                                     _device.sm_count(args.out.get_device()), args.fast_accum)
+                                     _device.sm_count(args.out.get_device()), args.fast_accum and not block)
+                config = replace(config, block_scaled=block)
         return _Launch(args, config).plan(name)
 
     return Variant(name=name, backend="cuda", description=description, supports=supports, build=build)
@@ -438,6 +467,8 @@ VARIANTS = [
         "balanced grid for short K; ping-pong for large fp8; 128x128 tiles with fp32 promotion for fp8 "
         "without fast accumulation",
     ),
+    _variant("cuda.blockscaled", "native persistent WS, fp8 with 1x128 activation and 128x128 weight scales "
+             "applied as each k-block's sum is promoted into fp32 (cooperative 128x128 tiles)"),
     _variant("cuda.warp_specialized", "native warp-specialized TMA + wgmma, 128x256 tiles, setmaxnreg"),
     _variant("cuda.persistent_pingpong", "native persistent WS, ping-pong consumers, 128x128 tiles"),
     _variant("cuda.one_warpgroup", "native TMA + wgmma, one warpgroup (thread 0 also issues TMA), 128x128 tiles, "

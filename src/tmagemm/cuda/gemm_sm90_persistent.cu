@@ -19,8 +19,8 @@
 #include "tmagemm/gemm_sm90.cuh"
 
 #if !defined(TMAGEMM_PINGPONG) || !defined(TMAGEMM_CLUSTER_M) || !defined(TMAGEMM_EPI_PASSES) || \
-    !defined(TMAGEMM_EPI_BUFFERS) || !defined(TMAGEMM_PROMOTE)
-#error "gemm_sm90_persistent.cu needs TMAGEMM_PINGPONG (0 cooperative, 1 ping-pong), TMAGEMM_CLUSTER_M (1, 2), TMAGEMM_EPI_PASSES, TMAGEMM_EPI_BUFFERS, TMAGEMM_PROMOTE (0, 1)"
+    !defined(TMAGEMM_EPI_BUFFERS) || !defined(TMAGEMM_PROMOTE) || !defined(TMAGEMM_BLOCK_SCALED)
+#error "gemm_sm90_persistent.cu needs TMAGEMM_PINGPONG (0 cooperative, 1 ping-pong), TMAGEMM_CLUSTER_M (1, 2), TMAGEMM_EPI_PASSES, TMAGEMM_EPI_BUFFERS, TMAGEMM_PROMOTE (0, 1), TMAGEMM_BLOCK_SCALED (0, 1)"
 #endif
 
 using namespace tmagemm;
@@ -40,6 +40,13 @@ static_assert(kFrags * kAccRegs <= 128, "a consumer holds at most 128 fp32 accum
 constexpr bool kPromote = TMAGEMM_PROMOTE != 0;
 static_assert(!kPromote || (kAbType == wgmma::kE4M3 && !kPingPong && kAccRegs == 64),
               "promotion: fp8, cooperative schedule, BLOCK_N = 128");
+// TMAGEMM_BLOCK_SCALED = 1 (fp8 with 1x128 activation scales and 128x128 weight scales): the
+// promotion step multiplies each k-block's sum by its scales as it adds it, acc += part * sa[row]
+// * sb[block]. A k-block is one scale block (128 e4m3 of K) and a tile's 128 columns one weight
+// block, so a thread needs three floats per k-block: its two rows' sa and the tile's sb.
+constexpr bool kBlockScaled = TMAGEMM_BLOCK_SCALED != 0;
+static_assert(!kBlockScaled || (kPromote && kBlockN == 128 && kCluster == 1),
+              "block scaling rides on the promoting mainloop: BLOCK_N = 128, no clusters");
 // Cooperative: the output fragment is staged in TMAGEMM_EPI_PASSES column slices through
 // TMAGEMM_EPI_BUFFERS slice buffers. Staging less than the fragment buys a 4th ring stage for
 // 128x256 tiles; two buffers let a slice be written while the previous one is still being stored.
@@ -147,8 +154,26 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
     if (kPingPong && i > 0) named_barrier_sync(consumer == 0 ? kBarTurnTo0 : kBarTurnTo1, 256);
 
     float part[kAccRegs];  // promotion scratch: one k-block's wgmma sum (kPromote only)
+    // Block scales: this thread's two accumulator rows (clamped: rows past M are computed, never
+    // stored) and the tile's weight block.
+    const float* sa_rows[2];
+    const float* sb_block = nullptr;
+    if constexpr (kBlockScaled) {
+      const int t = threadIdx.x % 128;
+      const int row = tile.m0 + 64 * consumer + (t / 32) * 16 + (t % 32) / 4;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) sa_rows[h] = params.block_scale_a + min(row + 8 * h, params.m - 1) * params.block_scale_a_m;
+      sb_block = params.block_scale_b + (tile.n0 / kBlockN) * params.block_scale_b_n;
+    }
     PipelineState release = read;
     for (int kt = 0; kt < k_tiles; ++kt) {
+      float s_row[2] = {1.0f, 1.0f};
+      if constexpr (kBlockScaled) {
+        // Issued before the stage wait, so the L2 round trip hides behind it and the wgmmas.
+        const float sb = __ldg(sb_block + kt * params.block_scale_b_k);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) s_row[h] = __ldg(sa_rows[h] + kt * params.block_scale_a_k) * sb;
+      }
       ptx::mbarrier_wait(&full[read.index], read.phase);
       const u32 a = ptx::smem_u32(smem + read.index * kStageBytes) + (kPingPong ? 0 : consumer * 64 * kRowBytes);
       const u32 b = ptx::smem_u32(smem + read.index * kStageBytes + kStageBytesA);
@@ -162,8 +187,14 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
         // tensor core busy meanwhile.
         wgmma::wait_group<0>();
         wgmma::fence_operand(part);
+        if constexpr (kBlockScaled) {
+          // Register 4j + 2h + e holds row + 8h of the fragment (see epilogue_apply).
 #pragma unroll
-        for (int r = 0; r < kAccRegs; ++r) acc[0][r] += part[r];
+          for (int r = 0; r < kAccRegs; ++r) acc[0][r] += part[r] * s_row[(r >> 1) & 1];
+        } else {
+#pragma unroll
+          for (int r = 0; r < kAccRegs; ++r) acc[0][r] += part[r];
+        }
         release_stage<kCluster>(&empty[read.index]);
       } else {
 #pragma unroll

@@ -84,6 +84,12 @@ struct Params {
   int scale_b_colwise;    // 1: scale_b has N entries
   int bias_type;          // 0 f16, 1 bf16, 2 f32 (ignored when bias is null)
   int raster_n;           // 1: tile groups span group_m columns of tiles instead of rows
+  // Block-scaled fp8 (TMAGEMM_BLOCK_SCALED): a's scales (M, ceil(K/128)) and the weight's 128x128
+  // block scales (ceil(N/128), ceil(K/128)), read through these element strides; null otherwise.
+  const float* block_scale_a;
+  const float* block_scale_b;
+  i64 block_scale_a_m, block_scale_a_k;
+  i64 block_scale_b_n, block_scale_b_k;
 };
 
 // ---------------------------------------------------------------------------------------------
