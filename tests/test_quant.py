@@ -3,7 +3,10 @@
 import pytest
 import torch
 
+import tmagemm
 from tmagemm import quantize_fp8
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -78,3 +81,28 @@ def test_fp16_overflow_is_reported_not_zeroed():
     x = torch.tensor([[1.0, 70000.0]]).half()
     with pytest.raises(ValueError, match="row 0"):
         quantize_fp8(x, "row")
+
+
+@pytest.mark.parametrize("granularity, shape", [("1x128", (17, 3)), ("128x128", (1, 3))])
+def test_block_granularities_through_quantize_fp8(granularity, shape):
+    x = torch.randn(17, 300, device=DEVICE) * 3
+    q, scale = tmagemm.quantize_fp8(x, granularity)
+    assert q.dtype == torch.float8_e4m3fn and tuple(q.shape) == (17, 300) and tuple(scale.shape) == shape
+    rows = torch.arange(17, device=DEVICE) if granularity == "1x128" else torch.arange(17, device=DEVICE) // 128
+    group_scale = scale[rows][:, torch.arange(300, device=DEVICE) // 128]
+    deq = q.float() * group_scale
+    # e4m3: 3 mantissa bits (2^-4 relative rounding), and subnormal steps of 2^-9 (half: 2^-10).
+    assert bool(((deq - x).abs() <= x.abs() * 2.0**-4 + group_scale * 2.0**-10 + 1e-7).all())
+    with pytest.raises(ValueError, match="pow2_scale applies"):
+        tmagemm.quantize_fp8(x, "row", pow2_scale=True)
+
+
+def test_check_finite_false_skips_the_check():
+    x = torch.randn(4, 256, device=DEVICE)
+    x[1, 7] = float("inf")
+    with pytest.raises(ValueError, match="Inf"):
+        tmagemm.quantize_fp8(x, "1x128")
+    _, scale = tmagemm.quantize_fp8(x, "1x128", check_finite=False)  # no sync: the Inf shows in its scale
+    assert torch.isinf(scale[1, 0]) and torch.isfinite(scale[0]).all()
+    _, scale = tmagemm.quantize_fp8(x, "row", check_finite=False)
+    assert torch.isinf(scale[1, 0])

@@ -1,6 +1,7 @@
 """``tmagemm``: benchmark, report, inspect, environment, warm-up and tuning commands.
 
     tmagemm bench [--preset sweep|llm|square|tma] [--m ..] [--n ..] [--k ..] [--dtype fp8|bf16|fp16]
+    tmagemm bench --preset decode [--models llama3-8b,..] [--layers 8] [--m 1,16] [--dtype fp8|bf16]
     tmagemm report results/<run>/results.json
     tmagemm inspect triton.tma --dtype fp8 [--config block_m=128,block_n=256] | --cu FILE.cu [-D N=V]
     tmagemm env
@@ -56,14 +57,18 @@ def build_parser() -> argparse.ArgumentParser:
                            "(or with --check) run the Triton kernels under the Triton interpreter on small "
                            "shapes (fp16 and fp8 unless --dtype names one) and check them against float64; "
                            "no timing, so --preset, --graph and --budget-ms are refused there.")  # fmt: skip
-    bench.add_argument("--preset", choices=("sweep", "llm", "square", "tma"), default=None,
+    bench.add_argument("--preset", choices=("sweep", "llm", "square", "block", "tma", "decode"), default=None,
                        help="GPU only. sweep: M=1..8192 at N=K=4096 (default); llm: model projections; "
-                            "square: 1024..16384; tma: TMA copy throughput and NVRTC compile times")  # fmt: skip
+                            "square: 1024..16384; block: block-scaled FP8 checkpoint shapes (DeepSeek-V3, Qwen3; "
+                            "use with --dtype fp8-block); tma: TMA copy throughput and NVRTC compile times; "
+                            "decode: each model's layer stack (qkv, o, gate_up, down) in one CUDA graph, "
+                            "per-layer time vs cuBLAS, fp8 tensor/row/block and bf16, M=1..128")  # fmt: skip
     bench.add_argument("--m", type=_int_list, help="M values (with --n/--k: custom shapes; alone: overrides the preset's M)")
     bench.add_argument("--n", type=_int_list, help="N values (custom shapes)")
     bench.add_argument("--k", type=_int_list, help="K values (custom shapes)")
-    bench.add_argument("--dtype", choices=("fp8", "bf16", "fp16"), default=None,
-                       help="input dtype (default fp8; without a GPU: fp16 and fp8)")  # fmt: skip
+    bench.add_argument("--dtype", choices=("fp8", "fp8-block", "bf16", "fp16"), default=None,
+                       help="input dtype (default fp8; without a GPU: fp16 and fp8); fp8-block: fp8 with 1x128 "
+                            "activation and 128x128 weight scales")  # fmt: skip
     bench.add_argument("--providers", type=lambda s: [p for p in s.split(",") if p],
                        help="comma-separated provider names or globs, e.g. 'triton.*,cublas*'")  # fmt: skip
     bench.add_argument("--rowwise", action="store_true", help="fp8: row-wise scales instead of tensor-wise")
@@ -75,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", type=Path, help="output directory (default results/<date>-<preset>-<dtype>; "
                        "without a GPU results/<date>-check-<shapes>-<dtypes>)")  # fmt: skip
     bench.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
+    bench.add_argument("--models", type=lambda s: [p for p in s.split(",") if p],
+                       help="--preset decode: comma-separated models (default all: llama3-8b, llama3-70b-tp4, "
+                            "qwen2.5-7b, deepseek-v3)")  # fmt: skip
+    bench.add_argument("--layers", type=int, default=None,
+                       help="--preset decode: layers per captured stack, each with its own weights (default 8)")
     bench.add_argument("--check", action="store_true",
                        help="accuracy check only, under the Triton interpreter on small shapes unless --m/--n/--k give "
                             "others (the default without a GPU)")  # fmt: skip
@@ -184,6 +194,9 @@ def _check_mode_plan(args: argparse.Namespace):
     if args.preset and not (args.n or args.k):  # with --n/--k, _shapes names the conflict instead
         if args.preset == "tma":
             raise ValueError("--preset tma needs a GPU: it times TMA copies and NVRTC compiles")
+        if args.preset == "decode":
+            raise ValueError("--preset decode needs a GPU: it times CUDA-graph replay of model layer stacks "
+                             "(hundreds of MB of weights per layer) against cuBLAS")  # fmt: skip
         largest = max(max(s.m, s.n, s.k) for s in shapes.preset_shapes(args.preset))
         raise ValueError(f"--preset {args.preset} needs a GPU: its shapes (sizes up to {largest}) are far too large "
                          "for the Triton interpreter. Without a GPU (or with --check) bench checks small shapes; "
@@ -279,6 +292,8 @@ def cmd_bench(args: argparse.Namespace, command: str) -> int:
     from .bench import envinfo
 
     _refuse_fp8_options_without_fp8(args)
+    if args.preset != "decode" and (args.models or args.layers is not None):
+        raise ValueError("--models and --layers apply to --preset decode only")
     if args.check or not torch.cuda.is_available():
         dtypes, checked, what = _check_mode_plan(args)
         out_dir = args.out or _default_out(what)
@@ -288,6 +303,8 @@ def cmd_bench(args: argparse.Namespace, command: str) -> int:
                               rowwise=args.rowwise, fast_accum=not args.exact_accum)  # fmt: skip
         _emit(result, out_dir, plots=False)
         return 0 if all(r["status"] in ("checked", "unsupported", "absent") for r in result.records) else 1
+    if args.preset == "decode":
+        return _bench_decode(args, command)
     if args.preset == "tma":
         given = [flag for flag, value in (("--m", args.m), ("--n", args.n), ("--k", args.k), ("--dtype", args.dtype),
                  ("--providers", args.providers), ("--rowwise", args.rowwise), ("--exact-accum", args.exact_accum),
@@ -312,6 +329,33 @@ def cmd_bench(args: argparse.Namespace, command: str) -> int:
     result = runner.run(config)
     _emit(result, out_dir, plots=not args.no_plots)
     return 0 if not any(r["status"] == "wrong" for r in result.records) else 1
+
+
+def _bench_decode(args: argparse.Namespace, command: str) -> int:
+    """``--preset decode`` (bench/decode.py): its own tables and records; ``tmagemm report`` prints them."""
+    from .bench import decode
+
+    given = [flag for flag, value in (("--n", args.n), ("--k", args.k), ("--providers", args.providers),
+             ("--rowwise", args.rowwise), ("--graph", args.graph), ("--no-host-loop", args.no_host_loop)) if value]  # fmt: skip
+    if given:
+        raise ValueError(f"--preset decode times tmagemm vs cuBLAS on fp8 tensor/row/block and bf16 stacks, always "
+                         f"as CUDA-graph replay; {', '.join(given)} do not apply (--dtype picks the recipes, "
+                         "--models the models, --m the M values)")  # fmt: skip
+    config = decode.DecodeConfig(
+        models=decode.parse_models(args.models),
+        recipes=decode.recipes_for(args.dtype),
+        m_values=tuple(args.m or decode.DECODE_M),
+        layers=decode.DEFAULT_LAYERS if args.layers is None else args.layers,
+        fast_accum=not args.exact_accum,
+        command=command,
+        **({} if args.budget_ms is None else {"budget_ms": args.budget_ms}),
+    )
+    out_dir = args.out or _default_out(f"decode-{args.dtype or 'fp8+bf16'}")
+    result, records = decode.run(config)
+    print(decode.render(result))
+    paths = decode.save(result, records, out_dir)
+    print("\nwrote " + ", ".join(str(p) for p in paths.values()))
+    return 0 if not any(r["status"] == decode.WRONG for r in records) else 1
 
 
 def cmd_report(args: argparse.Namespace) -> int:

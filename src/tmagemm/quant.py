@@ -7,20 +7,34 @@ import torch
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+_GRANULARITIES = ("tensor", "row", "1x128", "128x128")
+
+
 def quantize_fp8(
-    x: torch.Tensor, granularity: str = "tensor", dtype: torch.dtype = torch.float8_e4m3fn
+    x: torch.Tensor,
+    granularity: str = "tensor",
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    *,
+    pow2_scale: bool = False,
+    check_finite: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D float tensor to FP8 with an fp32 dequantization scale (x ~= x_fp8 * scale).
 
-    granularity="tensor": one scale, shape (1, 1). granularity="row": one scale per row, shape
-    (rows, 1). For an activation x (M, K) the scale is ``scale_a``; for a weight w (N, K) pass
-    ``w_fp8.t()`` as ``b`` and ``w_scale.t()`` (shape (1, N)) as ``scale_b``.
-    An all-zero tensor (or row) gets the smallest positive scale, so it quantizes to zeros.
+    granularity="tensor": one scale, shape (1, 1). "row": one scale per row, shape (rows, 1).
+    "1x128": one scale per row per 128 columns, shape (rows, ceil(cols/128)) (activations of
+    block-scaled checkpoints). "128x128": one scale per 128 x 128 block, shape (ceil(rows/128),
+    ceil(cols/128)) (their weights; an HF checkpoint's ``weight_scale_inv``). The block
+    granularities run one fused kernel that reads x once (``tmagemm.triton.quantize``).
+    For an activation x (M, K) the scale is ``scale_a``; for a weight w (N, K) pass ``w_fp8.t()``
+    as ``b`` and ``w_scale.t()`` ((1, N), row) or ``w_scale`` itself (block) as ``scale_b``.
+    An all-zero tensor (row, group) gets the smallest positive scale, so it quantizes to zeros.
+    pow2_scale (block granularities): scales rounded up to powers of two (UE8M0).
 
     Raises ValueError when ``x`` holds Inf or NaN: no finite scale represents it, and quantizing
     anyway would give an infinite scale and silently zero the tensor (or row). The message names
-    the row (``granularity="row"``) or the first (row, column) holding the value. The check is
-    skipped while a CUDA graph is being captured, where reading a flag back would break capture.
+    the row (``granularity="row"``) or the first (row, column) holding the value. The check reads
+    a flag back from the GPU (a sync); ``check_finite=False`` skips it (a model's forward pass),
+    and it is skipped while a CUDA graph is being captured.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"quantize_fp8 expects a torch.Tensor, got {type(x).__name__}")
@@ -30,15 +44,22 @@ def quantize_fp8(
         raise TypeError(f"quantize_fp8 expects float16/bfloat16/float32 input, got {x.dtype}")
     if dtype not in _FP8_DTYPES:
         raise TypeError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
-    if granularity not in ("tensor", "row"):
-        raise ValueError(f"granularity must be 'tensor' or 'row', got {granularity!r}")
+    if granularity not in _GRANULARITIES:
+        raise ValueError(f"granularity must be one of {', '.join(repr(g) for g in _GRANULARITIES)}, got {granularity!r}")
+    if granularity in ("1x128", "128x128"):
+        from .triton.quantize import quantize_1x128, quantize_128x128
+
+        block = quantize_1x128 if granularity == "1x128" else quantize_128x128
+        return block(x, dtype, pow2_scale=pow2_scale, check_finite=check_finite)
+    if pow2_scale:
+        raise ValueError("pow2_scale applies to the block granularities ('1x128', '128x128')")
     fp8_max = torch.finfo(dtype).max
     xf = x.float()
     if granularity == "tensor":
         amax = xf.abs().amax().reshape(1, 1) if x.numel() else xf.new_zeros(1, 1)
     else:
         amax = xf.abs().amax(dim=1, keepdim=True) if x.shape[1] else xf.new_zeros(x.shape[0], 1)
-    if not _capturing(x) and not bool(torch.isfinite(amax).all()):
+    if check_finite and not _capturing(x) and not bool(torch.isfinite(amax).all()):
         raise ValueError(_non_finite_message(xf, amax, granularity))
     scale = (amax / fp8_max).clamp(min=torch.finfo(torch.float32).tiny)
     x_fp8 = (xf / scale).clamp(-fp8_max, fp8_max).to(dtype)

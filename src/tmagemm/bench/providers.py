@@ -16,13 +16,15 @@ import torch
 
 from .shapes import Shape
 
-DTYPES = ("fp8", "bf16", "fp16")
+DTYPES = ("fp8", "fp8-block", "bf16", "fp16")
 
 # Largest accepted max|out - ref| / max|ref| per input dtype. The output is rounded once to
 # bf16 (up to 2^-8 relative) or fp16 (2^-11); fp8 fast accumulation (wgmma's reduced-precision
 # partial sums, cuBLAS's too) adds more: cuBLAS measured 7e-3 at K=4096 on H100, so fp8 allows
 # 2e-2 for long K. A kernel that drops a tile or mis-applies a scale misses by O(1).
-TOLERANCE = {"fp8": 2e-2, "bf16": 1e-2, "fp16": 2e-3}
+# Block-scaled fp8 promotes every 128-deep k-block into fp32: only the bf16 rounding remains.
+TOLERANCE = {"fp8": 2e-2, "fp8-block": 1e-2, "bf16": 1e-2, "fp16": 2e-3}
+BLOCK = 128
 
 FP8 = torch.float8_e4m3fn
 
@@ -37,6 +39,8 @@ class Case:
 
     fp8: a (M, K) row-major e4m3; b (K, N) the ``.t()`` view of a row-major (N, K) weight;
     fp32 dequantization scales, tensor-wise (1,) or row-wise (M,)/(N,); bf16 output.
+    fp8-block: the same operands with 1x128 scales of a, (M, ceil(K/128)), and 128x128 scales of
+    the weight, (ceil(N/128), ceil(K/128)), both row-major (an HF checkpoint's layout); bf16 output.
     bf16/fp16: a (M, K) and b (K, N) row-major, output in the input dtype.
     ``reference`` is the float64 product including the scales.
     """
@@ -51,7 +55,7 @@ class Case:
 
     @property
     def out_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.dtype == "fp8" else self.a.dtype
+        return torch.bfloat16 if self.dtype.startswith("fp8") else self.a.dtype
 
     def empty_out(self) -> torch.Tensor:
         """An output buffer poisoned with NaN, so an unwritten tile fails the accuracy check."""
@@ -71,6 +75,16 @@ def make_case(shape: Shape, dtype: str, device: torch.device | str, rowwise: boo
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     m, n, k = shape.m, shape.n, shape.k
+    if dtype == "fp8-block":
+        kb, nb = -(-k // BLOCK), -(-n // BLOCK)
+        a = torch.randn(m, k, device=device).to(FP8)
+        w = torch.randn(n, k, device=device).to(FP8)
+        scale_a = torch.rand(m, kb, device=device) + 0.5
+        scale_b = torch.rand(nb, kb, device=device) + 0.5
+        per_k = torch.arange(k, device=device) // BLOCK
+        ref = (a.double() * scale_a.double()[:, per_k]) @ (w.double() * scale_b.double()[
+            torch.arange(n, device=device) // BLOCK][:, per_k]).t()
+        return Case(shape, dtype, a, w.t(), scale_a, scale_b, ref)
     if dtype == "fp8":
         a = torch.randn(m, k, device=device).to(FP8)
         b = torch.randn(n, k, device=device).to(FP8).t()
@@ -92,23 +106,29 @@ def make_case(shape: Shape, dtype: str, device: torch.device | str, rowwise: boo
     return Case(shape, dtype, a, b, scale_a, scale_b, ref)
 
 
-def relative_error(out: torch.Tensor, case: Case, out_scale: float = 1.0) -> float:
-    """max|out*out_scale - ref| / max|ref|; inf when the output holds NaN/Inf."""
+def relative_error(out: torch.Tensor, case: Case, out_scale: float = 1.0,
+                   reference: torch.Tensor | None = None) -> float:
+    """max|out*out_scale - ref| / max|ref| (ref: the case's, or a provider's own); inf when the
+    output holds NaN/Inf."""
     if out.numel() == 0:
         return 0.0
     got = out.double() * out_scale
     if not torch.isfinite(got).all():
         return float("inf")
-    denom = case.reference.abs().max().item() or 1.0
-    return (got - case.reference).abs().max().item() / denom
+    reference = case.reference if reference is None else reference
+    denom = reference.abs().max().item() or 1.0
+    return (got - reference).abs().max().item() / denom
 
 
 @dataclass(frozen=True)
 class Prepared:
-    """A ready call for one case; ``out_scale`` maps its output onto the reference's scale."""
+    """A ready call for one case; ``out_scale`` maps its output onto the reference's scale;
+    ``reference``, when set, is what this provider computes instead (a speed peer that runs the
+    case's data with other scales, e.g. cuBLAS tensor-wise fp8 next to block-scaled kernels)."""
 
     call: Callable[[], torch.Tensor]
     out_scale: float = 1.0
+    reference: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -140,7 +160,8 @@ def _variant_provider(variant, fast_accum: bool) -> Provider:
         from .. import plan
 
         out = case.empty_out()
-        args = plan.gemm_args(case.a, case.b, out, case.scale_a, case.scale_b, None, fast_accum)
+        block = (plan.Scaling.BLOCK_1X128, plan.Scaling.BLOCK_128X128) if case.dtype == "fp8-block" else None
+        args = plan.gemm_args(case.a, case.b, out, case.scale_a, case.scale_b, None, fast_accum, block)
         reason = variant.supports(args)
         if reason is not None:
             raise Unsupported(reason)
@@ -167,7 +188,7 @@ def _auto_provider(fast_accum: bool) -> Provider:
 
     def prepare(case: Case) -> Prepared:
         out = case.empty_out()
-        if case.dtype == "fp8":
+        if case.dtype.startswith("fp8"):
             def call() -> torch.Tensor:
                 return tmagemm.scaled_mm(case.a, case.b, case.scale_a, case.scale_b, out_dtype=out.dtype,
                                          use_fast_accum=fast_accum, out=out)  # fmt: skip
@@ -246,8 +267,46 @@ def _cublas_fp8(fast_accum: bool) -> Callable[[Case], Prepared]:
     return prepare
 
 
+def _cublas_fp8_block(case: Case) -> Prepared:
+    """cuBLAS's block scaling through torch.nn.functional.scaled_mm: 1x128 scales outer-dim-major
+    (stride (1, M)), 128x128 scales as (KB rounded up to 4, NB) with stride (1, that)."""
+    if case.dtype != "fp8-block":
+        raise Unsupported("block-scaled fp8 runs only")
+    from torch.nn.functional import ScalingType, scaled_mm
+
+    nb, kb = case.scale_b.shape
+    kb4 = -(-kb // 4) * 4
+    scale_a = case.scale_a.t().contiguous().t()
+    padded = torch.ones(nb, kb4, device=case.scale_b.device)
+    padded[:, :kb] = case.scale_b
+    scale_b = padded.t()
+
+    def call() -> torch.Tensor:
+        return scaled_mm(case.a, case.b, scale_a, ScalingType.BlockWise1x128, scale_b, ScalingType.BlockWise128x128,
+                         output_dtype=torch.bfloat16)
+
+    return Prepared(call)
+
+
+def _cublas_fp8_tensorwise(case: Case) -> Prepared:
+    """cuBLAS tensor-wise fp8 on a block case's data: the speed a block kernel should approach."""
+    if case.dtype != "fp8-block":
+        raise Unsupported("block-scaled fp8 runs only (tensor-wise runs: cublas.fp8)")
+    one = torch.ones(1, device=case.a.device)
+
+    def call() -> torch.Tensor:
+        return torch._scaled_mm(case.a, case.b, one, one, out_dtype=torch.bfloat16, use_fast_accum=True)
+
+    return Prepared(call, reference=case.a.double() @ case.b.double())
+
+
 def peer_providers() -> list[Provider]:
     scaled_mm_absent = None if hasattr(torch, "_scaled_mm") else f"torch {torch.__version__} has no _scaled_mm"
+    block_absent = None
+    try:
+        from torch.nn.functional import ScalingType, scaled_mm  # noqa: F401
+    except ImportError:
+        block_absent = f"torch {torch.__version__} has no torch.nn.functional.scaled_mm with ScalingType"
     return [
         Provider("cublas", "peer", "torch", "cuBLAS via torch.matmul", ("bf16", "fp16"), _cublas_matmul),
         Provider("cublas.fp16", "peer", "torch", "cuBLAS fp16 on the fp8 values (exact in fp16)", ("fp8",),
@@ -256,12 +315,16 @@ def peer_providers() -> list[Provider]:
                  _cublas_fp8(True), scaled_mm_absent),  # fmt: skip
         Provider("cublas.fp8.exact", "peer", "torch", "cuBLAS via torch._scaled_mm, fp32 accumulation", ("fp8",),
                  _cublas_fp8(False), scaled_mm_absent),  # fmt: skip
+        Provider("cublas.fp8.block", "peer", "torch", "cuBLAS block scaling via torch.nn.functional.scaled_mm",
+                 ("fp8-block",), _cublas_fp8_block, block_absent),  # fmt: skip
+        Provider("cublas.fp8.tensorwise", "peer", "torch", "cuBLAS tensor-wise fp8 on the same data (speed only)",
+                 ("fp8-block",), _cublas_fp8_tensorwise, scaled_mm_absent),  # fmt: skip
     ]
 
 
 def main_peer(dtype: str) -> str:
     """The peer that headline speedups are quoted against."""
-    return "cublas.fp8" if dtype == "fp8" else "cublas"
+    return {"fp8": "cublas.fp8", "fp8-block": "cublas.fp8.block"}.get(dtype, "cublas")
 
 
 def select(providers: list[Provider], dtype: str, patterns: list[str] | None) -> list[Provider]:

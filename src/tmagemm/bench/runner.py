@@ -103,7 +103,7 @@ def _run_one(provider: prov.Provider, case: prov.Case, timer: Timer | None, grap
     try:
         # The first call compiles/autotunes; it is also the one checked for accuracy.
         out = prepared.call()
-        err = prov.relative_error(out, case, prepared.out_scale)
+        err = prov.relative_error(out, case, prepared.out_scale, prepared.reference)
     except Exception as exc:
         rec.update(status=FAILED, reason=_error_text(exc))
         return rec

@@ -61,7 +61,24 @@ SQUARE_SIZES = (1024, 2048, 4096, 8192, 16384)
 # Small shapes for the CPU interpreter check: single row, ragged M/N, K over several tiles.
 CHECK_SHAPES = (Shape(1, 64, 64), Shape(17, 80, 96), Shape(64, 128, 192))
 
-PRESETS = ("sweep", "llm", "square")
+# (label, N, K) of block-scaled FP8 checkpoints: DeepGEMM's six DeepSeek-V3 shapes, then Qwen3
+# FP8 projections (Qwen3-32B: hidden 5120, 64 q / 8 kv heads of 128, MLP 25600; Qwen3-30B-A3B's
+# attention: hidden 2048, 32 q / 4 kv heads of 128).
+BLOCK_LAYERS = (
+    ("deepseek-v3.2112x7168", 2112, 7168),
+    ("deepseek-v3.24576x1536", 24576, 1536),
+    ("deepseek-v3.32768x512", 32768, 512),
+    ("deepseek-v3.7168x16384", 7168, 16384),
+    ("deepseek-v3.4096x7168", 4096, 7168),
+    ("deepseek-v3.7168x2048", 7168, 2048),
+    ("qwen3-32b.qkv", 10240, 5120),
+    ("qwen3-32b.gate_up", 51200, 5120),
+    ("qwen3-32b.down", 5120, 25600),
+    ("qwen3-30b-a3b.qkv", 5120, 2048),
+)
+BLOCK_M = (1, 16, 64, 128, 4096)
+
+PRESETS = ("sweep", "llm", "square", "block")
 
 
 def preset_shapes(preset: str, m_values: list[int] | None = None) -> list[Shape]:
@@ -70,6 +87,8 @@ def preset_shapes(preset: str, m_values: list[int] | None = None) -> list[Shape]
         return [Shape(m, 4096, 4096) for m in (m_values or SWEEP_M)]
     if preset == "llm":
         return [Shape(m, n, k, label) for m in (m_values or LLM_M) for label, n, k in LLM_LAYERS]
+    if preset == "block":
+        return [Shape(m, n, k, label) for m in (m_values or BLOCK_M) for label, n, k in BLOCK_LAYERS]
     if preset == "square":
         if m_values:
             raise ValueError("--m does not apply to the square preset; use --m/--n/--k without --preset")
