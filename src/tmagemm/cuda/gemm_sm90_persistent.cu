@@ -165,14 +165,25 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
       for (int h = 0; h < 2; ++h) sa_rows[h] = params.block_scale_a + min(row + 8 * h, params.m - 1) * params.block_scale_a_m;
       sb_block = params.block_scale_b + (tile.n0 / kBlockN) * params.block_scale_b_n;
     }
+    // The scales of k-block kt + 1 are loaded while k-block kt runs: an L2 round trip takes
+    // longer than one k-block's wgmmas, so loading them in the same iteration would stall the
+    // promotion step on it. Raw values are kept and multiplied only when used.
+    float sa_next[2] = {1.0f, 1.0f}, sb_next = 1.0f;
+    auto load_scales = [&](int k_block) {
+      sb_next = __ldg(sb_block + k_block * params.block_scale_b_k);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) sa_next[h] = __ldg(sa_rows[h] + k_block * params.block_scale_a_k);
+    };
+    if constexpr (kBlockScaled) {
+      if (k_tiles > 0) load_scales(0);
+    }
     PipelineState release = read;
     for (int kt = 0; kt < k_tiles; ++kt) {
       float s_row[2] = {1.0f, 1.0f};
       if constexpr (kBlockScaled) {
-        // Issued before the stage wait, so the L2 round trip hides behind it and the wgmmas.
-        const float sb = __ldg(sb_block + kt * params.block_scale_b_k);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) s_row[h] = __ldg(sa_rows[h] + kt * params.block_scale_a_k) * sb;
+        for (int h = 0; h < 2; ++h) s_row[h] = sa_next[h] * sb_next;
+        if (kt + 1 < k_tiles) load_scales(kt + 1);
       }
       ptx::mbarrier_wait(&full[read.index], read.phase);
       const u32 a = ptx::smem_u32(smem + read.index * kStageBytes) + (kPingPong ? 0 : consumer * 64 * kRowBytes);

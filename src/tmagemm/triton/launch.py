@@ -138,6 +138,7 @@ _TL_NAMES = {
     torch.float32: "fp32",
     torch.float8_e4m3fn: "fp8e4nv",
     torch.float8_e5m2: "fp8e5",
+    torch.int32: "i32",
 }
 
 

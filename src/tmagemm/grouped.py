@@ -1,0 +1,487 @@
+"""Grouped GEMMs for Mixture-of-Experts: ``grouped_mm`` (bf16/fp16) and ``grouped_scaled_mm`` (fp8).
+
+Drop-ins for ``torch._grouped_mm`` / ``torch._scaled_grouped_mm`` where the contracts overlap
+(a 2-D ``a`` with ``offs``, or 3-D ``a`` x 3-D ``b``), plus DeepGEMM's masked layout:
+
+* contiguous: a (M_total, K), rows sorted by expert; b (E, K, N); ``offs`` (E,) int32 on the
+  device, the cumulative group ends; out (M_total, N). Group g is rows [end_{g-1}, end_g) with
+  end_g = min(max(offs[0..g], 0), M_total) (a running maximum: decreasing offsets give empty
+  groups, offsets past M_total stop there). Rows past the last end are not written.
+* masked: a (E, max_m, K); ``masked_m`` (E,) int32 on the device, valid rows per expert
+  (clamped to [0, max_m]); out (E, max_m, N). Rows past an expert's count are not written.
+* batched (neither given): a (E, M, K) x b (E, K, N) -> (E, M, N), every row valid.
+
+Counts stay on the device: no call reads them on the host, so a call captures into a CUDA graph
+and replays with new counts. Checks that need no sync (dtypes, devices, shapes, layouts) raise
+TypeError / ValueError naming the argument; counts that are wrong at run time are clamped in the
+kernel as above (never an out-of-bounds access). Each call signature is checked and planned
+once (a dict keyed like ``plan.call_key``); later calls with it go straight to the launch.
+docs/grouped.md has the contracts, the scheduler and the limitations.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple
+
+import torch
+
+from .api import _check_runtime_device, _recipe
+from .plan import Plan, on_device, tensor_key
+
+_HALF = (torch.bfloat16, torch.float16)
+_OUT = (torch.bfloat16, torch.float16, torch.float32)
+_FP8 = torch.float8_e4m3fn
+BLOCK = 128  # the block-scaled recipes' block edge
+_ALIGN = 16  # TMA: base address and every non-innermost stride in bytes
+_MAX_STRIDE = 1 << 40
+
+
+class GroupLayout(enum.IntEnum):
+    """How the rows of A are split into groups (the kernel's LAYOUT)."""
+
+    CONTIGUOUS = 0  # a (M_total, K), offs (E,) cumulative ends
+    MASKED = 1  # a (E, max_m, K), masked_m (E,) rows per expert
+    BATCHED = 2  # a (E, M, K), every row valid
+
+
+class GroupScaling(enum.IntEnum):
+    """Where fp8 dequantization scales apply (the kernel's SCALING)."""
+
+    NONE = 0  # 16-bit inputs
+    EPILOGUE = 1  # tensor- or row-wise: the finished fp32 accumulator is scaled
+    BLOCK = 2  # 1x128 / 128x128 block scales: each 128-deep k-block's product is scaled into fp32
+
+
+class GroupedArgs(NamedTuple):
+    """Checked operands of one grouped GEMM (the problem a plan is built for).
+
+    a: (M_total, K) or (E, max_m, K), K contiguous; b: (E, K, N), K-major (``b_k_major``) or
+    N-major; out: (M_total, N) or (E, max_m, N), any strides; counts: offs or masked_m (None
+    when BATCHED). Scales are the user's tensors, read through ``scale_a_strides`` (expert, row,
+    k-block) and ``scale_b_strides`` (expert, column or column block, k-block), 0 along
+    broadcast axes: tensor- and row-wise scales are strided views of the same indexing, so
+    nothing is copied. ``b_per_channel``: block mode reads scale_b per column (tensor, row,
+    1x128 recipes) rather than per 128-column block. bias: (E, N), read through its strides.
+    """
+
+    a: torch.Tensor
+    b: torch.Tensor
+    out: torch.Tensor
+    counts: torch.Tensor | None
+    scale_a: torch.Tensor | None
+    scale_b: torch.Tensor | None
+    bias: torch.Tensor | None
+    layout: GroupLayout
+    b_k_major: bool
+    scaling: GroupScaling = GroupScaling.NONE
+    scale_a_strides: tuple = (0, 0, 0)
+    scale_b_strides: tuple = (0, 0, 0)
+    b_per_channel: bool = False
+    fast_accum: bool = True
+
+    @property
+    def e(self) -> int:
+        return self.b.shape[0]
+
+    @property
+    def m(self) -> int:
+        """Rows of A per group dimension: M_total (CONTIGUOUS) or max_m."""
+        return self.a.shape[-2]
+
+    @property
+    def k(self) -> int:
+        return self.b.shape[1]
+
+    @property
+    def n(self) -> int:
+        return self.b.shape[2]
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.a.element_size() == 1
+
+    @property
+    def operands(self) -> tuple:
+        """What a grouped plan's launch takes: ``(a, b, out, scale_a, scale_b, bias, counts)``."""
+        return self.a, self.b, self.out, self.scale_a, self.scale_b, self.bias, self.counts
+
+
+# ---------------------------------------------------------------------------------- TMA layout
+
+
+def map_layout(t: torch.Tensor, dims: tuple[int, ...]) -> tuple[list[int], list[int]]:
+    """Shape and element strides of ``t`` permuted to ``dims`` (innermost last) as a tensor map
+    describes it. A size-1 dimension is never stepped, so its stride (any value in torch) is
+    replaced by the aligned contiguous one; the innermost stride is 1."""
+    shape = [t.shape[d] for d in dims]
+    strides = [t.stride(d) for d in dims]
+    per_16b = _ALIGN // t.element_size()
+    span = -(-shape[-1] // per_16b) * per_16b
+    for i in range(len(dims) - 2, -1, -1):
+        if shape[i] == 1:
+            strides[i] = span
+        span = strides[i] * shape[i]
+    strides[-1] = 1
+    return shape, strides
+
+
+def map_reason(t: torch.Tensor, name: str, dims: tuple[int, ...]) -> str | None:
+    """None if a tensor map can describe ``t`` permuted to ``dims``, else why not."""
+    inner = dims[-1]
+    if t.shape[inner] > 1 and t.stride(inner) != 1:
+        return f"{name} (shape {tuple(t.shape)}, stride {tuple(t.stride())}) must be contiguous along dimension {inner}"
+    if t.data_ptr() % _ALIGN:
+        return f"{name}.data_ptr() is not {_ALIGN}-byte aligned (TMA)"
+    _, strides = map_layout(t, dims)
+    for d, stride in zip(dims[:-1], strides[:-1]):
+        nbytes = stride * t.element_size()
+        if nbytes % _ALIGN or not 0 < nbytes < _MAX_STRIDE:
+            return (f"{name} stride {t.stride(d)} along dimension {d} is {nbytes} bytes, not a positive multiple of "
+                    f"{_ALIGN} below 2^40 (TMA); e.g. K * itemsize must be a multiple of 16")
+    return None
+
+
+# ---------------------------------------------------------------------------------- checks
+
+
+def _tensor(t, name: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def _same_device(t: torch.Tensor, name: str, dev: torch.device) -> None:
+    if t.device != dev:
+        raise ValueError(f"{name} is on {t.device} but a is on {dev}; move all tensors to one device")
+
+
+def _counts(t, name: str, e: int, dev: torch.device) -> None:
+    _tensor(t, name)
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if t.dim() != 1 or t.shape[0] != e:
+        raise ValueError(f"{name} must be 1-D with one entry per expert ({e},), got shape {tuple(t.shape)}")
+    if e > 1 and t.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous, got stride {tuple(t.stride())}")
+    _same_device(t, name, dev)
+
+
+def _layout(a, b, offs, masked_m, fp8: bool):
+    """(GroupLayout, b_k_major, counts) of checked operands; raises naming the argument."""
+    _tensor(a, "a")
+    _tensor(b, "b")
+    if b.dim() != 3:
+        raise ValueError(f"b must be 3-D (E, K, N), got shape {tuple(b.shape)}")
+    e, k, n = b.shape
+    if offs is not None and masked_m is not None:
+        raise ValueError("pass offs (contiguous layout, 2-D a) or masked_m (masked layout, 3-D a), not both")
+    if offs is not None:
+        if a.dim() != 2:
+            raise ValueError(f"a must be 2-D (M_total, K) with offs, got shape {tuple(a.shape)}")
+        layout, counts = GroupLayout.CONTIGUOUS, offs
+    else:
+        if a.dim() == 2:
+            raise ValueError("offs is required for a 2-D a (M_total, K): the cumulative row ends of the groups")
+        if a.dim() != 3:
+            raise ValueError(f"a must be 2-D (M_total, K) with offs or 3-D (E, max_m, K), got shape {tuple(a.shape)}")
+        if a.shape[0] != e:
+            raise ValueError(f"a has {a.shape[0]} experts (shape {tuple(a.shape)}) but b has {e} (shape {tuple(b.shape)})")
+        layout, counts = (GroupLayout.BATCHED, None) if masked_m is None else (GroupLayout.MASKED, masked_m)
+    if a.shape[-1] != k:
+        raise ValueError(f"inner dimensions differ: a is {tuple(a.shape)} (..., K) but b is {tuple(b.shape)} (E, K, N); "
+                         f"a.shape[-1] ({a.shape[-1]}) must equal b.shape[1] ({k})")
+    if a.shape[-2] >= 2**31:
+        raise ValueError(f"a has {a.shape[-2]} rows; grouped GEMMs index rows with int32 (< 2^31)")
+    dev = a.device
+    _same_device(b, "b", dev)
+    if counts is not None:
+        _counts(counts, "offs" if layout == GroupLayout.CONTIGUOUS else "masked_m", e, dev)
+    # Layouts: A K-major; b K-major (fp8 wgmma needs it) or, for 16-bit, N-major.
+    k_major = k <= 1 or b.stride(1) == 1
+    n_major = n <= 1 or b.stride(2) == 1
+    if fp8 and not k_major:
+        raise ValueError(f"b must be K-major for fp8 (b.stride(1) == 1), got stride {tuple(b.stride())}; "
+                         "pass w.transpose(1, 2) of (E, N, K) row-major weights")
+    if not (k_major or n_major):
+        raise ValueError(f"b (E, K, N) must be contiguous along K or N, got stride {tuple(b.stride())}")
+    b_k_major = k_major and (fp8 or not n_major or (k > 1 and b.stride(1) == 1))
+    if k > 0 and min(a.shape[:-1] + (n,)) > 0:
+        for t, name, dims in ((a, "a", tuple(range(a.dim()))), (b, "b", (0, 2, 1) if b_k_major else (0, 1, 2))):
+            reason = map_reason(t, name, dims)
+            if reason:
+                raise ValueError(reason)
+    return layout, b_k_major, counts
+
+
+def _out(out, shape: tuple, out_dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+    if out_dtype not in _OUT:
+        raise TypeError(f"out_dtype must be one of torch.bfloat16, torch.float16, torch.float32; got {out_dtype}")
+    if out is None:
+        return torch.empty(shape, dtype=out_dtype, device=dev)
+    _tensor(out, "out")
+    if tuple(out.shape) != shape:
+        raise ValueError(f"out has shape {tuple(out.shape)} but the result is {shape}")
+    if out.dtype != out_dtype:
+        raise TypeError(f"out has dtype {out.dtype} but out_dtype is {out_dtype}")
+    _same_device(out, "out", dev)
+    return out
+
+
+def _out_shape(a: torch.Tensor, b: torch.Tensor) -> tuple:
+    return (*a.shape[:-1], b.shape[2])
+
+
+def _no_grad(a, b) -> None:
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        raise ValueError("grouped GEMMs do not support automatic differentiation; call them under torch.no_grad()")
+
+
+def mm_args(a, b, *, offs=None, masked_m=None, out_dtype=None, out=None) -> GroupedArgs:
+    """Check the arguments of :func:`grouped_mm` and return the problem (``out`` allocated)."""
+    _tensor(a, "a")
+    _tensor(b, "b")
+    if a.dtype not in _HALF or b.dtype != a.dtype:
+        raise TypeError(f"a and b must both be bfloat16 or both float16, got a {a.dtype} and b {b.dtype}"
+                        + ("; use grouped_scaled_mm for fp8" if a.element_size() == 1 else ""))
+    layout, b_k_major, counts = _layout(a, b, offs, masked_m, fp8=False)
+    _no_grad(a, b)
+    out = _out(out, _out_shape(a, b), a.dtype if out_dtype is None else out_dtype, a.device)
+    return GroupedArgs(a, b, out, counts, None, None, None, layout, b_k_major)
+
+
+def _scale_tensor(scale, name: str, dev: torch.device) -> None:
+    _tensor(scale, name)
+    if scale.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32 (a dequantization scale), got {scale.dtype}")
+    _same_device(scale, name, dev)
+
+
+def _pick(name: str, shape: tuple, fits: dict, wanted: str | None, expected: dict) -> str:
+    """The recipe of a scale: the one asked for (which must fit), else the first that fits (where
+    several fit one shape they describe the same product, up to the ambiguities documented)."""
+    if wanted is not None:
+        if wanted not in fits:
+            raise ValueError(f"{name}: the {wanted} recipe does not apply here; use one of {', '.join(map(repr, fits))}")
+        if not fits[wanted]:
+            raise ValueError(f"{name} has shape {shape}; the {wanted} recipe expects {expected[wanted]}")
+        return wanted
+    for recipe, ok in fits.items():
+        if ok:
+            return recipe
+    raise ValueError(f"{name} has shape {shape}; expected " + "; ".join(f"{r}: {t}" for r, t in expected.items()))
+
+
+def scale_strides(scale_a, scale_b, layout: GroupLayout, e: int, m: int, n: int, k: int,
+                  recipe_a=None, recipe_b=None) -> tuple[GroupScaling, tuple, tuple, bool]:
+    """How the fp8 scales apply: ``(scaling, scale_a_strides, scale_b_strides, b_per_channel)``.
+
+    scale_a, per row of A: one element (tensor-wise); row-wise (M_total,) or (M_total, 1)
+    (masked/batched: (E, max_m) or (E, max_m, 1)); 1x128 blocks (M_total, KB) (masked/batched:
+    (E, max_m, KB)), KB = ceil(K/128). scale_b, per expert: (E,), (E, 1) or (E, 1, 1) (tensor-wise
+    per expert; one element: one for all); row-wise (E, N) or (E, 1, N); 128x128 blocks of the
+    (N, K) weights (E, ceil(N/128), KB); 1x128 per output channel (E, N, KB). Any strides.
+    Where two recipes fit one shape with different meanings (tiny N or K), the first in the order
+    tensor, row, 128x128, 1x128 wins unless ``recipe_a`` / ``recipe_b`` name one.
+    """
+    recipe_a, recipe_b = _recipe(recipe_a, "scale_recipe_a"), _recipe(recipe_b, "scale_recipe_b")
+    kb, nb = -(-k // BLOCK), -(-n // BLOCK)
+    rows = (m,) if layout == GroupLayout.CONTIGUOUS else (e, m)
+    sa, sb = tuple(scale_a.shape), tuple(scale_b.shape)
+    if recipe_a == "128x128":
+        raise ValueError("scale_recipe_a: 128x128 blocks apply to the weights (b) only; activations take 1x128")
+    a = _pick("scale_a", sa, {"tensor": scale_a.numel() == 1, "row": sa in (rows, rows + (1,)), "1x128": sa == rows + (kb,)},
+              recipe_a, {"tensor": "one element", "row": f"{rows} or {rows + (1,)}", "1x128": f"{rows + (kb,)}"})
+    b = _pick("scale_b", sb, {"tensor": scale_b.numel() == 1 or sb in ((e,), (e, 1), (e, 1, 1)),
+                              "row": sb in ((e, n), (e, 1, n)), "128x128": sb == (e, nb, kb), "1x128": sb == (e, n, kb)},
+              recipe_b, {"tensor": f"({e},), ({e}, 1) or one element", "row": f"({e}, {n}) or ({e}, 1, {n})",
+                         "128x128": f"({e}, {nb}, {kb})", "1x128": f"({e}, {n}, {kb})"})
+    st_a, st_b = scale_a.stride(), scale_b.stride()
+    per_expert = 0 if layout == GroupLayout.CONTIGUOUS else st_a[0]
+    if a == "tensor":
+        a_strides = (0, 0, 0)
+    else:
+        lead = len(rows) - 1  # the row dimension of the scale
+        a_strides = (per_expert, st_a[lead], st_a[lead + 1] if a == "1x128" else 0)
+    if b == "tensor":
+        b_strides = (st_b[0] if scale_b.dim() and sb[0] == e and e > 1 else 0, 0, 0)
+    elif b == "row":
+        b_strides = (st_b[0], st_b[-1], 0)
+    else:
+        b_strides = st_b
+    block = a == "1x128" or b in ("128x128", "1x128")
+    return (GroupScaling.BLOCK if block else GroupScaling.EPILOGUE), a_strides, tuple(b_strides), b != "128x128"
+
+
+def scaled_mm_args(a, b, scale_a, scale_b, *, offs=None, masked_m=None, bias=None, out_dtype=torch.bfloat16,
+                   out=None, scale_recipe_a=None, scale_recipe_b=None, use_fast_accum=False) -> GroupedArgs:
+    """Check the arguments of :func:`grouped_scaled_mm` and return the problem (``out`` allocated)."""
+    _tensor(a, "a")
+    _tensor(b, "b")
+    if a.dtype != _FP8:
+        raise TypeError(f"a must be float8_e4m3fn, got {a.dtype}" + ("; use grouped_mm for 16-bit inputs"
+                                                                      if a.dtype in _HALF else ""))
+    if b.dtype != _FP8:
+        raise TypeError(f"b must be float8_e4m3fn, got {b.dtype}")
+    if not isinstance(use_fast_accum, bool):
+        raise TypeError(f"use_fast_accum must be a bool, got {type(use_fast_accum).__name__}")
+    layout, b_k_major, counts = _layout(a, b, offs, masked_m, fp8=True)
+    dev = a.device
+    e, k, n = b.shape
+    _scale_tensor(scale_a, "scale_a", dev)
+    _scale_tensor(scale_b, "scale_b", dev)
+    scaling, sa_strides, sb_strides, per_channel = scale_strides(
+        scale_a, scale_b, layout, e, a.shape[-2], n, k, scale_recipe_a, scale_recipe_b)
+    if bias is not None:
+        _tensor(bias, "bias")
+        if tuple(bias.shape) != (e, n):
+            raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({e}, {n}), one row per expert")
+        if bias.dtype not in _OUT:
+            raise TypeError(f"bias must be bfloat16, float16 or float32, got {bias.dtype}")
+        _same_device(bias, "bias", dev)
+    _no_grad(a, b)
+    out = _out(out, _out_shape(a, b), out_dtype, dev)
+    return GroupedArgs(a, b, out, counts, scale_a, scale_b, bias, layout, b_k_major, scaling, sa_strides,
+                       sb_strides, per_channel, use_fast_accum)
+
+
+# ---------------------------------------------------------------------------------- execution
+
+
+class _Call:
+    """One cached call signature: its plan and the output it allocates."""
+
+    __slots__ = ("plan", "out_shape", "out_dtype", "device")
+
+    def __init__(self, plan: Plan, args: GroupedArgs):
+        self.plan = plan
+        self.out_shape, self.out_dtype, self.device = tuple(args.out.shape), args.out.dtype, args.out.device
+
+    def __call__(self, a, b, out, scale_a, scale_b, bias, counts) -> torch.Tensor:
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
+        _launch(self.plan, a, b, out, scale_a, scale_b, bias, counts)
+        return out
+
+
+_calls: dict[tuple, _Call] = {}
+
+
+def _launch(plan: Plan, *operands) -> None:
+    """``plan.launch(*operands)`` on its GPU whatever the current device (as ``Plan.run``, for
+    the seven grouped operands)."""
+    if plan.device_index >= 0 and torch.cuda.device_count() > 1 and torch.cuda.current_device() != plan.device_index:
+        with torch.cuda.device(plan.device_index):
+            plan.launch(*operands)
+        return
+    plan.launch(*operands)
+
+
+def run(args: GroupedArgs, config=None, key=None, num_sms: int | None = None) -> torch.Tensor:
+    """Write the checked grouped GEMM into ``args.out`` and return it, planning once per ``key``
+    (None: do not remember). ``config`` / ``num_sms`` override the heuristic and the persistent
+    width (tests, benchmarks). E, M or N of zero return without a kernel; K of zero runs the
+    kernel's epilogue alone (zeros plus each group's bias row), since which rows to write is on
+    the device. Plans made during CUDA-graph capture are not kept (they use Triton's launcher)."""
+    if args.a.device.type != "meta":
+        _check_runtime_device(args.a.device, args.a.dtype)
+    if args.e == 0 or args.m == 0 or args.n == 0 or args.a.device.type == "meta":
+        return args.out
+    from .triton import matmul_grouped
+
+    with on_device(args.out.device):
+        plan = matmul_grouped.build(args, config, num_sms)
+    _launch(plan, *args.operands)
+    if key is not None and not (args.out.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _calls[key] = _Call(plan, args)
+    return args.out
+
+
+def clear_plans() -> None:
+    """Forget the cached grouped plans."""
+    _calls.clear()
+
+
+def cached_plans() -> list[Plan]:
+    return [call.plan for call in _calls.values()]
+
+
+# ---------------------------------------------------------------------------------- public API
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, *, offs: torch.Tensor | None = None,
+               masked_m: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Grouped BF16/FP16 GEMM with fp32 accumulation (``torch._grouped_mm`` for 2-D x 3-D and
+    3-D x 3-D, plus the masked layout).
+
+    a: (M_total, K) with ``offs``, or (E, max_m, K) with ``masked_m`` (or neither: batched);
+    K contiguous. b: (E, K, N), K-major (``w.transpose(1, 2)`` of (E, N, K) weights) or N-major.
+    offs / masked_m: (E,) int32 on a's device (see the module doc for the row rule).
+    out_dtype: defaults to a.dtype; bfloat16, float16 or float32. out: preallocated result;
+    rows no group covers keep their values (with out=None they are uninitialised).
+    Strides: every non-innermost stride of a and b a multiple of 16 bytes (TMA), as torch requires.
+    """
+    counts = offs if masked_m is None else masked_m
+    try:
+        grad = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
+        key = ("grouped_mm", tensor_key(a), tensor_key(b), tensor_key(offs), tensor_key(masked_m), tensor_key(out),
+               out_dtype, grad)
+        known = _calls.get(key)
+    except (AttributeError, TypeError):  # not tensors, or an unhashable option: the checks say why
+        key = known = None
+    if known is not None:
+        return known(a, b, out, None, None, None, counts)
+    return run(mm_args(a, b, offs=offs, masked_m=masked_m, out_dtype=out_dtype, out=out), key=key)
+
+
+def grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, *,
+                      offs: torch.Tensor | None = None, masked_m: torch.Tensor | None = None,
+                      bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+                      out: torch.Tensor | None = None, scale_recipe_a=None, scale_recipe_b=None,
+                      use_fast_accum: bool = False) -> torch.Tensor:
+    """Grouped FP8 GEMM: ``out[rows of g] = (scale_a * scale_b[g]) * (a[rows of g] @ b[g]) + bias[g]``
+    (``torch._scaled_grouped_mm`` for 2-D x 3-D and 3-D x 3-D with row-wise scales, plus
+    tensor-wise per expert and the DeepSeek-V3 block recipe, and the masked layout).
+
+    a: float8_e4m3fn, (M_total, K) with ``offs`` or (E, max_m, K) with ``masked_m`` (or neither:
+    batched), K contiguous. b: float8_e4m3fn (E, K, N), K-major: ``w.transpose(1, 2)`` of (E, N, K)
+    row-major weights. scale_a / scale_b: float32, any strides (see :func:`scale_strides`):
+    tensor-wise, row-wise ((M_total,) x (E, N), as torch), or block-wise (scale_a (M_total,
+    ceil(K/128)) 1x128, scale_b (E, ceil(N/128), ceil(K/128)) 128x128); block-scaled products are
+    promoted into fp32 every 128-deep k-block. scale_recipe_a / scale_recipe_b: "tensor", "row",
+    "1x128", "128x128" (or torch's ScalingType), for shapes two recipes fit. bias: (E, N).
+    use_fast_accum: tensor/row-wise only: keep wgmma's fp8 accumulation across all of K (False,
+    the default as in torch, adds each k-tile's sum into fp32). out_dtype: bfloat16 (default),
+    float16 or float32. out: as in :func:`grouped_mm`.
+    """
+    counts = offs if masked_m is None else masked_m
+    try:
+        grad = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
+        key = ("grouped_scaled_mm", tensor_key(a), tensor_key(b), tensor_key(scale_a), tensor_key(scale_b),
+               tensor_key(offs), tensor_key(masked_m), tensor_key(bias), tensor_key(out), out_dtype,
+               scale_recipe_a, scale_recipe_b, use_fast_accum, grad)
+        known = _calls.get(key)
+    except (AttributeError, TypeError):
+        key = known = None
+    if known is not None:
+        return known(a, b, out, scale_a, scale_b, bias, counts)
+    args = scaled_mm_args(a, b, scale_a, scale_b, offs=offs, masked_m=masked_m, bias=bias, out_dtype=out_dtype,
+                          out=out, scale_recipe_a=scale_recipe_a, scale_recipe_b=scale_recipe_b,
+                          use_fast_accum=use_fast_accum)
+    return run(args, key=key)
+
+
+def example_args(a_dtype: torch.dtype = _FP8, out_dtype: torch.dtype = torch.bfloat16, e: int = 8,
+                 rows: int = 512, n: int = 4096, k: int = 7168) -> GroupedArgs:
+    """CPU operands of a contiguous grouped call (fp8: row-wise scales; b K-major), for deriving
+    ahead-of-time compile specs."""
+    fp8 = a_dtype == _FP8
+    a = torch.empty(e * rows, k, dtype=a_dtype)
+    b = torch.empty(e, n, k, dtype=a_dtype).transpose(1, 2)
+    offs = torch.arange(1, e + 1, dtype=torch.int32) * rows
+    out = torch.empty(e * rows, n, dtype=out_dtype)
+    if not fp8:
+        return GroupedArgs(a, b, out, offs, None, None, None, GroupLayout.CONTIGUOUS, True)
+    sa, sb = torch.ones(e * rows), torch.ones(e, n)
+    return GroupedArgs(a, b, out, offs, sa, sb, None, GroupLayout.CONTIGUOUS, True, GroupScaling.EPILOGUE,
+                       (0, 1, 0), (n, 1, 0), True, False)

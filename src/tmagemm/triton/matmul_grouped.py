@@ -1,0 +1,363 @@
+"""Grouped GEMM for Mixture-of-Experts: one persistent launch over every expert's tiles.
+
+    out[rows of group g] = (a[rows of g] @ b[g]) * scales + bias[g]
+
+Layouts (``tmagemm.grouped.GroupLayout``): CONTIGUOUS a (M_total, K) with rows sorted by expert
+and ``offs`` (E,) the cumulative group ends; MASKED a (E, max_m, K) with ``masked_m`` (E,) valid
+rows per expert; BATCHED a (E, M, K), every row valid. b is (E, K, N), K-major (``w.transpose(1,
+2)`` of (E, N, K) weights) or N-major (16-bit only).
+
+Scheduler. The counts never leave the device (no host sync, so the launch captures into a CUDA
+graph and replays with new counts). Every program loads the whole count vector once (E_BLOCK
+lanes), turns it into clamped row ranges [start_g, end_g) and the inclusive prefix sum of the
+tiles per group (ceil(rows_g / BLOCK_M) * tiles_n), then walks the global tile ids p, p +
+NUM_SMS, ... up to that sum. A tile id maps to its group by counting the prefix sums <= id (one
+vector reduction), and within the group to (m, n) tiles in grouped (L2-friendly) order. The
+grid is min(SMs, an upper bound of the tile count known from shapes alone), so programs past
+the real count simply find no tile.
+
+Group-boundary rule (CONTIGUOUS): end_g = min(max(offs[0..g], 0), M_total) (a running maximum,
+clamped), start_g = end_{g-1} (0 for g = 0). Decreasing offsets give empty groups, offsets past
+M_total stop at M_total, rows past the last end are never written. MASKED: rows [0,
+clamp(masked_m[g], 0, max_m)) of expert g.
+
+Loads. A and b tiles come through host TensorDescriptors: b through a 3-D map over (E, N, K)
+(or (E, K, N)) with box [1, BN, BK], so a K tile past K is zero-filled and never reads the next
+expert; A through a 2-D map (CONTIGUOUS) or a 3-D map (MASKED / BATCHED). An A tile that starts
+inside group g may cover rows of the next group (CONTIGUOUS) or padding rows (MASKED): those
+rows only feed output rows of the same tile that are never stored (each output row depends on
+its own A row alone), so they cost bandwidth, never correctness. Stores are masked pointer
+stores bounded by [start_g, end_g): a TMA store cannot be clipped at a group boundary.
+
+Block-scaled fp8 (1x128 activations x 128x128 weights) steps K by one 128-deep scale block: a
+fresh fp32 product per block, scaled and added to the running sum (the fp32 promotion the
+recipe needs). Tensor-/row-wise scales multiply the finished accumulator in the epilogue.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .. import device
+from ..configs import TritonGemmConfig
+from ..grouped import GroupedArgs, GroupLayout, GroupScaling
+from ..plan import Plan
+from .common import grouped_tile, mma
+from .launch import A, B, BIAS, OUT, PARTIALS, SCALE_A, SCALE_B, KernelCall, aot_spec as _aot_spec, direct_launch
+
+NAME = "triton.grouped"
+SCALE_BLOCK = 128  # the block-scaled recipe's k-block and weight-block edge
+# The group counts travel as the seventh per-call operand (the slot split-K uses for its
+# partials; a grouped launch has no workspace): launch(a, b, out, scale_a, scale_b, bias, counts).
+COUNTS = PARTIALS
+_OPERANDS = {"a_desc": A, "b_desc": B, "out_ptr": OUT, "counts_ptr": COUNTS, "scale_a_ptr": SCALE_A,
+             "scale_b_ptr": SCALE_B, "bias_ptr": BIAS}
+
+
+@triton.jit
+def _running_max(x, y):
+    return tl.maximum(x, y)
+
+
+@triton.jit
+def group_rows(counts_ptr, E, M, E_BLOCK: tl.constexpr, LAYOUT: tl.constexpr):
+    """(LAYOUT: GroupLayout, 0 CONTIGUOUS, 1 MASKED, 2 BATCHED.) Row range [starts, ends) of every group as E_BLOCK-lane vectors (lanes past E empty).
+
+    CONTIGUOUS: ends are the running maximum of offs clamped to [0, M] and starts the previous
+    end, so groups never overlap, never run backwards and never pass M, whatever offs holds.
+    MASKED: rows [0, clamp(masked_m[g], 0, M)) of expert g. BATCHED: all M rows.
+    """
+    idx = tl.arange(0, E_BLOCK)
+    live = idx < E
+    if LAYOUT == 0:
+        ends = tl.load(counts_ptr + idx, mask=live, other=0)
+        ends = tl.associative_scan(tl.minimum(tl.maximum(ends, 0), M), 0, _running_max)
+        # The previous group's end: the same running maximum over offs shifted by one.
+        starts = tl.load(counts_ptr + idx - 1, mask=live & (idx > 0), other=0)
+        starts = tl.associative_scan(tl.minimum(tl.maximum(starts, 0), M), 0, _running_max)
+    elif LAYOUT == 1:
+        ends = tl.load(counts_ptr + idx, mask=live, other=0)
+        ends = tl.minimum(tl.maximum(ends, 0), M)
+        starts = tl.zeros_like(ends)
+    else:
+        ends = tl.where(live, M, 0)
+        starts = tl.zeros_like(ends)
+    # Padding lanes hold no rows (their scanned starts/ends are not a group's).
+    ends = tl.where(live, ends, starts)
+    return idx, starts, ends
+
+
+@triton.jit
+def load_a(a_desc, g, off_m, off_k, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, LAYOUT: tl.constexpr):
+    """[BM, BK] tile of A: rows of the 2-D (M_total, K) map, or of expert g's (max_m, K) slice."""
+    if LAYOUT == 0:
+        tile = a_desc.load([off_m, off_k])
+    else:
+        tile = a_desc.load([g, off_m, off_k]).reshape(BLOCK_M, BLOCK_K)
+    return tile
+
+
+@triton.jit
+def load_b(b_desc, g, off_k, off_n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, B_K_MAJOR: tl.constexpr):
+    """[BK, BN] tile of b[g]. The 3-D map's expert dimension keeps the box inside expert g: a K
+    tile past K is zero-filled instead of reading the next expert's weight."""
+    if B_K_MAJOR:
+        # (E, N, K) weight read K-major and transposed in shared memory (what fp8 wgmma needs).
+        tile = b_desc.load([g, off_n, off_k]).reshape(BLOCK_N, BLOCK_K).T
+    else:
+        tile = b_desc.load([g, off_k, off_n]).reshape(BLOCK_K, BLOCK_N)
+    return tile
+
+
+# M (M_total, or max_m) changes with every batch: one binary per config. stride_sak equals M
+# for an outer-dim-major scale_a.
+@triton.jit(do_not_specialize=["M", "stride_sak"])
+def grouped_gemm_kernel(
+    a_desc, b_desc, out_ptr, counts_ptr, scale_a_ptr, scale_b_ptr, bias_ptr,
+    E, M, N, K,
+    stride_oe, stride_om, stride_on,
+    stride_sae, stride_sam, stride_sak, stride_sbe, stride_sbn, stride_sbk, stride_biase, stride_biasn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_SMS: tl.constexpr, E_BLOCK: tl.constexpr, LAYOUT: tl.constexpr, B_K_MAJOR: tl.constexpr,
+    SCALING: tl.constexpr, B_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, FAST_ACCUM: tl.constexpr,
+    HAS_K: tl.constexpr,
+):
+    # ---- static checks
+    tl.static_assert(SCALING != 2 or BLOCK_K == 128, "block-scaled: BLOCK_K must be the 128-deep scale block")
+    tl.static_assert(SCALING != 2 or B_PER_CHANNEL or (128 % BLOCK_N == 0) or (BLOCK_N % 128 == 0),
+                     "128x128 weight scales: tiles must not straddle a 128-column block")
+
+    # ---- scheduler: the group table, once per program (one vector load of the counts)
+    idx, starts, ends = group_rows(counts_ptr, E, M, E_BLOCK, LAYOUT)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    group_tiles = tl.cdiv(ends - starts, BLOCK_M) * tiles_n
+    tiles_end = tl.cumsum(group_tiles, 0)  # one past each group's last tile id
+    total = tl.sum(group_tiles, 0)
+
+    for tile_id in tl.range(tl.program_id(0), total, NUM_SMS):
+        # Group of this tile: the groups whose tiles all come before it (empty groups included).
+        before = tiles_end <= tile_id
+        g = tl.sum(before.to(tl.int32), 0)
+        first_tile = tl.max(tl.where(before, tiles_end, 0), 0)
+        this = idx == g
+        row_start = tl.sum(tl.where(this, starts, 0), 0)
+        row_end = tl.sum(tl.where(this, ends, 0), 0)
+        pid_m, pid_n = grouped_tile(tile_id - first_tile, tl.cdiv(row_end - row_start, BLOCK_M), tiles_n, GROUP_M)
+        off_m = row_start + pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        row_ok = offs_m < row_end  # rows of this group only (>= row_start by construction)
+        col_ok = offs_n < N
+        g64 = g.to(tl.int64)
+
+        # ---- main loop
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if HAS_K:
+            if SCALING == 2:
+                # Block-scaled: a fresh fp32 product per 128-deep k-block, scaled into the sum.
+                # Rows outside the group / columns past N read scale 1.0: their products are
+                # never stored, and 0 * (inf from garbage) would only make NaN in registers.
+                sa_ptrs = scale_a_ptr + g64 * stride_sae + offs_m * stride_sam
+                if B_PER_CHANNEL:
+                    sb_ptrs = scale_b_ptr + g64 * stride_sbe + offs_n * stride_sbn
+                elif BLOCK_N <= 128:
+                    sb_ptrs = scale_b_ptr + g64 * stride_sbe + (off_n // 128) * stride_sbn
+                else:
+                    sb_ptrs = scale_b_ptr + g64 * stride_sbe + (offs_n // 128) * stride_sbn
+                for kb in range(tl.cdiv(K, BLOCK_K)):
+                    a = load_a(a_desc, g, off_m, kb * BLOCK_K, BLOCK_M, BLOCK_K, LAYOUT)
+                    b = load_b(b_desc, g, kb * BLOCK_K, off_n, BLOCK_N, BLOCK_K, B_K_MAJOR)
+                    partial = tl.dot(a, b)
+                    sa = tl.load(sa_ptrs + kb * stride_sak, mask=row_ok, other=1.0)
+                    if B_PER_CHANNEL or BLOCK_N > 128:
+                        sb = tl.load(sb_ptrs + kb * stride_sbk, mask=col_ok, other=1.0)
+                        acc += partial * sa[:, None] * sb[None, :]
+                    else:
+                        sb = tl.load(sb_ptrs + kb * stride_sbk)
+                        acc += partial * (sa * sb)[:, None]
+            else:
+                for k in range(tl.cdiv(K, BLOCK_K)):
+                    a = load_a(a_desc, g, off_m, k * BLOCK_K, BLOCK_M, BLOCK_K, LAYOUT)
+                    b = load_b(b_desc, g, k * BLOCK_K, off_n, BLOCK_N, BLOCK_K, B_K_MAJOR)
+                    acc = mma(a, b, acc, FAST_ACCUM, BLOCK_K)
+                if SCALING == 1:
+                    # Tensor- and row-wise scales through strides (0 along a broadcast axis).
+                    sa = tl.load(scale_a_ptr + g64 * stride_sae + offs_m * stride_sam, mask=row_ok, other=0.0)
+                    sb = tl.load(scale_b_ptr + g64 * stride_sbe + offs_n * stride_sbn, mask=col_ok, other=0.0)
+                    acc = acc * sa[:, None] * sb[None, :]
+
+        # ---- epilogue: bias in fp32, one rounding, stores clipped to this group's rows
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + g64 * stride_biase + offs_n * stride_biasn, mask=col_ok, other=0.0)
+            acc = acc + bias.to(tl.float32)[None, :]
+        ptrs = (out_ptr + g64 * stride_oe + offs_m[:, None].to(tl.int64) * stride_om
+                + offs_n[None, :].to(tl.int64) * stride_on)
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+# ------------------------------------------------------------------------------------- configs
+
+
+def is_valid(config: TritonGemmConfig, args: GroupedArgs) -> bool:
+    """The family's config rule: the TMA GEMM rule (powers of two, TMA box, shared memory), boxes
+    of at most 256 per dimension, and for block scales a K step of one 128-deep block with tiles
+    that do not straddle a 128-column weight block."""
+    item = args.a.element_size()
+    if max(config.block_m, config.block_n, config.block_k) > 256:
+        return False
+    if not config.is_valid(item, item, args.out.element_size()):
+        return False
+    if args.scaling == GroupScaling.BLOCK:
+        if config.block_k != SCALE_BLOCK:
+            return False
+        bn = config.block_n
+        return args.b_per_channel or 128 % bn == 0 or bn % 128 == 0
+    return True
+
+
+def _config(bm, bn, bk, stages, warps) -> TritonGemmConfig:
+    return TritonGemmConfig(block_m=bm, block_n=bn, block_k=bk, group_m=8, num_stages=stages, num_warps=warps)
+
+
+def heuristic_for(rows_per_group: int, fp8: bool, block_scaled: bool) -> TritonGemmConfig:
+    """A config from the expected rows per group alone (pure; nothing timed, nothing synced).
+
+    rows_per_group: CONTIGUOUS M_total / E (the mean), MASKED / BATCHED max_m (the most).
+    - <= 64 rows (decode, or many small experts): 64-row tiles, one warpgroup (wgmma's M is 64,
+      so a 64-row tile wastes least on a short group) and 128 columns, deep pipelines: the GEMM
+      streams the weights, and every expert's weight is read by its one row of tiles.
+    - <= 256 rows: 128x128 tiles, two warpgroups.
+    - more: 128x256 (16-bit, and fp8 with tensor/row scales); block-scaled stays at 128x128 (its
+      fresh per-block product doubles the accumulator registers, as in triton.blockscaled).
+    """
+    bk = SCALE_BLOCK if (fp8 or block_scaled) else 64
+    if rows_per_group <= 64:
+        return _config(64, 128, bk, 5 if fp8 else 4, 4)
+    if rows_per_group <= 256 or block_scaled:
+        return _config(128, 128, bk, 4, 8)
+    return _config(128, 256, bk, 3, 8)
+
+
+def heuristic(args: GroupedArgs) -> TritonGemmConfig:
+    if args.layout == GroupLayout.CONTIGUOUS:
+        rows = triton.cdiv(args.m, max(args.e, 1))
+    else:
+        rows = args.m
+    config = heuristic_for(rows, args.is_fp8, args.scaling == GroupScaling.BLOCK)
+    return config.fitted(args.a.element_size(), args.a.element_size(), args.out.element_size())
+
+
+def tile_bound(args: GroupedArgs, block_m: int, block_n: int) -> int:
+    """An upper bound of the tiles any counts can give, from shapes alone (the grid's size)."""
+    tiles_n = triton.cdiv(args.n, block_n)
+    if args.layout == GroupLayout.CONTIGUOUS:
+        # Each non-empty group adds at most one partial tile to ceil(M_total / BLOCK_M).
+        return (triton.cdiv(args.m, block_m) + min(args.e, args.m)) * tiles_n
+    return args.e * triton.cdiv(args.m, block_m) * tiles_n
+
+
+# --------------------------------------------------------------------------------- host side
+
+
+def _map_strides(t: torch.Tensor, dims: tuple[int, ...]) -> tuple[list[int], list[int]]:
+    """Shape and element strides of ``t`` permuted to ``dims`` (innermost last, stride 1), with
+    the stride of any size-1 dimension replaced by an aligned one: it is never stepped, but the
+    tensor map still checks it (torch reports any value there)."""
+    shape = [t.shape[d] for d in dims]
+    strides = [t.stride(d) for d in dims]
+    per_16b = 16 // t.element_size()
+    span = -(-shape[-1] // per_16b) * per_16b
+    for i in range(len(dims) - 2, -1, -1):
+        if shape[i] == 1:
+            strides[i] = span
+        span = strides[i] * shape[i]
+    strides[-1] = 1
+    return shape, strides
+
+
+def descriptors(args: GroupedArgs, config: TritonGemmConfig) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """Host tensor maps over A and b (the grouped check already refused what TMA cannot read)."""
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    if args.layout == GroupLayout.CONTIGUOUS:
+        shape, strides = _map_strides(args.a, (0, 1))
+        a_desc = TensorDescriptor(args.a, shape, strides, [bm, bk])
+    else:
+        shape, strides = _map_strides(args.a, (0, 1, 2))
+        a_desc = TensorDescriptor(args.a, shape, strides, [1, bm, bk])
+    if args.b_k_major:
+        shape, strides = _map_strides(args.b, (0, 2, 1))  # the (E, N, K) weight
+        b_desc = TensorDescriptor(args.b, shape, strides, [1, bn, bk])
+    else:
+        shape, strides = _map_strides(args.b, (0, 1, 2))
+        b_desc = TensorDescriptor(args.b, shape, strides, [1, bk, bn])
+    return a_desc, b_desc
+
+
+def kernel_call(args: GroupedArgs, config: TritonGemmConfig, num_sms: int | None = None) -> KernelCall:
+    """One launch, every kernel argument named once (direct launch, Triton's launcher, AOT).
+    ``num_sms``: the persistent stride (default the device's SMs; 4 under the interpreter, so
+    the persistent loop runs more than once per program)."""
+    has_k = args.k > 0
+    a_desc, b_desc = descriptors(args, config) if has_k else (None, None)
+    scaling = args.scaling if has_k else GroupScaling.NONE  # an empty sum: zeros (+ bias)
+    sa_e, sa_m, sa_k = args.scale_a_strides
+    sb_e, sb_n, sb_k = args.scale_b_strides
+    out = args.out
+    if args.layout == GroupLayout.CONTIGUOUS:
+        stride_oe, (stride_om, stride_on) = 0, out.stride()
+    else:
+        stride_oe, stride_om, stride_on = out.stride()
+    bias = args.bias
+    bias_e, bias_n = bias.stride() if bias is not None else (0, 0)
+    num_sms = num_sms or device.sms_of(out.device, cpu=4)
+    grid = (max(1, min(num_sms, tile_bound(args, config.block_m, config.block_n))),)
+    values = dict(
+        a_desc=a_desc, b_desc=b_desc, out_ptr=out, counts_ptr=args.counts,
+        scale_a_ptr=args.scale_a if scaling else None, scale_b_ptr=args.scale_b if scaling else None,
+        bias_ptr=bias, E=args.e, M=args.m, N=args.n, K=args.k,
+        stride_oe=stride_oe, stride_om=stride_om, stride_on=stride_on,
+        stride_sae=sa_e, stride_sam=sa_m, stride_sak=sa_k, stride_sbe=sb_e, stride_sbn=sb_n, stride_sbk=sb_k,
+        stride_biase=bias_e, stride_biasn=bias_n,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        NUM_SMS=num_sms, E_BLOCK=triton.next_power_of_2(max(args.e, 1)), LAYOUT=int(args.layout),
+        B_K_MAJOR=args.b_k_major, SCALING=int(scaling), B_PER_CHANNEL=args.b_per_channel,
+        HAS_BIAS=bias is not None, FAST_ACCUM=args.fast_accum, HAS_K=has_k,
+    )
+    return KernelCall(grouped_gemm_kernel, grid, values,
+                      dict(num_warps=config.num_warps, num_stages=config.num_stages), _OPERANDS)
+
+
+def build(args: GroupedArgs, config: TritonGemmConfig | None = None, num_sms: int | None = None) -> Plan:
+    """A plan for every grouped problem with ``args``' signature (shapes, strides, dtypes,
+    alignment, layout, scaling). Its launch takes seven operands: ``launch(a, b, out, scale_a,
+    scale_b, bias, counts)``. ``config`` overrides the heuristic (tests, benchmarks)."""
+    if config is None:
+        config = heuristic(args)
+    if not is_valid(config, args):
+        raise ValueError(f"{NAME}: {config} is not valid for this problem (powers of two, boxes <= 256, "
+                         "shared memory; block scales need block_k == 128 and 128-aligned block_n)")
+    fast = direct_launch(NAME, kernel_call(args, config, num_sms))
+    if fast is not None:
+        return Plan(NAME, config, fast, fast.device_index, direct=True)
+
+    def launch(a, b, out, scale_a, scale_b, bias, counts) -> None:
+        operands = args._replace(a=a, b=b, out=out, scale_a=scale_a, scale_b=scale_b, bias=bias, counts=counts)
+        kernel_call(operands, config, num_sms).launch()
+
+    return Plan(NAME, config, launch, args.out.get_device())
+
+
+def aot_spec(config: TritonGemmConfig | None = None, a_dtype=None, out_dtype=None):
+    """A compilable instance for ``tmagemm inspect``: contiguous layout, fp8 e4m3 with row-wise
+    scales (bf16 out) by default, 8 experts of 512 rows, N = 4096, K = 7168 (b K-major)."""
+    from ..grouped import example_args
+    from . import launch
+
+    if torch.int32 not in launch._TL_NAMES:  # the counts pointer: launch.py must name "*i32"
+        raise NotImplementedError(f"{NAME}: tmagemm.triton.launch._TL_NAMES has no entry for int32 pointers")
+    args = example_args(a_dtype or torch.float8_e4m3fn, out_dtype or torch.bfloat16)
+    return _aot_spec(kernel_call(args, config or heuristic(args), num_sms=132), NAME)

@@ -1,0 +1,496 @@
+"""Grouped GEMMs (tmagemm.grouped): contiguous, masked and batched layouts, fp16 and fp8 (row-,
+tensor- and block-wise scales), bias, rows that must stay untouched, bad counts, zero sizes and
+argument errors, against a per-expert float64 reference.
+
+CPU tests run the Triton kernel under the interpreter with small explicit tiles (so groups span
+several tiles and boundaries fall inside tiles) and a persistent width of 4 programs; tests
+marked ``gpu`` take the heuristic's configs on larger shapes, capture CUDA graphs and compare
+with torch's grouped GEMMs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tmagemm import grouped
+from tmagemm.configs import TritonGemmConfig
+from tmagemm.grouped import GroupLayout, grouped_mm, grouped_scaled_mm
+
+FP8 = torch.float8_e4m3fn
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+HALF = torch.bfloat16 if DEV == "cuda" else torch.float16  # the interpreter's bf16 tl.dot is wrong
+CFG16 = TritonGemmConfig(16, 16, 16, 8, 2, 4)  # 16-bit: tiny tiles, many per group
+CFG8 = TritonGemmConfig(16, 16, 32, 8, 2, 4)  # fp8 tensor/row-wise
+CFG_BLOCK = TritonGemmConfig(16, 32, 128, 8, 2, 4)  # fp8 block-scaled: one k-step per scale block
+SMS = 4  # persistent programs under the interpreter: each walks several tiles
+# Relative errors: the interpreter computes fp8 products exactly in fp32; wgmma's fp8 adder keeps
+# ~14 mantissa bits within a K tile. Half-precision outputs round each element (bf16 on a GPU).
+REL8 = 1e-5 if DEV == "cpu" else 2e-3
+REL_HALF_OUT = 2e-3 if DEV == "cpu" else 8e-3
+
+
+# ---------------------------------------------------------------------------------- reference
+
+
+def bounds(counts: list[int], layout: GroupLayout, rows: int) -> list[tuple[int, int]]:
+    """The documented row rule: contiguous groups end at the running max of offs clamped to
+    [0, M_total] and start where the previous one ended; masked counts clamp to [0, max_m]."""
+    if layout == GroupLayout.CONTIGUOUS:
+        spans, end = [], 0
+        for c in counts:
+            start, end = end, max(end, min(max(c, 0), rows))
+            spans.append((start, end))
+        return spans
+    return [(0, min(max(c, 0), rows)) for c in counts]
+
+
+def reference(a_deq, b_deq, counts, layout, bias=None):
+    """float64 result with NaN where no group writes, from dequantized operands (a (M, K) or
+    (E, max_m, K), b (E, K, N))."""
+    e, _, n = b_deq.shape
+    rows = a_deq.shape[-2]
+    ref = torch.full((*a_deq.shape[:-1], n), float("nan"), dtype=torch.float64)
+    counts = [rows] * e if counts is None else counts
+    for g, (s, t) in enumerate(bounds(counts, layout, rows)):
+        if t <= s:
+            continue
+        block = (a_deq[s:t] if layout == GroupLayout.CONTIGUOUS else a_deq[g, s:t]) @ b_deq[g]
+        if bias is not None:
+            block = block + bias[g].double()
+        if layout == GroupLayout.CONTIGUOUS:
+            ref[s:t] = block
+        else:
+            ref[g, s:t] = block
+    return ref
+
+
+def check(out: torch.Tensor, ref: torch.Tensor, rel: float, what: str = "") -> None:
+    """Written rows match within ``rel`` (relative Frobenius); unwritten rows still hold the NaN
+    poison the output was filled with; a failure names the worst element."""
+    got = out.double().cpu()
+    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    written = ~torch.isnan(ref)
+    untouched = torch.isnan(got[~written]).all()
+    assert untouched, f"{what}: rows no group covers were written at {torch.nonzero(~torch.isnan(got) & ~written)[:5].tolist()}"
+    if not written.any():
+        return
+    g, r = got[written], ref[written]
+    assert torch.isfinite(g).all(), f"{what}: rows of a group left unwritten / non-finite: {torch.nonzero(~torch.isfinite(got) & written)[:5].tolist()}"
+    err = (g - r).norm() / r.norm().clamp_min(1e-30)
+    if err > rel:
+        diff = torch.where(written, (got - ref).abs(), torch.zeros_like(got))
+        idx = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
+        raise AssertionError(f"{what}: relative error {err:.3e} > {rel:.1e}; worst at {idx}: got {got[idx]:.6g}, "
+                             f"want {ref[idx]:.6g}")
+
+
+def poisoned(shape, dtype=torch.float32):
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEV)
+
+
+def counts_tensor(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=DEV)
+
+
+def weights(e, k, n, dtype, k_major=True):
+    """b (E, K, N): ``w.transpose(1, 2)`` of (E, N, K) weights (K-major) or row-major (N-major)."""
+    if k_major:
+        return (torch.randn(e, n, k, device=DEV) / 4).to(dtype).transpose(1, 2)
+    return (torch.randn(e, k, n, device=DEV) / 4).to(dtype)
+
+
+def run16(a, b, counts, layout, out, config=CFG16, out_dtype=torch.float32):
+    kw = {"offs": counts} if layout == GroupLayout.CONTIGUOUS else {"masked_m": counts}
+    if layout == GroupLayout.BATCHED:
+        kw = {}
+    return grouped.run(grouped.mm_args(a, b, out_dtype=out_dtype, out=out, **kw), config=config, num_sms=SMS)
+
+
+# ---------------------------------------------------------------------------------- 16-bit
+
+
+@pytest.mark.parametrize("k_major", [True, False], ids=["b_k_major", "b_n_major"])
+@pytest.mark.parametrize("offs", [
+    [5, 5, 37, 40],  # empty expert, boundaries inside tiles, rows past offs[-1] untouched
+    [0, 0, 45, 45],  # one expert takes every token
+    [45, 45, 45, 45],  # first expert takes every token, the rest empty
+    [3, 19, 19, 33],
+], ids=["ragged", "one_takes_all", "first_takes_all", "mixed"])
+def test_contiguous_fp16(offs, k_major, seeded):
+    e, m, k, n = 4, 45, 48, 40
+    a = torch.randn(m, k, device=DEV).to(HALF)
+    b = weights(e, k, n, HALF, k_major)
+    out = run16(a, b, counts_tensor(offs), GroupLayout.CONTIGUOUS, poisoned((m, n)))
+    check(out, reference(a.double().cpu(), b.double().cpu(), offs, GroupLayout.CONTIGUOUS), 1e-5, f"offs={offs}")
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the NaN rows, in numpy
+@pytest.mark.parametrize("k_major", [True, False], ids=["b_k_major", "b_n_major"])
+def test_masked_fp16(k_major, seeded):
+    e, max_m, k, n = 3, 37, 32, 24
+    counts = [0, 37, 17]
+    a = torch.randn(e, max_m, k, device=DEV).to(HALF)
+    a[0] = float("nan")  # rows past a count are never read into another group's results
+    a[2, 17:] = float("inf")
+    b = weights(e, k, n, HALF, k_major)
+    out = run16(a, b, counts_tensor(counts), GroupLayout.MASKED, poisoned((e, max_m, n)))
+    check(out, reference(a.double().cpu(), b.double().cpu(), counts, GroupLayout.MASKED), 1e-5, "masked")
+
+
+def test_batched_fp16_and_single_expert(seeded):
+    a = torch.randn(2, 19, 32, device=DEV).to(HALF)
+    b = weights(2, 32, 20, HALF)
+    out = run16(a, b, None, GroupLayout.BATCHED, poisoned((2, 19, 20)))
+    check(out, reference(a.double().cpu(), b.double().cpu(), None, GroupLayout.BATCHED), 1e-5, "batched")
+    # E = 1, contiguous, fp16 output.
+    a1 = torch.randn(21, 16, device=DEV).to(HALF)
+    b1 = weights(1, 16, 24, HALF)
+    out = run16(a1, b1, counts_tensor([21]), GroupLayout.CONTIGUOUS, poisoned((21, 24), HALF), out_dtype=HALF)
+    check(out, reference(a1.double().cpu(), b1.double().cpu(), [21], GroupLayout.CONTIGUOUS), REL_HALF_OUT, "E=1")
+
+
+@pytest.mark.parametrize("offs", [
+    [30, 10, 40, 20],  # decreasing: groups 1 and 3 empty
+    [10, 80, 90, 100],  # past M_total: group 1 stops at M_total, the rest empty
+    [-5, 12, 12, 7],  # negative start clamps to 0
+], ids=["decreasing", "past_end", "negative"])
+def test_bad_offsets_are_clamped(offs, seeded):
+    e, m, k, n = 4, 45, 32, 24
+    a = torch.randn(m, k, device=DEV).to(HALF)
+    b = weights(e, k, n, HALF)
+    out = run16(a, b, counts_tensor(offs), GroupLayout.CONTIGUOUS, poisoned((m, n)))
+    check(out, reference(a.double().cpu(), b.double().cpu(), offs, GroupLayout.CONTIGUOUS), 1e-5, f"offs={offs}")
+
+
+def test_bad_masked_counts_are_clamped(seeded):
+    e, max_m, k, n = 3, 20, 32, 24
+    counts = [1000, -3, 7]
+    a = torch.randn(e, max_m, k, device=DEV).to(HALF)
+    b = weights(e, k, n, HALF)
+    out = run16(a, b, counts_tensor(counts), GroupLayout.MASKED, poisoned((e, max_m, n)))
+    check(out, reference(a.double().cpu(), b.double().cpu(), counts, GroupLayout.MASKED), 1e-5, "masked clamp")
+
+
+def test_public_api_caches_and_counts_stay_on_device(seeded):
+    """Same signature, new counts: the cached plan serves it (no new plan, right rows)."""
+    grouped.clear_plans()
+    e, m, k, n = 3, 40, 32, 24
+    a = torch.randn(m, k, device=DEV).to(HALF)
+    b = weights(e, k, n, HALF)
+    for offs in ([10, 25, 40], [0, 33, 35]):
+        out = grouped_mm(a, b, offs=counts_tensor(offs), out=poisoned((m, n), HALF))
+        check(out, reference(a.double().cpu(), b.double().cpu(), offs, GroupLayout.CONTIGUOUS), REL_HALF_OUT, f"offs={offs}")
+    assert len(grouped.cached_plans()) == 1
+    assert grouped.cached_plans()[0].variant == "triton.grouped"
+    # Masked layout through the public API with the heuristic config; out allocated.
+    a3 = torch.randn(e, 8, k, device=DEV).to(HALF)
+    res = grouped_mm(a3, b, masked_m=counts_tensor([8, 0, 5]), out_dtype=torch.float32)
+    assert res.shape == (e, 8, n) and res.dtype == torch.float32
+    ref = reference(a3.double().cpu(), b.double().cpu(), [8, 0, 5], GroupLayout.MASKED)
+    written = ~torch.isnan(ref)
+    assert torch.allclose(res.double().cpu()[written], ref[written], rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------- fp8
+
+
+def fp8_operands(shape_a, e, k, n):
+    a = (torch.randn(*shape_a, device=DEV) * 2).to(FP8)
+    w = (torch.randn(e, n, k, device=DEV) * 2).to(FP8)
+    return a, w.transpose(1, 2)
+
+
+@pytest.mark.parametrize("layout", [GroupLayout.CONTIGUOUS, GroupLayout.MASKED], ids=["contiguous", "masked"])
+def test_fp8_rowwise_bias(layout, seeded):
+    e, rows, k, n = 3, 37, 64, 40
+    counts = [9, 9, 30] if layout == GroupLayout.CONTIGUOUS else [9, 0, 37]
+    a, b = fp8_operands((rows, k) if layout == GroupLayout.CONTIGUOUS else (e, rows, k), e, k, n)
+    sa = torch.rand(a.shape[:-1], device=DEV) + 0.5  # (M_total,) or (E, max_m)
+    sb = torch.rand(e, 1, n, device=DEV) + 0.5  # (E, 1, N), torch's rowwise layout
+    bias = torch.randn(e, n, device=DEV)
+    kw = {"offs": counts_tensor(counts)} if layout == GroupLayout.CONTIGUOUS else {"masked_m": counts_tensor(counts)}
+    args = grouped.scaled_mm_args(a, b, sa, sb, bias=bias, out_dtype=torch.float32,
+                                  out=poisoned((*a.shape[:-1], n)), **kw)
+    out = grouped.run(args, config=CFG8, num_sms=SMS)
+    a_deq = a.double().cpu() * sa.double().cpu()[..., None]
+    b_deq = b.double().cpu() * sb.double().cpu()
+    check(out, reference(a_deq, b_deq, counts, layout, bias.cpu()), REL8, f"fp8 rowwise {layout.name}")
+
+
+def test_fp8_tensorwise_per_expert_fast_accum(seeded):
+    e, m, k, n = 2, 30, 96, 24
+    a, b = fp8_operands((m, k), e, k, n)
+    sa = torch.tensor(0.5, device=DEV)
+    sb = torch.tensor([2.0, 0.25], device=DEV)
+    args = grouped.scaled_mm_args(a, b, sa, sb, offs=counts_tensor([13, 30]), out_dtype=torch.float32,
+                                  out=poisoned((m, n)), use_fast_accum=True)
+    out = grouped.run(args, config=CFG8, num_sms=SMS)
+    b_deq = b.double().cpu() * sb.double().cpu()[:, None, None]
+    check(out, reference(a.double().cpu() * 0.5, b_deq, [13, 30], GroupLayout.CONTIGUOUS), REL8, "tensorwise")
+
+
+def _block_deq(a, b, sa, sb, per_channel=False):
+    """Dequantize with 1x128 activation scales and 128x128 (or per-channel 1x128) weight scales."""
+    k = a.shape[-1]
+    kidx = torch.arange(k) // 128
+    a_deq = a.double().cpu() * sa.double().cpu()[..., kidx]
+    n = b.shape[2]
+    nidx = torch.arange(n) if per_channel else torch.arange(n) // 128
+    sbk = sb.double().cpu()[:, nidx][:, :, kidx]  # (E, N, K)
+    return a_deq, b.double().cpu() * sbk.transpose(1, 2)
+
+
+@pytest.mark.parametrize("layout", [GroupLayout.CONTIGUOUS, GroupLayout.MASKED], ids=["contiguous", "masked"])
+def test_fp8_blockwise(layout, seeded):
+    """1x128 x 128x128, K not a multiple of 128 (the ragged k-block is zero-filled), N past one
+    weight block, scales in transposed (outer-dim-major) layouts: read through strides."""
+    e, rows, k, n = 3, 26, 176, 150
+    kb, nb = 2, 2
+    counts = [0, 11, 26] if layout == GroupLayout.CONTIGUOUS else [26, 3, 0]
+    a, b = fp8_operands((rows, k) if layout == GroupLayout.CONTIGUOUS else (e, rows, k), e, k, n)
+    if layout == GroupLayout.CONTIGUOUS:
+        sa = (torch.rand(kb, rows, device=DEV) + 0.5).t()  # (M_total, KB), outer-dim-major
+    else:
+        sa = torch.rand(e, rows, kb, device=DEV) + 0.5
+    sb = (torch.rand(e, kb, nb, device=DEV) + 0.5).transpose(1, 2)  # (E, NB, KB), strided
+    bias = torch.randn(e, n, device=DEV).to(torch.bfloat16)
+    kw = {"offs": counts_tensor(counts)} if layout == GroupLayout.CONTIGUOUS else {"masked_m": counts_tensor(counts)}
+    args = grouped.scaled_mm_args(a, b, sa, sb, bias=bias, out_dtype=torch.float32,
+                                  out=poisoned((*a.shape[:-1], n)), **kw)
+    assert args.scaling == grouped.GroupScaling.BLOCK and not args.b_per_channel
+    out = grouped.run(args, config=CFG_BLOCK, num_sms=SMS)
+    a_deq, b_deq = _block_deq(a, b, sa, sb)
+    check(out, reference(a_deq, b_deq, counts, layout, bias.cpu()), REL8, f"fp8 block {layout.name}")
+
+
+def test_fp8_block_wide_tiles_and_mixed_recipes(seeded):
+    """Wide tiles (BLOCK_N 256 spans two weight blocks), per-channel 1x128 weight scales, and
+    1x128 activations with row-wise weight scales (promoted per k-block all the same)."""
+    e, m, k, n = 2, 20, 256, 260
+    a, b = fp8_operands((m, k), e, k, n)
+    offs = counts_tensor([7, 20])
+    sa = torch.rand(m, 2, device=DEV) + 0.5
+    wide = TritonGemmConfig(16, 256, 128, 8, 2, 4)
+    sb_blocks = torch.rand(e, 3, 2, device=DEV) + 0.5
+    out = grouped.run(grouped.scaled_mm_args(a, b, sa, sb_blocks, offs=offs, out_dtype=torch.float32,
+                                             out=poisoned((m, n))), config=wide, num_sms=SMS)
+    check(out, reference(*_block_deq(a, b, sa, sb_blocks), [7, 20], GroupLayout.CONTIGUOUS), REL8, "wide")
+    sb_chan = torch.rand(e, n, 2, device=DEV) + 0.5
+    args = grouped.scaled_mm_args(a, b, sa, sb_chan, offs=offs, out_dtype=torch.float32, out=poisoned((m, n)))
+    assert args.b_per_channel
+    out = grouped.run(args, config=CFG_BLOCK, num_sms=SMS)
+    check(out, reference(*_block_deq(a, b, sa, sb_chan, True), [7, 20], GroupLayout.CONTIGUOUS), REL8, "1x128 b")
+    sb_row = torch.rand(e, n, device=DEV) + 0.5
+    out = grouped.run(grouped.scaled_mm_args(a, b, sa, sb_row, offs=offs, out_dtype=torch.float32,
+                                             out=poisoned((m, n))), config=CFG_BLOCK, num_sms=SMS)
+    a_deq = a.double().cpu() * sa.double().cpu()[:, torch.arange(k) // 128]
+    check(out, reference(a_deq, b.double().cpu() * sb_row.double().cpu()[:, None, :], [7, 20],
+                         GroupLayout.CONTIGUOUS), REL8, "1x128 a x row b")
+
+
+def test_fp8_public_api_default_config(seeded):
+    e, m, k, n = 2, 24, 128, 32
+    a, b = fp8_operands((m, k), e, k, n)
+    sa, sb = torch.rand(m, 1, device=DEV) + 0.5, torch.rand(e, n, device=DEV) + 0.5
+    out = grouped_scaled_mm(a, b, sa, sb, offs=counts_tensor([10, 24]), out_dtype=torch.float32)
+    ref = reference(a.double().cpu() * sa.double().cpu(), b.double().cpu() * sb.double().cpu()[:, None, :],
+                    [10, 24], GroupLayout.CONTIGUOUS)
+    check(out, ref, REL8, "fp8 api")
+
+
+# ---------------------------------------------------------------------------------- zero sizes
+
+
+def test_zero_sizes(seeded):
+    k, n = 32, 24
+    # E = 0: nothing to write, no kernel.
+    a = torch.randn(5, k, device=DEV).to(HALF)
+    res = grouped_mm(a, torch.empty(0, k, n, device=DEV, dtype=HALF), offs=counts_tensor([]))
+    assert res.shape == (5, n)
+    # M_total = 0 and N = 0.
+    b = weights(2, k, n, HALF)
+    assert grouped_mm(a[:0], b, offs=counts_tensor([0, 0])).shape == (0, n)
+    assert grouped_mm(a, weights(2, k, 0, HALF), offs=counts_tensor([2, 5])).shape == (5, 0)
+    assert grouped_mm(torch.empty(2, 0, k, device=DEV, dtype=HALF), b, masked_m=counts_tensor([0, 0])).shape == (2, 0, n)
+
+
+def test_k_zero_gives_bias_rows(seeded):
+    e, m, n = 3, 10, 24
+    a = torch.empty(m, 0, device=DEV, dtype=FP8)
+    b = torch.empty(e, n, 0, device=DEV, dtype=FP8).transpose(1, 2)
+    bias = torch.randn(e, n, device=DEV)
+    offs = [2, 2, 7]
+    args = grouped.scaled_mm_args(a, b, torch.ones(m, device=DEV), torch.ones(e, n, device=DEV), offs=counts_tensor(offs),
+                                  bias=bias, out_dtype=torch.float32, out=poisoned((m, n)))
+    out = grouped.run(args, config=CFG8, num_sms=SMS)
+    check(out, reference(torch.zeros(m, 0, dtype=torch.float64), torch.zeros(e, 0, n, dtype=torch.float64), offs,
+                         GroupLayout.CONTIGUOUS, bias.cpu()), 1e-6, "K=0")
+    out = grouped_mm(torch.empty(e, 4, 0, device=DEV, dtype=HALF), torch.empty(e, 0, n, device=DEV, dtype=HALF),
+                     masked_m=counts_tensor([4, 0, 2]), out=poisoned((e, 4, n), HALF))
+    assert (out[0] == 0).all() and torch.isnan(out[1]).all() and (out[2, :2] == 0).all() and torch.isnan(out[2, 2:]).all()
+
+
+# ---------------------------------------------------------------------------------- errors
+
+
+def _ops16(e=2, m=8, k=32, n=16):
+    return torch.randn(m, k, device=DEV).to(HALF), weights(e, k, n, HALF), counts_tensor([3, 8][:e])
+
+
+@pytest.mark.parametrize("case, exc, match", [
+    (lambda a, b, o: grouped_mm(a, b, offs=o.long()), TypeError, "offs must be int32"),
+    (lambda a, b, o: grouped_mm(a, b, offs=o[:1]), ValueError, "offs must be 1-D"),
+    (lambda a, b, o: grouped_mm(a, b, offs=o.to("meta")), ValueError, "offs is on meta"),
+    (lambda a, b, o: grouped_mm(a, b), ValueError, "offs is required"),
+    (lambda a, b, o: grouped_mm(a, b, offs=o, masked_m=o), ValueError, "not both"),
+    (lambda a, b, o: grouped_mm(a[:, :16], b, offs=o), ValueError, "inner dimensions differ"),
+    (lambda a, b, o: grouped_mm(a, b[0], offs=o), ValueError, "b must be 3-D"),
+    (lambda a, b, o: grouped_mm(a, b.float(), offs=o), TypeError, "must both be bfloat16 or both float16"),
+    (lambda a, b, o: grouped_mm(a.t().contiguous().t(), b, offs=o), ValueError, "a .* must be contiguous"),
+    (lambda a, b, o: grouped_mm(a[:, :20].contiguous(), weights(2, 20, 16, HALF), offs=o), ValueError,
+     "a stride 20 along dimension 0 is 40 bytes"),
+    (lambda a, b, o: grouped_mm(a[:, :16], weights(2, 16, 12, HALF, k_major=False), offs=o), ValueError,
+     "b stride 12 along dimension 1 is 24 bytes"),
+    (lambda a, b, o: grouped_mm(a, b, offs=o, out=torch.empty(8, 15, device=DEV, dtype=HALF)), ValueError, "out has shape"),
+    (lambda a, b, o: grouped_mm(a, b, offs=o, out=torch.empty(8, 16, device=DEV)), TypeError, "out has dtype"),
+    (lambda a, b, o: grouped_mm(a, b, offs=o, out_dtype=torch.int8), TypeError, "out_dtype"),
+    (lambda a, b, o: grouped_mm(a[None].expand(3, 8, 32), b, masked_m=counts_tensor([1, 1, 1])), ValueError,
+     "a has 3 experts"),
+    (lambda a, b, o: grouped_mm(a[None].expand(2, 8, 32), b, masked_m=counts_tensor([1, 1, 1])), ValueError,
+     "masked_m must be 1-D"),
+    (lambda a, b, o: grouped_mm(a, 1.0, offs=o), TypeError, "b must be a torch.Tensor"),
+])
+def test_errors_name_the_argument(case, exc, match):
+    a, b, o = _ops16()
+    with pytest.raises(exc, match=match):
+        case(a, b, o)
+
+
+def test_fp8_errors_name_the_argument():
+    e, m, k, n = 2, 8, 64, 16
+    a, b = fp8_operands((m, k), e, k, n)
+    offs = counts_tensor([3, 8])
+    sa, sb = torch.ones(m, device=DEV), torch.ones(e, n, device=DEV)
+    cases = [
+        (lambda: grouped_scaled_mm(a, b.contiguous(), sa, sb, offs=offs), ValueError, "b must be K-major"),
+        (lambda: grouped_scaled_mm(a.to(HALF), b, sa, sb, offs=offs), TypeError, "a must be float8_e4m3fn"),
+        (lambda: grouped_scaled_mm(a, b, sa.double(), sb, offs=offs), TypeError, "scale_a must be float32"),
+        (lambda: grouped_scaled_mm(a, b, torch.ones(m + 1, device=DEV), sb, offs=offs), ValueError, "scale_a has shape"),
+        (lambda: grouped_scaled_mm(a, b, sa, torch.ones(e, n + 1, device=DEV), offs=offs), ValueError,
+         "scale_b has shape"),
+        (lambda: grouped_scaled_mm(a, b, sa, sb, offs=offs, bias=torch.ones(n, device=DEV)), ValueError,
+         "bias has shape"),
+        (lambda: grouped_scaled_mm(a, b, sa, sb, offs=offs, scale_recipe_b="1x128"), ValueError,
+         "the 1x128 recipe expects"),
+        (lambda: grouped_scaled_mm(a, b, sa, sb, offs=offs, scale_recipe_a="128x128"), ValueError, "scale_recipe_a"),
+        (lambda: grouped_scaled_mm(a, b, sa, sb, offs=offs, use_fast_accum=1), TypeError, "use_fast_accum"),
+    ]
+    for case, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            case()
+
+
+@pytest.mark.skipif(DEV == "cuda", reason="the CPU refusal of bf16 (interpreter bug)")
+def test_bf16_refused_on_cpu():
+    a = torch.randn(4, 16).bfloat16()
+    with pytest.raises(ValueError, match="bfloat16 inputs on the CPU"):
+        grouped_mm(a, torch.randn(1, 16, 8).bfloat16(), offs=torch.tensor([4], dtype=torch.int32))
+
+
+def test_heuristic_is_pure_and_valid():
+    from tmagemm.triton import matmul_grouped as mg
+
+    for dtype, block in ((torch.float16, False), (FP8, False), (FP8, True)):
+        for rows in (1, 64, 200, 4096):
+            config = mg.heuristic_for(rows, dtype == FP8, block)
+            assert config == mg.heuristic_for(rows, dtype == FP8, block)
+            assert config.block_m == (64 if rows <= 64 else 128)
+            if block:
+                assert config.block_k == 128 and config.block_n <= 128
+
+
+# ---------------------------------------------------------------------------------- GPU
+
+
+gpu = pytest.mark.gpu
+
+
+@gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8_rowwise"])
+def test_gpu_large_contiguous_matches_torch(fp8, seeded):
+    e, k, n = 8, 2048, 1536
+    sizes = torch.randint(0, 700, (e,)).tolist()
+    sizes[3] = 0
+    m = sum(sizes) + 37  # rows past offs[-1]
+    offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32).cuda()
+    out = poisoned((m, n), torch.bfloat16)
+    if fp8:
+        a, b = fp8_operands((m, k), e, k, n)
+        sa, sb = torch.rand(m, device=DEV) + 0.5, torch.rand(e, n, device=DEV) + 0.5
+        got = grouped_scaled_mm(a, b, sa, sb, offs=offs, out=out)
+        ref = reference(a.double().cpu() * sa.double().cpu()[:, None], b.double().cpu() * sb.double().cpu()[:, None],
+                        offs.tolist(), GroupLayout.CONTIGUOUS)
+        fn = getattr(torch, "_scaled_grouped_mm", None)
+        peer = (lambda: fn(a, b, sa, sb, offs=offs, out_dtype=torch.bfloat16)) if fn else None
+    else:
+        a = torch.randn(m, k, device=DEV).bfloat16()
+        b = weights(e, k, n, torch.bfloat16)
+        got = grouped_mm(a, b, offs=offs, out=out)
+        ref = reference(a.double().cpu(), b.double().cpu(), offs.tolist(), GroupLayout.CONTIGUOUS)
+        fn = getattr(torch, "_grouped_mm", None)
+        peer = (lambda: fn(a, b, offs=offs, out_dtype=torch.bfloat16)) if fn else None
+    check(got, ref, 1e-2, "gpu contiguous")
+    if peer is not None:
+        try:
+            theirs = peer()
+        except RuntimeError as exc:  # e.g. torch built without the grouped kernels for this arch
+            pytest.skip(f"torch peer unavailable: {exc}")
+        rows = int(offs[-1])
+        assert torch.allclose(got[:rows].float(), theirs[:rows].float(), rtol=2e-2, atol=2e-2 * ref[:rows].abs().max().item())
+
+
+@gpu
+def test_gpu_blockwise_masked_large(seeded):
+    e, max_m, k, n = 6, 192, 1024, 768
+    a, b = fp8_operands((e, max_m, k), e, k, n)
+    sa = torch.rand(e, max_m, k // 128, device=DEV) + 0.5
+    sb = torch.rand(e, n // 128, k // 128, device=DEV) + 0.5
+    counts = [192, 0, 1, 64, 130, 77]
+    out = poisoned((e, max_m, n), torch.bfloat16)
+    got = grouped_scaled_mm(a, b, sa, sb, masked_m=counts_tensor(counts), out=out)
+    check(got, reference(*_block_deq(a, b, sa, sb), counts, GroupLayout.MASKED), 1e-2, "gpu block masked")
+
+
+@gpu
+def test_gpu_cuda_graph_masked_counts_change_between_replays(seeded):
+    e, max_m, k, n = 8, 64, 512, 1024
+    a = torch.randn(e, max_m, k, device=DEV).bfloat16()
+    b = weights(e, k, n, torch.bfloat16)
+    masked = counts_tensor([64] * e)
+    out = poisoned((e, max_m, n), torch.bfloat16)
+    grouped_mm(a, b, masked_m=masked, out=out)  # plan + compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grouped_mm(a, b, masked_m=masked, out=out)
+    for counts in ([1, 0, 64, 5, 17, 33, 2, 63], [0] * e, [64, 64, 1, 1, 0, 0, 9, 9]):
+        masked.copy_(counts_tensor(counts))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out, reference(a.double().cpu(), b.double().cpu(), counts, GroupLayout.MASKED), 1e-2, f"replay {counts}")
+
+
+@gpu
+def test_gpu_direct_launch_and_decode_config(seeded):
+    grouped.clear_plans()
+    e, max_m, k, n = 16, 8, 1024, 2048
+    a, b = fp8_operands((e, max_m, k), e, k, n)
+    sa, sb = torch.rand(e, max_m, device=DEV) + 0.5, torch.rand(e, n, device=DEV) + 0.5
+    counts = [3, 8, 0, 1] * 4
+    got = grouped_scaled_mm(a, b, sa, sb, masked_m=counts_tensor(counts))
+    (p,) = grouped.cached_plans()
+    assert p.direct and p.config.block_m == 64
+    ref = reference(a.double().cpu() * sa.double().cpu()[..., None], b.double().cpu() * sb.double().cpu()[:, None],
+                    counts, GroupLayout.MASKED)
+    check(torch.where(torch.isnan(ref).to(DEV), float("nan"), got.float()), ref, 1e-2, "decode")
