@@ -7,11 +7,12 @@ The torch ops live under ``torch.ops.tmagemm`` once ``tmagemm.ops`` is imported 
 importing tmagemm does).
 """
 
-from . import ops  # noqa: F401  (registers torch.ops.tmagemm.*)
+from . import nn, ops  # noqa: F401  (ops registers torch.ops.tmagemm.*)
 from .api import matmul, scaled_mm
 from .grouped import grouped_mm, grouped_scaled_mm
 from .quant import quantize_fp8
 from .startup import tune, warmup
 
 __version__ = "0.1.0"
-__all__ = ["matmul", "scaled_mm", "grouped_mm", "grouped_scaled_mm", "quantize_fp8", "warmup", "tune", "__version__"]
+__all__ = ["matmul", "scaled_mm", "grouped_mm", "grouped_scaled_mm", "quantize_fp8", "warmup", "tune", "nn",
+           "__version__"]

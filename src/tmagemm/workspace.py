@@ -17,8 +17,9 @@ Two kinds of memory, with different rules:
   another, and the graph may be replayed any time later. A chunk is never shared by launches
   that can run at the same time (different streams, or different graphs).
 
-Memory for eager streams is allocated on a private side stream, so allocations never land in a
-memory pool that torch routes the caller's stream to (cudagraph trees warm up that way). Free
+Eager buffers and counter chunks come from the CUDA driver, not torch's caching allocator, so
+they never land in a graph's memory pool (cudagraph trees route every allocation made while they
+warm up a model into theirs, and would then find a live tensor they did not create). Free
 chunks are topped up whenever a plan is built outside capture; a capture that finds none left
 zeroes a chunk of its own graph pool inside the graph (correct, one memset node more) and warns.
 """
@@ -54,8 +55,7 @@ class _DeviceState:
     spare: list = field(default_factory=list)  # zeroed counter chunks
     eager: dict = field(default_factory=dict)  # stream handle -> Workspace
     captures: dict = field(default_factory=dict)  # (capture id, stream handle) -> counter chunk
-    # Outgrown eager buffers: the stream may still have launches in flight that read them, and the
-    # side stream they were allocated on would reuse their memory at once if they were freed.
+    # Outgrown eager buffers: the stream may still have launches in flight that read them.
     retired: list = field(default_factory=list)
 
 
@@ -73,12 +73,40 @@ def _state(index: int) -> _DeviceState:
     return state
 
 
+class _DriverMemory:
+    """Device memory from the CUDA driver, outside torch's caching allocator, shown to torch as an
+    array (``__cuda_array_interface__``). Graph memory pools (``torch.cuda.graph``'s and those of
+    cudagraph trees, which route every allocation made while they warm up or record) cannot
+    claim it, so a workspace made during a compiled model's warm-up neither leaks into nor breaks
+    its graphs. Never freed: workspaces live as long as the process."""
+
+    def __init__(self, index: int, numel: int, dtype: torch.dtype):
+        from cuda.bindings import driver
+
+        from .jit.runtime import ensure_context
+
+        ensure_context(index)
+        result, pointer = driver.cuMemAlloc(max(numel, 1) * dtype.itemsize)
+        if result != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"tmagemm workspace: cuMemAlloc of {numel} x {dtype} on cuda:{index} failed: {result.name}")
+        typestr = {torch.float32: "<f4", torch.int32: "<i4"}[dtype]
+        self.__cuda_array_interface__ = {"shape": (numel,), "typestr": typestr, "data": (int(pointer), False),
+                                         "version": 3, "strides": None}
+
+
+def _tensor(index: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    try:
+        return torch.as_tensor(_DriverMemory(index, numel, dtype), device=f"cuda:{index}")
+    except ImportError:  # no cuda-bindings: torch's allocator (graph pools may then claim it)
+        return torch.empty(numel, dtype=dtype, device=f"cuda:{index}")
+
+
 def _allocate(state: _DeviceState, index: int, partials: int, chunks: int) -> tuple[torch.Tensor, list]:
-    """Outside capture: a partial-sum buffer and zeroed counter chunks, allocated on the side
-    stream and complete before the caller's stream uses them."""
+    """Outside capture: a partial-sum buffer and zeroed counter chunks, complete before the
+    caller's stream uses them (zeroed on the side stream, which is then waited for)."""
     with torch.cuda.device(index), torch.cuda.stream(state.side):
-        buffer = torch.empty(partials, dtype=torch.float32, device=f"cuda:{index}") if partials else None
-        zeroed = [torch.zeros(COUNTERS, dtype=torch.int32, device=f"cuda:{index}") for _ in range(chunks)]
+        buffer = _tensor(index, partials, torch.float32) if partials else None
+        zeroed = [_tensor(index, COUNTERS, torch.int32).zero_() for _ in range(chunks)]
     state.side.synchronize()
     return buffer, zeroed
 

@@ -1,0 +1,25 @@
+"""FP8 linear layers for real models: ``FP8Linear`` (quantized weight, activations quantized on
+the fly, ``tmagemm.scaled_mm``), ``convert`` (swap a model's nn.Linear layers), FP8 checkpoints
+in the Hugging Face layout, and tensor-parallel shards. docs/nn.md walks through them."""
+
+from .checkpoint import (
+    from_pretrained_fp8,
+    load_fp8_checkpoint,
+    quantization_config,
+    save_fp8_checkpoint,
+)
+from .convert import convert
+from .linear import FP8Linear
+from .parallel import ColumnParallelFP8Linear, RowParallelFP8Linear, parallelize_linear
+
+__all__ = [
+    "ColumnParallelFP8Linear",
+    "FP8Linear",
+    "RowParallelFP8Linear",
+    "convert",
+    "from_pretrained_fp8",
+    "load_fp8_checkpoint",
+    "parallelize_linear",
+    "quantization_config",
+    "save_fp8_checkpoint",
+]

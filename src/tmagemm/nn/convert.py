@@ -1,0 +1,72 @@
+"""``convert``: swap a model's nn.Linear layers for FP8Linear in place, quantizing their weights."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable
+
+from torch import nn
+
+from .linear import ALIGN, FP8Linear
+from .quantize import check_recipe
+
+DEFAULT_SKIP = ("lm_head",)
+
+
+def matches(name: str, patterns: Iterable[str]) -> bool:
+    """Whether a dotted module name matches one of ``patterns``: a pattern (fnmatch syntax)
+    matches the whole name or any dotted suffix of it, so "lm_head" matches "lm_head" and
+    "model.lm_head", "mlp.down_proj" matches "model.layers.3.mlp.down_proj", and
+    "model.layers.0.*" matches everything in layer 0."""
+    parts = name.split(".")
+    suffixes = [".".join(parts[i:]) for i in range(len(parts))]
+    return any(fnmatch.fnmatchcase(s, p) for p in patterns for s in suffixes)
+
+
+def aligned(linear: nn.Linear) -> bool:
+    """Whether the fp8 kernels can take this layer: in_features and out_features multiples of 16
+    (16-byte fp8 weight rows; 16-byte-aligned output rows)."""
+    return linear.in_features % ALIGN == 0 and linear.out_features % ALIGN == 0
+
+
+def convert(model: nn.Module, recipe: str = "block", skip: Iterable[str] = DEFAULT_SKIP) -> nn.Module:
+    """Replace every ``nn.Linear`` of ``model`` (recursively, in place) with an
+    :class:`FP8Linear` holding its quantized weight, and return the model.
+
+    recipe: "block" (default), "row" or "tensor" (see FP8Linear). skip: module names or
+    fnmatch patterns to keep in high precision (matched against the full dotted name and its
+    dotted suffixes; default ("lm_head",): the logits are the most sensitive GEMM and the
+    vocabulary is often not a multiple of 16). Layers whose in_features or out_features is not a
+    multiple of 16 stay in high precision too (the fp8 kernels need 16-byte aligned rows).
+    A model that is itself an nn.Linear is returned converted (it cannot be replaced in place).
+    Subclasses of nn.Linear (LoRA wrappers, other quantized layers) are left alone; layers
+    already FP8Linear are kept. The names of the converted layers are
+    ``[n for n, m in model.named_modules() if isinstance(m, FP8Linear)]``.
+    """
+    check_recipe(recipe)
+    if isinstance(skip, str):
+        skip = (skip,)
+    skip = tuple(skip)
+    if type(model) is nn.Linear:
+        return FP8Linear.from_linear(model, recipe) if aligned(model) else model
+    # remove_duplicate=False: a layer reachable under two names is replaced under both (by one
+    # FP8Linear), and skipped if either name is to be skipped.
+    named = [(name, module) for name, module in model.named_modules(remove_duplicate=False)
+             if type(module) is nn.Linear]
+    kept = {id(module) for name, module in named if matches(name, skip) or not aligned(module)}
+    converted: dict[int, FP8Linear] = {}
+    for name, linear in named:
+        if id(linear) in kept:
+            continue
+        if id(linear) not in converted:
+            converted[id(linear)] = FP8Linear.from_linear(linear, recipe)
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, converted[id(linear)])
+    return model
+
+
+def high_precision_linears(model: nn.Module) -> list[str]:
+    """Names of the nn.Linear layers left in high precision (an HF checkpoint's
+    ``modules_to_not_convert``)."""
+    return [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]

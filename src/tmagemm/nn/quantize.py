@@ -1,0 +1,126 @@
+"""Quantization for the FP8 layers: activations on the fly (as a torch op), weights once.
+
+Activations go through ``torch.ops.tmagemm_nn.quantize_activation``, an opaque custom op with a
+fake implementation, so torch.compile(fullgraph=True) traces the layer; it quantizes without the
+quantizers' Inf/NaN read-back (``check_finite=False``), so a forward pass never syncs the host.
+
+Recipes (the ``recipe`` of :class:`~tmagemm.nn.FP8Linear`):
+
+=========  ======================================  ==================================
+recipe     activation x (M, K)                     weight w (N, K) (``weight_scale_inv``)
+=========  ======================================  ==================================
+"block"    1x128 groups: scale (M, ceil(K/128))     128x128 blocks: (ceil(N/128), ceil(K/128))
+"row"      one scale per token: (M, 1)              one per output channel: (N, 1)
+"tensor"   one scale for the whole x: (1, 1)        one scale: (1,)
+=========  ======================================  ==================================
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import envs
+from ..quant import quantize_fp8
+from ..triton.quantize import SCALE_BLOCK, quantize_128x128
+
+RECIPES = ("block", "row", "tensor")
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)
+# scale_mm's recipe keywords per layer recipe: (activation, weight). Always passed explicitly,
+# since some shapes fit two recipes (a (M, 1) scale is row-wise and 1x128 when K <= 128).
+SCALED_MM_RECIPES = {"block": ("1x128", "128x128"), "row": ("row", "row"), "tensor": ("tensor", "tensor")}
+
+
+def check_recipe(recipe) -> str:
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe must be one of {', '.join(repr(r) for r in RECIPES)}, got {recipe!r}")
+    return recipe
+
+
+def weight_scale_shape(recipe: str, out_features: int, in_features: int) -> tuple[int, ...]:
+    """The shape of ``weight_scale_inv`` for a (out_features, in_features) weight."""
+    if recipe == "block":
+        return (-(-out_features // SCALE_BLOCK), -(-in_features // SCALE_BLOCK))
+    return (out_features, 1) if recipe == "row" else (1,)
+
+
+def activation_scale_shape(recipe: str, m: int, k: int) -> tuple[int, int]:
+    if recipe == "block":
+        return (m, -(-k // SCALE_BLOCK))
+    return (m, 1) if recipe == "row" else (1, 1)
+
+
+# ------------------------------------------------------------------------------- activations
+
+
+@torch.library.custom_op("tmagemm_nn::quantize_activation", mutates_args=())
+def quantize_activation(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x_fp8, scale)`` of a 2-D activation with a contiguous last dimension and K % 16 == 0
+    (so x_fp8 is contiguous, as the fake implementation says)."""
+    if x.device.type != "cuda" and not envs.interpret():
+        # The Triton quantizer would fail with a launcher error; say what is wrong instead.
+        raise ValueError(f"FP8Linear input is on {x.device}; tmagemm's FP8 layers need CUDA tensors on a Hopper "
+                         "GPU (CPU tensors run only under the Triton interpreter, TRITON_INTERPRET=1, for testing)")
+    # No Inf/NaN read-back per forward pass (a host sync on every layer): a non-finite activation
+    # shows as an Inf scale in its group and propagates to the output, as in other engines.
+    return quantize_fp8(x, "1x128" if recipe == "block" else recipe, check_finite=False)
+
+
+@quantize_activation.register_fake
+def _(x, recipe):
+    m, k = x.shape
+    return x.new_empty((m, k), dtype=FP8), x.new_empty(activation_scale_shape(recipe, m, k), dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------------- weights
+
+
+def quantize_weight(w: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w_fp8, weight_scale_inv)`` of an (N, K) float weight, ``w ~= w_fp8 * scale`` per recipe.
+
+    "block" runs the fused 128x128 quantizer on CUDA tensors and the same arithmetic in torch
+    elsewhere (bit for bit the same result, so a model can be converted in CPU memory and moved
+    to the GPU afterwards); "row" and "tensor" use :func:`tmagemm.quantize_fp8`.
+    Raises ValueError for Inf/NaN weights.
+    """
+    check_recipe(recipe)
+    w = w.detach()
+    if recipe == "block":
+        if w.is_cuda:
+            q, scale = quantize_128x128(w.contiguous())
+            return q.contiguous(), scale
+        return _quantize_128x128_torch(w)
+    q, scale = quantize_fp8(w, recipe)
+    return q, (scale if recipe == "row" else scale.reshape(1))
+
+
+def _quantize_128x128_torch(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused quantizer's arithmetic in torch: scale = amax / 448 (fp32, at least the smallest
+    normal), q = round-to-nearest-even(clamp(w / scale)), ragged edge blocks padded with zeros."""
+    n, k = w.shape
+    nb, kb = -(-n // SCALE_BLOCK), -(-k // SCALE_BLOCK)
+    padded = w.new_zeros((nb * SCALE_BLOCK, kb * SCALE_BLOCK), dtype=torch.float32)
+    padded[:n, :k] = w
+    blocks = padded.view(nb, SCALE_BLOCK, kb, SCALE_BLOCK)
+    amax = blocks.abs().amax(dim=(1, 3))
+    if not bool(torch.isfinite(amax).all()):
+        nb_bad, kb_bad = (~torch.isfinite(amax)).nonzero()[0].tolist()
+        raise ValueError(f"the weight {tuple(w.shape)} holds Inf or NaN (first in the 128x128 block at rows "
+                         f"{nb_bad * SCALE_BLOCK}.., columns {kb_bad * SCALE_BLOCK}..); no finite scale represents it")
+    scale = (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(nb * SCALE_BLOCK, kb * SCALE_BLOCK)[:n, :k].contiguous(), scale
+
+
+def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, recipe: str, dtype=torch.float32) -> torch.Tensor:
+    """``q * scale`` expanded per recipe, in ``dtype`` (computed in float32 or float64)."""
+    n, k = q.shape
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    s = scale.to(compute)
+    if recipe == "block":
+        s = s.repeat_interleave(SCALE_BLOCK, 0)[:n].repeat_interleave(SCALE_BLOCK, 1)[:, :k]
+    elif recipe == "row":
+        s = s.reshape(n, 1)
+    else:
+        s = s.reshape(1, 1)
+    return (q.to(compute) * s).to(dtype)
