@@ -414,3 +414,24 @@ def test_block_scaled_mixes_with_row_and_per_channel_scales(seeded):
     for scale_a, scale_b, ref in cases:
         out = tmagemm.scaled_mm(a, w.t(), scale_a, scale_b, out_dtype=torch.float32)
         assert_close(out, ref, 1e-5, f"scale_a {tuple(scale_a.shape)} scale_b {tuple(scale_b.shape)}")
+
+
+def test_scale_checks_do_not_specialise_compiled_graphs_on_m():
+    """Resolving the scale layout while torch.compile traces must not turn M into a constant
+    (formatting a size for an error message would): one graph serves every M."""
+    torch._dynamo.reset()
+    frames = []
+
+    def backend(graph, example_inputs):
+        frames.append(graph)
+        return graph.forward
+
+    @torch.compile(backend=backend, dynamic=True, fullgraph=True)
+    def layout_and_scale(sa, sb, k):
+        layout = api.scale_layout(sa, sb, sa.shape[0], sb.shape[1], 512)
+        return sa * (2.0 if layout.a == "row" else 3.0)
+
+    for m in (3, 5, 9, 17):
+        assert torch.equal(layout_and_scale(torch.ones(m, 1), torch.ones(1, 64), 512), torch.full((m, 1), 2.0))
+    assert len(frames) == 1, f"{len(frames)} graphs for 4 values of M"
+    torch._dynamo.reset()

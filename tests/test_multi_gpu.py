@@ -153,7 +153,7 @@ def test_alternating_devices(kind, seeded):
             out = torch.empty(m, SHAPES[m][0], device=f"cuda:{device}", dtype=torch.bfloat16)
             op = "matmul" if kind == "bf16" else "scaled_mm"
             key = plan.call_key(op, a, b, scale_a, scale_b, None, out, torch.bfloat16 if op == "scaled_mm" else None,
-                                True, "auto")
+                                True, "auto", (None, None) if op == "scaled_mm" else None)
             call = plan.cached(key)
             assert call is not None, f"M={m}: no cached call for cuda:{device}"
             assert call.device == out.device, f"M={m}: the cached call for cuda:{device} allocates on {call.device}"

@@ -126,20 +126,22 @@ def _scale_tensor(scale, name: str) -> None:
         raise ValueError(f"{name} must have at most 2 dimensions, got shape {tuple(scale.shape)}")
 
 
-def _pick(name: str, shape: tuple, fits: dict, wanted: str | None, expected: dict) -> str:
+def _pick(name: str, shape: tuple, fits: dict, wanted: str | None, expected) -> str:
     """The recipe of a scale: the one asked for, which must fit its shape, or else the first that
-    fits (the candidates that can all fit one shape describe the same product)."""
+    fits (the candidates that can all fit one shape describe the same product). ``expected()``
+    names the shapes for an error message; it is only called then, since formatting a size
+    while torch.compile traces would specialise the graph on it."""
     if wanted is not None:
         if wanted not in fits:
             raise ValueError(f"{name}: the {wanted} recipe does not apply to this operand; "
                              f"use one of {', '.join(repr(r) for r in fits)}")
         if not fits[wanted]:
-            raise ValueError(f"{name} has shape {shape}; the {wanted} recipe expects {expected[wanted]}")
+            raise ValueError(f"{name} has shape {shape}; the {wanted} recipe expects {expected()[wanted]}")
         return wanted
     for recipe, ok in fits.items():
         if ok:
             return recipe
-    options = "; ".join(f"{recipe}: {text}" for recipe, text in expected.items())
+    options = "; ".join(f"{recipe}: {text}" for recipe, text in expected().items())
     raise ValueError(f"{name} has shape {shape}; expected {options}")
 
 
@@ -177,13 +179,13 @@ def scale_layout(scale_a, scale_b, m: int, n: int, k: int, recipe_a=None, recipe
     if recipe_a == "128x128":
         raise ValueError("scale_recipe_a: 128x128 blocks apply to the weight (b) only; activations take 1x128 groups")
     a = _pick("scale_a", sa, {"tensor": scale_a.numel() == 1, "row": sa in ((m, 1), (m,)), "1x128": sa == (m, kb)},
-              recipe_a, {"tensor": "one element", "row": f"({m}, 1) or ({m},)", "1x128": f"({m}, {kb})"})
+              recipe_a, lambda: {"tensor": "one element", "row": f"({m}, 1) or ({m},)", "1x128": f"({m}, {kb})"})
     blocks = {"128x128": ((nb, kb), ((kb, nb), (kb4, nb))), "1x128": ((n, kb), ((kb, n),))}
     b = _pick("scale_b", sb, {"tensor": scale_b.numel() == 1, "row": sb in ((1, n), (n,)),
                               **{r: sb == weight or sb in k_first for r, (weight, k_first) in blocks.items()}},
-              recipe_b, {"tensor": "one element", "row": f"(1, {n}) or ({n},)",
-                         "128x128": f"({nb}, {kb}) or ({kb}, {nb}) (KB rounded up to 4 allowed there)",
-                         "1x128": f"({n}, {kb}) or ({kb}, {n})"})
+              recipe_b, lambda: {"tensor": "one element", "row": f"(1, {n}) or ({n},)",
+                                 "128x128": f"({nb}, {kb}) or ({kb}, {nb}) (KB rounded up to 4 allowed there)",
+                                 "1x128": f"({n}, {kb}) or ({kb}, {n})"})
     k_first = False
     if b in blocks:
         weight, k_first_shapes = blocks[b]
