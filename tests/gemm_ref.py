@@ -46,3 +46,30 @@ def fp8_operands(m, n, k, device, a_dtype=FP8):
     a = (torch.randn(m, k, device=device) * 2).to(a_dtype)
     w = (torch.randn(n, k, device=device) * 2).to(FP8)
     return a, w.t()
+
+
+# Per-element bounds of check_product: the output's rounding (bf16: 2^-8 relative) and the
+# accumulation (fp8 fast accumulation: 2^-10 of sum |a||b|; bf16 products summed in fp32).
+OUT_ROUNDING = 2.0**-8
+ACCUMULATION = {FP8: 2.0**-10, torch.bfloat16: 2.0**-12}
+
+
+def check_product(out, a, b, scale_a=None, scale_b=None, what="", accumulation=None) -> None:
+    """``out`` against ``(scale_a * scale_b) * (a @ b)`` computed in float64 on the operands'
+    device, element by element. A NaN left in a poisoned output (never written) fails."""
+    assert out.device == a.device, f"{what}: result on {out.device}, operands on {a.device}"
+    a64, b64 = a.double(), b.double()
+    ref, size = a64 @ b64, a64.abs() @ b64.abs()
+    for scale, axis in ((scale_a, 0), (scale_b, 1)):
+        if scale is not None:
+            s = scale.double().reshape(-1)
+            s = s if s.numel() == 1 else (s[:, None] if axis == 0 else s[None, :])
+            ref, size = ref * s, size * s.abs()
+    bound = OUT_ROUNDING * ref.abs() + (accumulation or ACCUMULATION[a.dtype]) * size
+    bad = ~((out.double() - ref).abs() <= bound)  # NaN compares False
+    if bool(bad.any()):
+        r, c = bad.nonzero()[0].tolist()
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {out.numel()} elements off; first at ({r}, {c}): got {float(out[r, c]):.6g}, "
+            f"want {float(ref[r, c]):.6g} +- {float(bound[r, c]):.3g}"
+        )

@@ -96,7 +96,7 @@ def test_non_hopper_gpu_message(monkeypatch):
     monkeypatch.setattr(api.device, "capability", lambda index: (8, 0))
     monkeypatch.setattr(api.device, "name", lambda index: "NVIDIA A100")
     with pytest.raises(ValueError, match="sm_80.*need a Hopper GPU"):
-        api._check_runtime_device(torch.device("cuda", 0), torch.float8_e4m3fn)
+        api.check_runtime_device(torch.device("cuda", 0), torch.float8_e4m3fn)
 
 
 # ------------------------------------------------------------------------------ repeated calls

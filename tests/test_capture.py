@@ -13,7 +13,7 @@ import gc
 
 import pytest
 import torch
-from gemm_ref import FP8
+from gemm_ref import FP8, check_product as check
 
 import tmagemm
 
@@ -30,8 +30,6 @@ FP8_MAX = torch.finfo(FP8).max
 # Elementwise bound on |out - ref|: bf16 output rounding (half an ulp is 2^-9 relative; doubled)
 # plus the accumulation's error as a fraction of sum_k |a_ik b_kj| (scaled): fp8 fast accumulation
 # 2^-10; bf16 products summed in fp32 2^-12, 4x the worst case of K/16 fp32 roundings at K = 8192.
-OUT_ROUNDING = 2.0**-8
-ACCUMULATION = {FP8: 2.0**-10, torch.bfloat16: 2.0**-12}
 
 
 @pytest.fixture(autouse=True)
@@ -63,26 +61,6 @@ def fresh_dynamo(monkeypatch):
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-
-
-def check(out, a, b, scale_a=None, scale_b=None, what=""):
-    """``out`` against ``(scale_a * scale_b) * (a @ b)`` computed in float64 on the GPU, element by
-    element. A NaN left in a poisoned output (an element never written) fails."""
-    a64, b64 = a.double(), b.double()
-    ref, size = a64 @ b64, a64.abs() @ b64.abs()
-    for scale, axis in ((scale_a, 0), (scale_b, 1)):
-        if scale is not None:
-            s = scale.double().reshape(-1)
-            s = s if s.numel() == 1 else (s[:, None] if axis == 0 else s[None, :])
-            ref, size = ref * s, size * s.abs()
-    bound = OUT_ROUNDING * ref.abs() + ACCUMULATION[a.dtype] * size
-    bad = ~((out.double() - ref).abs() <= bound)  # NaN compares False
-    if bool(bad.any()):
-        r, c = bad.nonzero()[0].tolist()
-        raise AssertionError(
-            f"{what}: {int(bad.sum())} of {out.numel()} elements off; first at ({r}, {c}): got {float(out[r, c]):.6g}, "
-            f"want {float(ref[r, c]):.6g} +- {float(bound[r, c]):.3g}"
-        )
 
 
 def check_quantized(h, hq, hs, what=""):

@@ -99,3 +99,15 @@ def test_scaling_description():
     args = GemmArgs(torch.empty(7, 32, dtype=F8), torch.empty(5, 32, dtype=F8).t(), torch.empty(7, 5),
                     torch.ones(7), torch.ones(1))
     assert args.scaling == (plan.Scaling.ROW, plan.Scaling.TENSOR)
+
+
+@pytest.mark.parametrize("m, n, first", [(1, 4096, "triton.blockscaled"), (128, 7168, "triton.blockscaled"),
+                                         (128, 24576, "cuda.blockscaled"), (4096, 4096, "cuda.blockscaled")])
+def test_block_scaled_preference(m, n, first):
+    k = 7168
+    args = GemmArgs(torch.empty(m, k, dtype=F8, device="meta"), torch.empty(n, k, dtype=F8, device="meta").t(),
+                    torch.empty(m, n, dtype=torch.bfloat16, device="meta"), torch.empty(m, k // 128, device="meta"),
+                    torch.empty(-(-n // 128), k // 128, device="meta"), None, True,
+                    (plan.Scaling.BLOCK_1X128, plan.Scaling.BLOCK_128X128))
+    order = plan.preference(args)
+    assert order[0] == first and set(order) == {"cuda.blockscaled", "triton.blockscaled"}

@@ -77,7 +77,7 @@ def _check_backend(backend: str) -> None:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
-def _check_runtime_device(dev: torch.device, dtype: torch.dtype) -> None:
+def check_runtime_device(dev: torch.device, dtype: torch.dtype) -> None:
     """Device checks that need the CUDA runtime or the environment (done at run time, not while
     tracing)."""
     if dev.type == "cuda":
@@ -105,7 +105,7 @@ _RECIPES = {"tensor": "tensor", "row": "row", "1x128": "1x128", "128x128": "128x
 BLOCK = 128  # the block-scaled recipes' block edge
 
 
-def _recipe(value, name: str) -> str | None:
+def parse_recipe(value, name: str) -> str | None:
     """A scaling recipe keyword: None, one of "tensor", "row", "1x128", "128x128", or the
     matching member of torch's ``ScalingType`` (``TensorWise``, ``RowWise``, ``BlockWise1x128``,
     ``BlockWise128x128``)."""
@@ -172,7 +172,7 @@ def scale_layout(scale_a, scale_b, m: int, n: int, k: int, recipe_a=None, recipe
     otherwise. Where two recipes fit a shape with different meanings (tiny N or K), the first in
     this order wins unless ``recipe_a`` / ``recipe_b`` name one: tensor, row, 128x128, 1x128.
     """
-    recipe_a, recipe_b = _recipe(recipe_a, "scale_recipe_a"), _recipe(recipe_b, "scale_recipe_b")
+    recipe_a, recipe_b = parse_recipe(recipe_a, "scale_recipe_a"), parse_recipe(recipe_b, "scale_recipe_b")
     kb, nb = -(-k // BLOCK), -(-n // BLOCK)
     kb4 = -(-kb // 4) * 4
     sa, sb = tuple(scale_a.shape), tuple(scale_b.shape)
@@ -314,7 +314,7 @@ def execute(key, a, b, scale_a, scale_b, bias, out, out_dtype, fast_accum, backe
     the call's cache key, or None; ``layout``: how fp8 scales apply (None: no scales)."""
     if a.device.type == "meta":  # shape propagation only
         return out if out is not None else torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device="meta")
-    _check_runtime_device(a.device, a.dtype)
+    check_runtime_device(a.device, a.dtype)
     if out is None:
         out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
     block_scaling = block_scales = None

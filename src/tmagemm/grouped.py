@@ -26,15 +26,14 @@ from typing import NamedTuple
 
 import torch
 
-from .api import _check_runtime_device, _recipe
+from . import tma
+from .api import check_runtime_device, parse_recipe
 from .plan import Plan, on_device, tensor_key
 
 _HALF = (torch.bfloat16, torch.float16)
 _OUT = (torch.bfloat16, torch.float16, torch.float32)
 _FP8 = torch.float8_e4m3fn
 BLOCK = 128  # the block-scaled recipes' block edge
-_ALIGN = 16  # TMA: base address and every non-innermost stride in bytes
-_MAX_STRIDE = 1 << 40
 
 
 class GroupLayout(enum.IntEnum):
@@ -107,41 +106,6 @@ class GroupedArgs(NamedTuple):
         return self.a, self.b, self.out, self.scale_a, self.scale_b, self.bias, self.counts
 
 
-# ---------------------------------------------------------------------------------- TMA layout
-
-
-def map_layout(t: torch.Tensor, dims: tuple[int, ...]) -> tuple[list[int], list[int]]:
-    """Shape and element strides of ``t`` permuted to ``dims`` (innermost last) as a tensor map
-    describes it. A size-1 dimension is never stepped, so its stride (any value in torch) is
-    replaced by the aligned contiguous one; the innermost stride is 1."""
-    shape = [t.shape[d] for d in dims]
-    strides = [t.stride(d) for d in dims]
-    per_16b = _ALIGN // t.element_size()
-    span = -(-shape[-1] // per_16b) * per_16b
-    for i in range(len(dims) - 2, -1, -1):
-        if shape[i] == 1:
-            strides[i] = span
-        span = strides[i] * shape[i]
-    strides[-1] = 1
-    return shape, strides
-
-
-def map_reason(t: torch.Tensor, name: str, dims: tuple[int, ...]) -> str | None:
-    """None if a tensor map can describe ``t`` permuted to ``dims``, else why not."""
-    inner = dims[-1]
-    if t.shape[inner] > 1 and t.stride(inner) != 1:
-        return f"{name} (shape {tuple(t.shape)}, stride {tuple(t.stride())}) must be contiguous along dimension {inner}"
-    if t.data_ptr() % _ALIGN:
-        return f"{name}.data_ptr() is not {_ALIGN}-byte aligned (TMA)"
-    _, strides = map_layout(t, dims)
-    for d, stride in zip(dims[:-1], strides[:-1]):
-        nbytes = stride * t.element_size()
-        if nbytes % _ALIGN or not 0 < nbytes < _MAX_STRIDE:
-            return (f"{name} stride {t.stride(d)} along dimension {d} is {nbytes} bytes, not a positive multiple of "
-                    f"{_ALIGN} below 2^40 (TMA); e.g. K * itemsize must be a multiple of 16")
-    return None
-
-
 # ---------------------------------------------------------------------------------- checks
 
 
@@ -207,7 +171,7 @@ def _layout(a, b, offs, masked_m, fp8: bool):
     b_k_major = k_major and (fp8 or not n_major or (k > 1 and b.stride(1) == 1))
     if k > 0 and min(a.shape[:-1] + (n,)) > 0:
         for t, name, dims in ((a, "a", tuple(range(a.dim()))), (b, "b", (0, 2, 1) if b_k_major else (0, 1, 2))):
-            reason = map_reason(t, name, dims)
+            reason = tma.map_reason(t, name, dims)
             if reason:
                 raise ValueError(reason)
     return layout, b_k_major, counts
@@ -283,7 +247,7 @@ def scale_strides(scale_a, scale_b, layout: GroupLayout, e: int, m: int, n: int,
     Where two recipes fit one shape with different meanings (tiny N or K), the first in the order
     tensor, row, 128x128, 1x128 wins unless ``recipe_a`` / ``recipe_b`` name one.
     """
-    recipe_a, recipe_b = _recipe(recipe_a, "scale_recipe_a"), _recipe(recipe_b, "scale_recipe_b")
+    recipe_a, recipe_b = parse_recipe(recipe_a, "scale_recipe_a"), parse_recipe(recipe_b, "scale_recipe_b")
     kb, nb = -(-k // BLOCK), -(-n // BLOCK)
     rows = (m,) if layout == GroupLayout.CONTIGUOUS else (e, m)
     sa, sb = tuple(scale_a.shape), tuple(scale_b.shape)
@@ -383,7 +347,7 @@ def run(args: GroupedArgs, config=None, key=None, num_sms: int | None = None) ->
     kernel's epilogue alone (zeros plus each group's bias row), since which rows to write is on
     the device. Plans made during CUDA-graph capture are not kept (they use Triton's launcher)."""
     if args.a.device.type != "meta":
-        _check_runtime_device(args.a.device, args.a.dtype)
+        check_runtime_device(args.a.device, args.a.dtype)
     if args.e == 0 or args.m == 0 or args.n == 0 or args.a.device.type == "meta":
         return args.out
     from .triton import matmul_grouped

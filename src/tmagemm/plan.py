@@ -227,6 +227,14 @@ def _splitk_first(args: GemmArgs) -> bool:
     return args.is_fp8 and ((args.m <= 16 and args.k >= 4096) or (args.m <= 32 and args.k > 8192))
 
 
+# Block-scaled fp8 at decode-sized M on narrow weights: the Triton kernel's 64 x 64 tiles put
+# more CTAs on the weight than the native kernel's 128 x 128 (H100, graph-timed, BENCHMARKS.md:
+# 1.1-1.8x faster at M = 1 and 128 for N = 2112-7168; from N = 10240 the native kernel was ahead
+# at M = 128 and within 6% at M = 1).
+BLOCK_SMALL_M = 128
+BLOCK_SMALL_N = 8192
+
+
 def preference(args: GemmArgs) -> tuple[str, ...]:
     """Variants "auto" tries, best first, from the side-by-side measurements in BENCHMARKS.md.
 
@@ -239,10 +247,12 @@ def preference(args: GemmArgs) -> tuple[str, ...]:
       ``triton.tma_device`` costs ~2.5 us more GPU time and stays a fallback.
     - larger M: the native persistent cooperative kernel (per-shape config), then the Triton
       persistent one.
-    - block-scaled fp8 (1x128 x 128x128): the block-scaled kernel.
+    - block-scaled fp8 (1x128 x 128x128): the native block-scaled kernel, or the Triton one first
+      at M <= BLOCK_SMALL_M on weights with N <= BLOCK_SMALL_N.
     """
     if args.block_scaling is not None:
-        return ("cuda.blockscaled", "triton.blockscaled")
+        native = ("cuda.blockscaled", "triton.blockscaled")
+        return native[::-1] if args.m <= BLOCK_SMALL_M and args.n <= BLOCK_SMALL_N else native
     tma = ("triton.tma", "triton.tma_device")
     if _splitk_first(args):
         return ("triton.splitk", *tma, "triton.persistent", "triton.ptr")

@@ -440,6 +440,39 @@ def store_reason(out: torch.Tensor) -> str | None:
     return reason
 
 
+def map_layout(t: torch.Tensor, dims: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Shape and element strides of ``t`` permuted to ``dims`` (innermost last) as a tensor map
+    describes it (any rank: grouped operands are 3-D). A size-1 dimension is never stepped, so
+    its stride (any value in torch) is replaced by the aligned contiguous one; the innermost
+    stride is 1."""
+    shape = [t.shape[d] for d in dims]
+    strides = [t.stride(d) for d in dims]
+    per_16b = ALIGN // t.element_size()
+    span = -(-shape[-1] // per_16b) * per_16b
+    for i in range(len(dims) - 2, -1, -1):
+        if shape[i] == 1:
+            strides[i] = span
+        span = strides[i] * shape[i]
+    strides[-1] = 1
+    return shape, strides
+
+
+def map_reason(t: torch.Tensor, name: str, dims: Sequence[int]) -> str | None:
+    """None if a tensor map can describe ``t`` permuted to ``dims`` (innermost last), else why not."""
+    inner = dims[-1]
+    if t.shape[inner] > 1 and t.stride(inner) != 1:
+        return f"{name} (shape {tuple(t.shape)}, stride {tuple(t.stride())}) must be contiguous along dimension {inner}"
+    if t.data_ptr() % ALIGN:
+        return f"{name}.data_ptr() is not {ALIGN}-byte aligned (TMA)"
+    _, strides = map_layout(t, dims)
+    for d, stride in zip(dims[:-1], strides[:-1]):
+        nbytes = stride * t.element_size()
+        if nbytes % ALIGN or not 0 < nbytes < MAX_STRIDE:
+            return (f"{name} stride {t.stride(d)} along dimension {d} is {nbytes} bytes, not a positive multiple of "
+                    f"{ALIGN} below 2^40 (TMA); e.g. K * itemsize must be a multiple of 16")
+    return None
+
+
 def operand_view(t: torch.Tensor, row_major: bool) -> torch.Tensor:
     """``t`` as the row-major matrix a tensor map describes: itself, or its transpose when
     column-major (the kernel then reads the tile transposed)."""

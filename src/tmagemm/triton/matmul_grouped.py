@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .. import device
+from .. import device, tma
 from ..configs import TritonGemmConfig
 from ..grouped import GroupedArgs, GroupLayout, GroupScaling
 from ..plan import Plan
@@ -263,36 +263,20 @@ def tile_bound(args: GroupedArgs, block_m: int, block_n: int) -> int:
 # --------------------------------------------------------------------------------- host side
 
 
-def _map_strides(t: torch.Tensor, dims: tuple[int, ...]) -> tuple[list[int], list[int]]:
-    """Shape and element strides of ``t`` permuted to ``dims`` (innermost last, stride 1), with
-    the stride of any size-1 dimension replaced by an aligned one: it is never stepped, but the
-    tensor map still checks it (torch reports any value there)."""
-    shape = [t.shape[d] for d in dims]
-    strides = [t.stride(d) for d in dims]
-    per_16b = 16 // t.element_size()
-    span = -(-shape[-1] // per_16b) * per_16b
-    for i in range(len(dims) - 2, -1, -1):
-        if shape[i] == 1:
-            strides[i] = span
-        span = strides[i] * shape[i]
-    strides[-1] = 1
-    return shape, strides
-
-
 def descriptors(args: GroupedArgs, config: TritonGemmConfig) -> tuple[TensorDescriptor, TensorDescriptor]:
     """Host tensor maps over A and b (the grouped check already refused what TMA cannot read)."""
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     if args.layout == GroupLayout.CONTIGUOUS:
-        shape, strides = _map_strides(args.a, (0, 1))
+        shape, strides = tma.map_layout(args.a, (0, 1))
         a_desc = TensorDescriptor(args.a, shape, strides, [bm, bk])
     else:
-        shape, strides = _map_strides(args.a, (0, 1, 2))
+        shape, strides = tma.map_layout(args.a, (0, 1, 2))
         a_desc = TensorDescriptor(args.a, shape, strides, [1, bm, bk])
     if args.b_k_major:
-        shape, strides = _map_strides(args.b, (0, 2, 1))  # the (E, N, K) weight
+        shape, strides = tma.map_layout(args.b, (0, 2, 1))  # the (E, N, K) weight
         b_desc = TensorDescriptor(args.b, shape, strides, [1, bn, bk])
     else:
-        shape, strides = _map_strides(args.b, (0, 1, 2))
+        shape, strides = tma.map_layout(args.b, (0, 1, 2))
         b_desc = TensorDescriptor(args.b, shape, strides, [1, bk, bn])
     return a_desc, b_desc
 
