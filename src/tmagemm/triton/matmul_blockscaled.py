@@ -26,7 +26,7 @@ import triton.language as tl
 from .. import device, tma, tuning
 from ..configs import TritonGemmConfig
 from ..plan import GemmArgs, Plan, Scaling, Variant
-from .common import grouped_tile
+from .common import block_scaled_add, grouped_tile
 from .host import GEMM_OPERANDS, descriptor
 from .launch import KernelCall, aot_spec as _aot_spec, direct_launch
 from .matmul_tma import store_tile
@@ -62,14 +62,13 @@ def blockscaled_gemm_kernel(
     # (TMA zero-fill) and never stored, but 0 * (an inf from garbage) would be NaN in registers.
     sa_ptrs = scale_a_ptr + offs_m * stride_sam
     sa_mask = offs_m < M
+    sb_mask = offs_n < N
     if B_PER_CHANNEL:
         sb_ptrs = scale_b_ptr + offs_n * stride_sbn  # one scale per output channel
-        sb_mask = offs_n < N
     elif BLOCK_N <= 128:
         sb_ptrs = scale_b_ptr + (off_n // 128) * stride_sbn  # the tile's single weight block row
     else:
         sb_ptrs = scale_b_ptr + (offs_n // 128) * stride_sbn  # wide tiles span several block rows
-        sb_mask = offs_n < N
 
     # ---- main loop: per k-block a fresh fp32 product, scaled into the running sum. TMA zero-fills
     # the ragged last k-block and the M / N edges, so the loads need no masks.
@@ -78,13 +77,8 @@ def blockscaled_gemm_kernel(
         a = a_desc.load([off_m, kb * BLOCK_K])
         b = b_desc.load([off_n, kb * BLOCK_K]).T  # K-major B: wgmma reads the transposed view
         partial = tl.dot(a, b)  # no accumulator in: the block's sum starts from zero
-        sa = tl.load(sa_ptrs + kb * stride_sak, mask=sa_mask, other=1.0)
-        if B_PER_CHANNEL or BLOCK_N > 128:
-            sb = tl.load(sb_ptrs + kb * stride_sbk, mask=sb_mask, other=1.0)
-            acc += partial * sa[:, None] * sb[None, :]
-        else:
-            sb = tl.load(sb_ptrs + kb * stride_sbk)
-            acc += partial * (sa * sb)[:, None]
+        acc = block_scaled_add(acc, partial, sa_ptrs, sb_ptrs, stride_sak, stride_sbk, kb, sa_mask, sb_mask,
+                               B_PER_CHANNEL, BLOCK_N)
 
     # ---- epilogue: bias in fp32, then one rounding to the output dtype
     if HAS_BIAS:

@@ -45,7 +45,7 @@ from .. import device, tma
 from ..configs import TritonGemmConfig
 from ..grouped import GroupedArgs, GroupLayout, GroupScaling
 from ..plan import Plan
-from .common import grouped_tile, mma
+from .common import block_scaled_add, grouped_tile, mma
 from .launch import A, B, BIAS, OUT, PARTIALS, SCALE_A, SCALE_B, KernelCall, aot_spec as _aot_spec, direct_launch
 
 NAME = "triton.grouped"
@@ -172,13 +172,8 @@ def grouped_gemm_kernel(
                     a = load_a(a_desc, g, off_m, kb * BLOCK_K, BLOCK_M, BLOCK_K, LAYOUT)
                     b = load_b(b_desc, g, kb * BLOCK_K, off_n, BLOCK_N, BLOCK_K, B_K_MAJOR)
                     partial = tl.dot(a, b)
-                    sa = tl.load(sa_ptrs + kb * stride_sak, mask=row_ok, other=1.0)
-                    if B_PER_CHANNEL or BLOCK_N > 128:
-                        sb = tl.load(sb_ptrs + kb * stride_sbk, mask=col_ok, other=1.0)
-                        acc += partial * sa[:, None] * sb[None, :]
-                    else:
-                        sb = tl.load(sb_ptrs + kb * stride_sbk)
-                        acc += partial * (sa * sb)[:, None]
+                    acc = block_scaled_add(acc, partial, sa_ptrs, sb_ptrs, stride_sak, stride_sbk, kb, row_ok, col_ok,
+                                           B_PER_CHANNEL, BLOCK_N)
             else:
                 for k in range(tl.cdiv(K, BLOCK_K)):
                     a = load_a(a_desc, g, off_m, k * BLOCK_K, BLOCK_M, BLOCK_K, LAYOUT)
