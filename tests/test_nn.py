@@ -362,7 +362,7 @@ def test_tiny_llama_generates(fp8_llama_checkpoint):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend,mode", [("cudagraphs", None), ("inductor", "default"),
                                           ("inductor", "reduce-overhead")])
-def test_compiled_llama_same_tokens(backend, mode, seeded):
+def test_compiled_llama_same_tokens(backend, mode, seeded, monkeypatch):
     """torch.compile(fullgraph=True) of the FP8 Llama, greedy decoding over a growing sequence.
 
     backend="cudagraphs" (the traced graph replayed as CUDA graphs, eager's kernels): logits and
@@ -374,7 +374,14 @@ def test_compiled_llama_same_tokens(backend, mode, seeded):
     least a quarter of the logits' standard deviation (teacher-forced on eager's tokens)."""
     torch.compiler.reset()  # each case compiles a new model: keep dynamo's recompile count per case
     model = tnn.convert(tiny_llama(layers=2, hidden=256, intermediate=512, vocab=1000))
-    compiled = torch.compile(model, fullgraph=True, backend=backend, mode=mode)
+    if backend == "cudagraphs":
+        # One static graph per sequence length: the cudagraphs backend's dynamic-shape path failed
+        # copying a length-11 input into a length-10 graph input after other compiled tests ran in
+        # the same process (torch 2.11), which says nothing about the layers under test.
+        monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 16)
+        compiled = torch.compile(model, fullgraph=True, backend=backend, dynamic=False)
+    else:
+        compiled = torch.compile(model, fullgraph=True, backend=backend, mode=mode)
     ids = torch.tensor([[1, 17, 42, 99, 7, 3, 250, 11]], device="cuda")
     decisive = 0
     with torch.no_grad():
