@@ -435,3 +435,77 @@ def test_scale_checks_do_not_specialise_compiled_graphs_on_m():
         assert torch.equal(layout_and_scale(torch.ones(m, 1), torch.ones(1, 64), 512), torch.full((m, 1), 2.0))
     assert len(frames) == 1, f"{len(frames)} graphs for 4 values of M"
     torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------------------ bad input a new user tried
+
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter's limits (CPU)")
+
+
+@cpu_only
+def test_bf16_under_the_interpreter_is_refused():
+    """The interpreter's bf16 dot is wrong (relative error ~1e9): refuse instead of returning it."""
+    a, b = torch.randn(8, 32).bfloat16(), torch.randn(32, 16).bfloat16()
+    with pytest.raises(ValueError, match="interpreter computes bf16"):
+        tmagemm.matmul(a, b)
+    with pytest.raises(ValueError, match="interpreter computes bf16"):
+        torch.ops.tmagemm.matmul(a, b)
+
+
+@cpu_only
+@pytest.mark.parametrize("where", ["a", "b"])
+def test_non_finite_fp8_inputs_propagate_under_the_interpreter(where, seeded):
+    """The interpreter reads an fp8 NaN as 480; the API recomputes the affected rows (a) or
+    columns (b) in float64 as the GPU's arithmetic gives them (e4m3 has no Inf: NaN is the only
+    non-finite value it holds)."""
+    value = float("nan")
+    a, b = fp8_operands(9, 24, 64, "cpu")
+    sa, sb = torch.rand(9, 1) + 0.5, torch.rand(1, 24) + 0.5
+    a, w = a.clone(), b.t().clone()
+    if where == "a":
+        a[3, 5] = value
+    else:
+        w[7, 5] = value
+    out = tmagemm.scaled_mm(a, w.t(), sa, sb, out_dtype=torch.float32)
+    ref = reference(a, w.t(), sa, sb)
+    hit = out[3] if where == "a" else out[:, 7]
+    want = ref[3] if where == "a" else ref[:, 7]
+    assert bool(want.isnan().all()) and bool(hit.isnan().all()), "a NaN operand makes its whole row / column NaN"
+    keep = torch.ones_like(out, dtype=torch.bool)
+    keep[3 if where == "a" else slice(None), slice(None) if where == "a" else 7] = False
+    assert_close(out[keep].reshape(-1, 1), ref[keep].reshape(-1, 1), 1e-5, "untouched elements")
+
+
+def test_use_fast_accum_must_be_a_bool():
+    a, b, sa, sb = _fp8()
+    with pytest.raises(TypeError, match="use_fast_accum must be a bool, got str 'no'"):
+        tmagemm.scaled_mm(a, b, sa, sb, use_fast_accum="no")
+
+
+def test_meta_tensors_propagate_shapes():
+    a = torch.empty(7, 64, dtype=FP8, device="meta")
+    b = torch.empty(40, 64, dtype=FP8, device="meta").t()
+    s = torch.empty(1, device="meta")
+    out = tmagemm.scaled_mm(a, b, s, s, out_dtype=torch.float16)
+    assert out.device.type == "meta" and out.shape == (7, 40) and out.dtype == torch.float16
+    h = tmagemm.matmul(torch.empty(7, 64, dtype=torch.half, device="meta"),
+                       torch.empty(64, 40, dtype=torch.half, device="meta"))
+    assert h.device.type == "meta" and h.shape == (7, 40) and h.dtype == torch.half
+
+
+def test_mixed_devices_name_the_tensor_and_the_rule():
+    a = torch.empty(7, 64, dtype=torch.half)
+    b = torch.empty(64, 40, dtype=torch.half, device="meta")
+    with pytest.raises(ValueError, match=r"b is on meta but a is on cpu; move all tensors to one device"):
+        tmagemm.matmul(a, b)
+
+
+def test_ops_take_the_python_defaults_and_check(seeded):
+    a, b, sa, sb = _fp8(16, 32, 64)
+    out = torch.ops.tmagemm.scaled_mm(a, b, sa, sb)  # bias, out_dtype, use_fast_accum, backend defaulted
+    assert out.dtype == torch.bfloat16
+    assert_close(out, reference(a, b, sa, sb), 1e-2, "op defaults")
+    x, y = torch.randn(16, 32, device=DEVICE).half(), torch.randn(32, 24, device=DEVICE).half()
+    assert torch.ops.tmagemm.matmul(x, y).dtype == torch.half
+    with pytest.raises(TypeError, match="a must be float8"):
+        torch.ops.tmagemm.scaled_mm(a.half(), b, sa, sb)
