@@ -386,14 +386,6 @@ def contiguous_dim(t: torch.Tensor) -> int | None:
     return 0 if cols > 1 else 1
 
 
-def is_row_major(t: torch.Tensor) -> bool:
-    return contiguous_dim(t) == 1
-
-
-def is_col_major(t: torch.Tensor) -> bool:
-    return contiguous_dim(t) == 0
-
-
 def b_is_k_major(b: torch.Tensor) -> bool:
     """True when a GEMM's B (K, N) is K-major: the transpose of a row-major (N, K) weight."""
     return contiguous_dim(b) == 0

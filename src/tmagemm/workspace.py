@@ -180,9 +180,3 @@ def _grow(state: _DeviceState, index: int, stream: int, found: Workspace | None,
         buffer, (counters,) = _allocate(state, index, size, 1)
     workspace = state.eager[stream] = Workspace(buffer, counters)
     return workspace
-
-
-def eager_workspace(index: int, stream: int) -> Workspace | None:
-    """The eager workspace of one stream, if it exists (tests)."""
-    state = _devices.get(index)
-    return None if state is None else state.eager.get(stream)
