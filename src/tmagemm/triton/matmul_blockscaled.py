@@ -42,9 +42,9 @@ _FP8 = torch.float8_e4m3fn
 @triton.jit(do_not_specialize=["M", "stride_sak"])
 def blockscaled_gemm_kernel(
     a_desc, b_desc, c_desc, c_ptr, scale_a_ptr, scale_b_ptr, bias_ptr,
-    M, N, K, stride_cm, stride_cn, stride_sam, stride_sak, stride_sbn, stride_sbk,
+    M, N, K, stride_cm, stride_cn, stride_sam, stride_sak, stride_sbn, stride_sbk, stride_am, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    B_PER_CHANNEL: tl.constexpr, TMA_STORE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    B_PER_CHANNEL: tl.constexpr, TMA_STORE: tl.constexpr, HAS_BIAS: tl.constexpr, OPERAND_TMA: tl.constexpr,
 ):
     # ---- static checks: one k-step is exactly one scale block
     tl.static_assert(BLOCK_K == 128, "block-scaled GEMM: BLOCK_K must be the 128-deep scale block")
@@ -71,11 +71,21 @@ def blockscaled_gemm_kernel(
         sb_ptrs = scale_b_ptr + (offs_n // 128) * stride_sbn  # wide tiles span several block rows
 
     # ---- main loop: per k-block a fresh fp32 product, scaled into the running sum. TMA zero-fills
-    # the ragged last k-block and the M / N edges, so the loads need no masks.
+    # the ragged last k-block and the M / N edges, so the loads need no masks. Operands TMA cannot
+    # describe (a row stride not a multiple of 16 bytes, e.g. K = 7000) are read with masked
+    # pointer loads instead: a_desc / b_desc are then the tensors' base pointers.
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(tl.cdiv(K, BLOCK_K)):
-        a = a_desc.load([off_m, kb * BLOCK_K])
-        b = b_desc.load([off_n, kb * BLOCK_K]).T  # K-major B: wgmma reads the transposed view
+        if OPERAND_TMA:
+            a = a_desc.load([off_m, kb * BLOCK_K])
+            b = b_desc.load([off_n, kb * BLOCK_K]).T  # K-major B: wgmma reads the transposed view
+        else:
+            ks = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            a = tl.load(a_desc + offs_m[:, None].to(tl.int64) * stride_am + ks[None, :],
+                        mask=(offs_m[:, None] < M) & k_ok[None, :], other=0.0)
+            b = tl.load(b_desc + offs_n[None, :].to(tl.int64) * stride_bn + ks[:, None],
+                        mask=k_ok[:, None] & (offs_n[None, :] < N), other=0.0)
         partial = tl.dot(a, b)  # no accumulator in: the block's sum starts from zero
         acc = block_scaled_add(acc, partial, sa_ptrs, sb_ptrs, stride_sak, stride_sbk, kb, sa_mask, sb_mask,
                                B_PER_CHANNEL, BLOCK_N)
@@ -162,6 +172,7 @@ class Layout:
     b_per_channel: bool  # scale_b (N, KB): one scale per output channel (Scaling.BLOCK_1X128)
     tma_store: bool  # out row-major, aligned: TMA store; otherwise masked pointer stores
     has_bias: bool
+    operand_tma: bool = True  # a and b through tensor maps; otherwise masked pointer loads
 
 
 def _scale_reason(scale, name: str, shape: tuple, recipe: str, dev) -> str | None:
@@ -194,11 +205,15 @@ def layout_of(args: GemmArgs) -> Layout | str:
     dev = args.out.device
     if args.a.device != dev or args.b.device != dev:
         return f"a ({args.a.device}), b ({args.b.device}) and out ({dev}) must share a device"
-    # fp8 wgmma reads both operands K-major: A row-major, B = w.t() (column-major).
-    for t, name, row_major in ((args.a, "a", True), (args.b, "b", False)):
-        reason = tma.operand_reason(t, name, row_major)
-        if reason:
-            return reason
+    # fp8 wgmma reads both operands K-major: A row-major, B = w.t() (column-major). Through tensor
+    # maps when TMA can describe both, else with pointer loads (any leading stride).
+    if tma.contiguous_dim(args.a) != 1:
+        return f"a {tuple(args.a.shape)} must be row-major (stride {tuple(args.a.stride())})"
+    if tma.contiguous_dim(args.b) != 0:
+        return (f"b {tuple(args.b.shape)} must be column-major, the .t() of a row-major (N, K) weight "
+                f"(stride {tuple(args.b.stride())})")
+    operand_tma = all(tma.operand_reason(t, name, row_major) is None
+                      for t, name, row_major in ((args.a, "a", True), (args.b, "b", False)))
     if tma.contiguous_dim(args.out) != 1:
         return f"out {tuple(args.out.shape)} must be row-major (stride {tuple(args.out.stride())})"
     kb = triton.cdiv(k, SCALE_BLOCK)
@@ -215,7 +230,8 @@ def layout_of(args: GemmArgs) -> Layout | str:
             return f"bias must be a contiguous float ({n},) vector, got {bias.dtype} {tuple(bias.shape)}"
         if bias.device != dev:
             return f"bias is on {bias.device}, the operands on {dev}"
-    return Layout(b_per_channel=per_channel, tma_store=tma.store_reason(args.out) is None, has_bias=bias is not None)
+    return Layout(b_per_channel=per_channel, tma_store=tma.store_reason(args.out) is None, has_bias=bias is not None,
+                  operand_tma=operand_tma)
 
 
 def supports(args: GemmArgs) -> str | None:
@@ -227,8 +243,11 @@ def supports(args: GemmArgs) -> str | None:
 def kernel_call(args: GemmArgs, config: TritonGemmConfig, layout: Layout) -> KernelCall:
     """One launch, every kernel argument named once (direct launch, Triton's launcher, AOT)."""
     bm, bn, bk = config.block_m, config.block_n, config.block_k
-    a_desc = descriptor(args.a, True, bm, bk)
-    b_desc = descriptor(args.b, False, bk, bn)  # described as the (N, K) weight, box [bn, bk]
+    if layout.operand_tma:
+        a_desc = descriptor(args.a, True, bm, bk)
+        b_desc = descriptor(args.b, False, bk, bn)  # described as the (N, K) weight, box [bn, bk]
+    else:
+        a_desc, b_desc = args.a, args.b
     c_desc = descriptor(args.out, True, bm, bn) if layout.tma_store else None
     sa, sb = args.scale_a, args.scale_b
     grid = (triton.cdiv(args.m, bm) * triton.cdiv(args.n, bn),)
@@ -237,8 +256,10 @@ def kernel_call(args: GemmArgs, config: TritonGemmConfig, layout: Layout) -> Ker
         bias_ptr=args.bias, M=args.m, N=args.n, K=args.k, stride_cm=args.out.stride(0),
         stride_cn=args.out.stride(1), stride_sam=sa.stride(0), stride_sak=sa.stride(1),
         stride_sbn=sb.stride(0), stride_sbk=sb.stride(1),
+        stride_am=tma.leading_stride(args.a, True), stride_bn=tma.leading_stride(args.b, False),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
         B_PER_CHANNEL=layout.b_per_channel, TMA_STORE=layout.tma_store, HAS_BIAS=layout.has_bias,
+        OPERAND_TMA=layout.operand_tma,
     )
     return KernelCall(blockscaled_gemm_kernel, grid, values,
                       dict(num_warps=config.num_warps, num_stages=config.num_stages), GEMM_OPERANDS)
