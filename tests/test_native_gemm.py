@@ -578,3 +578,10 @@ def test_block_scaled_refusals():
     plain = next(v for v in native.VARIANTS if v.name == "cuda.persistent_coop")
     assert "block-scaled kernels only" in plain.supports(GemmArgs(a, w.t(), out, sa, sb, None, True,
                                                                   (Scaling.BLOCK_1X128, Scaling.BLOCK_128X128)))
+
+
+def test_aot_source_refuses_16_bit_block_scaled():
+    with pytest.raises(ValueError, match="fp8 kernel"):
+        native.aot_source("cuda.blockscaled", "bf16")
+    source, defines = native.aot_source("cuda.blockscaled", "fp8")
+    assert defines["TMAGEMM_BLOCK_SCALED"] == 1 and defines["TMAGEMM_PROMOTE"] == 1

@@ -455,6 +455,8 @@ def aot_source(name: str, dtype: str = "fp8") -> tuple[str, dict[str, int]]:
         raise ValueError(f"dtype must be one of {sorted(_AOT_FAMILIES)}, got {dtype!r}")
     ab, out, k_major = _AOT_FAMILIES[dtype]
     config = NATIVE_CONFIGS[name]
+    if (config.promote or config.block_scaled) and dtype != "fp8":
+        raise ValueError(f"{name} is an fp8 kernel (its mainloop promotes fp8 partial sums); use dtype 'fp8'")
     return _SOURCES[config.kernel], _defines(config, ab, out, k_major)
 
 
