@@ -40,6 +40,12 @@ HALF_CASES = [
     ("triton", torch.bfloat16, 17, 264, 136, True),
     ("triton", torch.float16, 300, 520, 208, False),
 ]
+# Block-scaled fp8 (1x128 x 128x128): (backend, M, N, K); K = 700 has no tensor map (pointer loads).
+BLOCK_CASES = [
+    ("cuda", 300, 520, 576),
+    ("triton", 17, 264, 576),
+    ("triton", 5, 264, 700),
+]
 TOL = 1e-2  # max|out - ref| / max|ref|; bf16 output rounding alone is ~4e-3
 
 
@@ -63,6 +69,17 @@ def fp8_case(backend, m, n, k, fast, rowwise):
     return out, ref if bias is None else ref + bias.double()
 
 
+def block_case(backend, m, n, k):
+    kb, nb = -(-k // 128), -(-n // 128)
+    a = torch.randn(m, k, device="cuda").to(FP8)
+    w = torch.randn(n, k, device="cuda").to(FP8)
+    sa, sb = torch.rand(m, kb, device="cuda") + 0.5, torch.rand(nb, kb, device="cuda") + 0.5
+    out = tmagemm.scaled_mm(a, w.t(), sa, sb, backend=backend)
+    per_k = torch.arange(k, device="cuda") // 128
+    rows = torch.arange(n, device="cuda") // 128
+    return out, (a.double() * sa.double()[:, per_k]) @ (w.double() * sb.double()[rows][:, per_k]).t()
+
+
 def half_case(backend, dtype, m, n, k, k_major):
     a = torch.randn(m, k, device="cuda", dtype=dtype)
     b = torch.randn(n, k, device="cuda", dtype=dtype).t() if k_major else torch.randn(k, n, device="cuda", dtype=dtype)
@@ -73,6 +90,7 @@ def main() -> int:
     torch.manual_seed(0)
     cases = [(f"scaled_mm {c[0]} {c[1]}x{c[2]}x{c[3]} fast={c[4]} rowwise={c[5]}", fp8_case, c) for c in FP8_CASES]
     cases += [(f"matmul {c[0]} {str(c[1])[6:]} {c[2]}x{c[3]}x{c[4]} k_major={c[5]}", half_case, c) for c in HALF_CASES]
+    cases += [(f"scaled_mm block {c[0]} {c[1]}x{c[2]}x{c[3]}", block_case, c) for c in BLOCK_CASES]
     failed = 0
     for name, make, params in cases:
         try:
