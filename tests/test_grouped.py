@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tmagemm import grouped
+from tmagemm import grouped, plan
 from tmagemm.configs import TritonGemmConfig
 from tmagemm.grouped import GroupLayout, grouped_mm, grouped_scaled_mm
 
@@ -174,7 +174,7 @@ def test_bad_masked_counts_are_clamped(seeded):
 
 def test_public_api_caches_and_counts_stay_on_device(seeded):
     """Same signature, new counts: the cached plan serves it (no new plan, right rows)."""
-    grouped.clear_plans()
+    plan.clear_plans()
     e, m, k, n = 3, 40, 32, 24
     a = torch.randn(m, k, device=DEV).to(HALF)
     b = weights(e, k, n, HALF)
@@ -483,7 +483,7 @@ def test_gpu_cuda_graph_masked_counts_change_between_replays(seeded):
 
 @gpu
 def test_gpu_direct_launch_and_decode_config(seeded):
-    grouped.clear_plans()
+    plan.clear_plans()
     e, max_m, k, n = 16, 8, 1024, 2048
     a, b = fp8_operands((e, max_m, k), e, k, n)
     sa, sb = torch.rand(e, max_m, device=DEV) + 0.5, torch.rand(e, n, device=DEV) + 0.5

@@ -28,7 +28,7 @@ import torch
 
 from . import tma
 from .api import check_runtime_device, parse_recipe
-from .plan import Plan, on_device, tensor_key
+from .plan import Plan, cached, cached_calls, on_device, remember, tensor_key
 
 _HALF = (torch.bfloat16, torch.float16)
 _OUT = (torch.bfloat16, torch.float16, torch.float32)
@@ -323,21 +323,8 @@ class _Call:
     def __call__(self, a, b, out, scale_a, scale_b, bias, counts) -> torch.Tensor:
         if out is None:
             out = torch.empty(self.out_shape, dtype=self.out_dtype, device=self.device)
-        _launch(self.plan, a, b, out, scale_a, scale_b, bias, counts)
+        self.plan.run(a, b, out, scale_a, scale_b, bias, counts)
         return out
-
-
-_calls: dict[tuple, _Call] = {}
-
-
-def _launch(plan: Plan, *operands) -> None:
-    """``plan.launch(*operands)`` on its GPU whatever the current device (as ``Plan.run``, for
-    the seven grouped operands)."""
-    if plan.device_index >= 0 and torch.cuda.device_count() > 1 and torch.cuda.current_device() != plan.device_index:
-        with torch.cuda.device(plan.device_index):
-            plan.launch(*operands)
-        return
-    plan.launch(*operands)
 
 
 def run(args: GroupedArgs, config=None, key=None, num_sms: int | None = None) -> torch.Tensor:
@@ -354,19 +341,15 @@ def run(args: GroupedArgs, config=None, key=None, num_sms: int | None = None) ->
 
     with on_device(args.out.device):
         plan = matmul_grouped.build(args, config, num_sms)
-    _launch(plan, *args.operands)
+    plan.run(*args.operands)
     if key is not None and not (args.out.is_cuda and torch.cuda.is_current_stream_capturing()):
-        _calls[key] = _Call(plan, args)
+        remember(key, _Call(plan, args))
     return args.out
 
 
-def clear_plans() -> None:
-    """Forget the cached grouped plans."""
-    _calls.clear()
-
-
 def cached_plans() -> list[Plan]:
-    return [call.plan for call in _calls.values()]
+    """The plans of the cached grouped call signatures (in the plan layer's one cache)."""
+    return [call.plan for call in cached_calls() if isinstance(call, _Call)]
 
 
 # ---------------------------------------------------------------------------------- public API
@@ -390,7 +373,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, *, offs: torch.Tensor | None = 
         grad = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
         key = ("grouped_mm", tensor_key(a), tensor_key(b), tensor_key(offs), tensor_key(masked_m), tensor_key(out),
                out_dtype, grad)
-        known = _calls.get(key)
+        known = cached(key)
     except (AttributeError, TypeError):  # not tensors, or an unhashable option: the checks say why
         key = known = None
     if known is not None:
@@ -424,7 +407,7 @@ def grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, s
         key = ("grouped_scaled_mm", tensor_key(a), tensor_key(b), tensor_key(scale_a), tensor_key(scale_b),
                tensor_key(offs), tensor_key(masked_m), tensor_key(bias), tensor_key(out), out_dtype,
                scale_recipe_a, scale_recipe_b, use_fast_accum, grad)
-        known = _calls.get(key)
+        known = cached(key)
     except (AttributeError, TypeError):
         key = known = None
     if known is not None:

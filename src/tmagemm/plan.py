@@ -136,14 +136,16 @@ class Plan:
     device_index: int = -1
     direct: bool = False
 
-    def run(self, a, b, out, scale_a=None, scale_b=None, bias=None) -> None:
-        """Launch on ``out``'s GPU whatever the current device is, leaving the current device as
-        it was (the check costs one driver query, and only on machines with several GPUs)."""
+    def run(self, *operands) -> None:
+        """``launch(*operands)`` on the plan's GPU whatever the current device is, leaving the
+        current device as it was (the check costs one driver query, and only on machines with
+        several GPUs). Dense plans take ``(a, b, out, scale_a, scale_b, bias)``; grouped ones
+        add the group counts."""
         if self.device_index >= 0 and _several_gpus() and torch.cuda.current_device() != self.device_index:
             with torch.cuda.device(self.device_index):
-                self.launch(a, b, out, scale_a, scale_b, bias)
+                self.launch(*operands)
             return
-        self.launch(a, b, out, scale_a, scale_b, bias)
+        self.launch(*operands)
 
     def __call__(self, args: GemmArgs) -> None:
         self.run(*args.operands)
@@ -321,7 +323,7 @@ def build(args: GemmArgs, backend: str = "auto", variant: str | None = None, con
 # shapes, strides, 16-byte alignment, flags) forms the call key; a key is stored only after a call
 # with it passed every check and was planned, so a hit skips both.
 
-_calls: dict[tuple, "Call"] = {}
+_calls: dict[tuple, Callable] = {}  # dense (Call) and grouped (grouped._Call) entries alike
 
 
 def tensor_key(t: torch.Tensor | None):
@@ -389,8 +391,14 @@ class Call:
         return out
 
 
-def cached(key) -> Call | None:
+def cached(key):
+    """The cached call of ``key`` (a :class:`Call`, or a grouped one), or None."""
     return _calls.get(key)
+
+
+def remember(key, call) -> None:
+    """Cache ``call`` (it holds a ``plan``) under ``key``: every problem kind shares this cache."""
+    _calls[key] = call
 
 
 def _zero_size(args: GemmArgs) -> bool:
@@ -431,6 +439,11 @@ def clear_plans() -> None:
     _calls.clear()
 
 
+def cached_calls() -> list:
+    """The cached calls, every problem kind (diagnostics, tests)."""
+    return list(_calls.values())
+
+
 def cached_plans() -> list[Plan]:
-    """The plans of the cached call signatures (diagnostics, tests)."""
-    return [call.plan for call in _calls.values()]
+    """The plans of the cached dense call signatures (diagnostics, tests)."""
+    return [call.plan for call in _calls.values() if isinstance(call, Call)]
