@@ -15,7 +15,8 @@ Counts stay on the device: no call reads them on the host, so a call captures in
 and replays with new counts. Checks that need no sync (dtypes, devices, shapes, layouts) raise
 TypeError / ValueError naming the argument; counts that are wrong at run time are clamped in the
 kernel as above (never an out-of-bounds access). Each call signature is checked and planned
-once (a dict keyed like ``plan.call_key``); later calls with it go straight to the launch.
+once (a key built like ``plan.call_key``, stored in the plan layer's one cache through
+``plan.remember`` / ``plan.cached``); later calls with it go straight to the launch.
 docs/grouped.md has the contracts, the scheduler and the limitations.
 """
 

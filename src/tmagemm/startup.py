@@ -139,8 +139,10 @@ def warmup(
 ) -> Summary:
     """Compile and load every kernel the given weight shapes can pick, for every M up to ``max_m``.
 
-    shapes: (N, K) of each weight (``nn.Linear(K, N)``), called as ``scaled_mm(x, w.t(), ...)``
-    (fp8) or ``matmul(x, w.t())`` (bf16/fp16). dtypes: any of "fp8", "bf16", "fp16". scales: the
+    shapes: (N, K) of each weight (``nn.Linear(K, N)``). fp8 is planned as ``scaled_mm(x, w.t(),
+    ...)`` (b column-major); bf16/fp16 as ``matmul(x, w.t().contiguous())`` (b row-major (K, N):
+    a model that passes the column-major ``w.t()`` needs other binaries, planned on its first
+    call). dtypes: any of "fp8", "bf16", "fp16". scales: the
     fp8 scalings the model uses ("tensor", "row"; each is its own binary), with ``out_dtype``,
     ``use_fast_accum`` and ``bias`` as the model calls them. m_values: the M values to plan
     (default: :func:`m_buckets` of ``max_m``). Prints progress to stderr unless ``progress`` is

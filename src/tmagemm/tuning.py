@@ -4,7 +4,7 @@ problem bucket) and cached on disk.
 Policy, in order:
 1. a config already chosen in this process for the same key;
 2. one stored on disk by ``tmagemm tune`` or an earlier process
-   (``$TMAGEMM_CACHE_DIR/tuning/<device>.json``);
+   (``$TMAGEMM_CACHE_DIR/tuning/<GPU name>-triton<version>.json``);
 3. when call-time tuning is enabled (``TMAGEMM_AUTOTUNE=1``, a GPU, and the current stream is
    not being captured into a CUDA graph) time every valid candidate and keep the fastest, if it
    still beats the heuristic by 2% when the two are re-timed in alternation (:func:`pick`);

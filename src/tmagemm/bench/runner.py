@@ -101,7 +101,8 @@ def _run_one(provider: prov.Provider, case: prov.Case, timer: Timer | None, grap
         rec.update(status=FAILED, reason=f"prepare: {_error_text(exc)}")
         return rec
     try:
-        # The first call compiles/autotunes; it is also the one checked for accuracy.
+        # The first call compiles (and tunes, with TMAGEMM_AUTOTUNE=1); it is also the one checked
+        # for accuracy.
         out = prepared.call()
         err = prov.relative_error(out, case, prepared.out_scale, prepared.reference)
     except Exception as exc:

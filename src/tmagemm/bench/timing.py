@@ -2,8 +2,8 @@
 
 Every kernel time is the median (with p20/p80) of many runs, each preceded by zeroing a 256 MB
 buffer so that no operand is still in the 50 MB L2 from the previous run; only the call itself
-sits between its two CUDA events. Callers warm up first so compilation and autotuning are
-outside timing.
+sits between its two CUDA events. Callers warm up first so compilation (and call-time tuning,
+when ``TMAGEMM_AUTOTUNE=1`` enables it) is outside timing.
 
 A call whose Python side (checks, descriptor creation, launch) takes longer than the GPU work
 queued before it would leave the GPU idle between the start event and the kernel, and the

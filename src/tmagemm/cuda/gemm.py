@@ -11,6 +11,8 @@ cuda.persistent_coop       persistent warp-specialized, grouped static scheduler
 cuda.persistent_coop_mc    the same on 2x1 clusters, B multicast by TMA to both CTAs
 cuda.persistent_pingpong   persistent warp-specialized, consumers alternate 128x128 tiles (epilogue hidden)
 cuda.persistent_pingpong_mc  the same on 2x1 clusters, B multicast by TMA to both CTAs
+cuda.blockscaled           persistent cooperative 128x128 tiles, fp8 only: 1x128 activation and
+                           128x128 weight scales applied as each k-block's sum is promoted to fp32
 =========================  =====================================================================
 
 Layouts: A (M, K) row-major; B (K, N) either N-major (row-major, the torch default) or K-major
@@ -383,7 +385,7 @@ def coop_config(
 ) -> NativeGemmConfig:
     """The persistent config ``cuda.persistent_coop`` runs for one problem: a pure function of the
     shape, the operand width (1 = e4m3, 2 = bf16/fp16), B's layout and the SM count, fitted to
-    one H100 sweep (scripts/gpu/native_tune.py; docs/native-gemm.md has the table). No call-time
+    one H100 sweep (docs/native-gemm.md, "Per-shape configs", has the table). No call-time
     tuning. Group size and raster order stay at the default: no choice beat it beyond the
     sweep's noise.
 

@@ -51,7 +51,7 @@ class FP8Linear(nn.Module):
     forward(x): x (..., in_features) bfloat16, float16 or float32 -> (..., out_features) of
     x's dtype. TypeError for other dtypes, ValueError when the last dimension is not
     in_features or the device cannot run the kernels (a CUDA Hopper GPU; the CPU only under
-    TRITON_INTERPRET=1, float16/float32 there). Gradients do not flow through the layer.
+    TRITON_INTERPRET=1, where all three input dtypes work: the dot's operands are fp8). Gradients do not flow through the layer.
 
     Buffers ``weight`` (N, K) e4m3 and ``weight_scale_inv`` (fp32: (ceil(N/128), ceil(K/128))
     block, (N, 1) row, (1,) tensor) keep their dtypes through ``module.to(dtype)`` / ``.half()``;

@@ -48,8 +48,9 @@ class SplitKConfig:
     block_m tiles the tokens (M), block_n the weight rows (N), block_k the reduction. With
     ``swap_ab`` the kernel computes ``[block_n, block_m]`` tiles of out^T. ``a_tma`` loads the
     activation through a TMA descriptor too (otherwise pointer loads, any strides).
-    Without ``fast_accum`` an fp8 tile promotes WGMMA's reduced-precision accumulator into fp32
-    once per block_k (like DeepGEMM); the kernel is bound by HBM, so the extra adds are free.
+    The accumulation mode is not part of the config: it follows the call (``GemmArgs.fast_accum``,
+    the public ``use_fast_accum``). Without fast accumulation an fp8 tile promotes WGMMA's
+    reduced-precision accumulator into fp32 once per block_k (like DeepGEMM).
     """
 
     block_m: int

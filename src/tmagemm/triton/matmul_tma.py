@@ -102,8 +102,9 @@ def tma_gemm_kernel(
 
 
 # Candidates for tuning (tuning.select times each valid one once per problem bucket). The
-# 64-row / 256-deep fp8 tiles are the winners of scripts/gpu/mid_m.py at M=16..512 on an H100
-# (docs/small-m.md); the 128x256 / 128x128 tiles serve large M and 16-bit inputs.
+# 64-row / 256-deep fp8 tiles are the winners of a graph-timed config sweep at M=16..512 on an H100
+# (docs/small-m.md, "Small and medium M with `triton.tma`"); the 128x256 / 128x128 tiles serve
+# large M and 16-bit inputs.
 CONFIGS = tuple(
     TritonGemmConfig(block_m=bm, block_n=bn, block_k=bk, group_m=8, num_stages=s, num_warps=w)
     for bm, bn, bk, s, w in (
@@ -143,7 +144,7 @@ def _fp8_small_m(args: GemmArgs, sms: int) -> TritonGemmConfig:
 
 def heuristic(args: GemmArgs) -> TritonGemmConfig:
     """A config that is good on H100/H200 without timing anything (CUDA-graph capture, tuning
-    off). fp8 rules are fitted to graph-replay timings at N=K=4096 (scripts/gpu/mid_m.py)."""
+    off, the default). fp8 rules are fitted to graph-replay timings at N=K=4096 (docs/small-m.md)."""
     if args.is_fp8:
         if args.m <= 256:
             return _fp8_small_m(args, device.sms_of(args.out.device))
