@@ -75,7 +75,10 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="dtypes"):
         tmagemm.warmup([(64, 64)], dtypes=["int8"])
     with pytest.raises(ValueError, match="scales"):
-        tmagemm.tune([(64, 64)], scales=["block"])
+        tmagemm.tune([(64, 64)], scales=["blocks"])
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+            tmagemm.warmup([(64, 64)], scales=["block"])
 
 
 @pytest.mark.gpu
@@ -88,7 +91,7 @@ def test_first_calls_after_warmup_compile_nothing(seeded):
     worst = 0.0
     for n, k in shapes:
         w8 = torch.randn(n, k, device="cuda").to(F8)
-        w16 = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+        w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()  # nn.Linear weight.t()
         for m in new_m:
             x8 = torch.randn(m, k, device="cuda").to(F8)
             x16 = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

@@ -33,7 +33,7 @@ def main() -> None:
     worst = []
     for n, k in shapes:
         w8 = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
-        w16 = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+        w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()  # nn.Linear weight.t()
         sb = torch.rand(1, n, device="cuda") + 0.5
         for m in NEW_M:
             x8 = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)

@@ -2,6 +2,7 @@
 
     tmagemm bench [--preset sweep|llm|square|tma] [--m ..] [--n ..] [--k ..] [--dtype fp8|bf16|fp16]
     tmagemm bench --preset decode [--models llama3-8b,..] [--layers 8] [--m 1,16] [--dtype fp8|bf16]
+    tmagemm bench --preset moe [--models deepseek-v3,..] [--m 1,64,256] [--dtype fp8|bf16] [--routing balanced,zipf]
     tmagemm report results/<run>/results.json
     tmagemm inspect triton.tma --dtype fp8 [--config block_m=128,block_n=256] | --cu FILE.cu [-D N=V]
     tmagemm env
@@ -57,12 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
                            "(or with --check) run the Triton kernels under the Triton interpreter on small "
                            "shapes (fp16 and fp8 unless --dtype names one) and check them against float64; "
                            "no timing, so --preset, --graph and --budget-ms are refused there.")  # fmt: skip
-    bench.add_argument("--preset", choices=("sweep", "llm", "square", "block", "tma", "decode"), default=None,
+    bench.add_argument("--preset", choices=("sweep", "llm", "square", "block", "tma", "decode", "moe"), default=None,
                        help="GPU only. sweep: M=1..8192 at N=K=4096 (default); llm: model projections; "
                             "square: 1024..16384; block: block-scaled FP8 checkpoint shapes (DeepSeek-V3, Qwen3; "
                             "use with --dtype fp8-block); tma: TMA copy throughput and NVRTC compile times; "
                             "decode: each model's layer stack (qkv, o, gate_up, down) in one CUDA graph, "
-                            "per-layer time vs cuBLAS, fp8 tensor/row/block and bf16, M=1..128")  # fmt: skip
+                            "per-layer time vs cuBLAS, fp8 tensor/row/block and bf16, M=1..128; "
+                            "moe: grouped expert GEMMs (DeepSeek-V3, Qwen3-MoE, Mixtral) vs torch's grouped ops "
+                            "and a per-expert loop, contiguous and masked, one call per CUDA graph")  # fmt: skip
     bench.add_argument("--m", type=_int_list, help="M values (with --n/--k: custom shapes; alone: overrides the preset's M)")
     bench.add_argument("--n", type=_int_list, help="N values (custom shapes)")
     bench.add_argument("--k", type=_int_list, help="K values (custom shapes)")
@@ -82,7 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
     bench.add_argument("--models", type=lambda s: [p for p in s.split(",") if p],
                        help="--preset decode: comma-separated models (default all: llama3-8b, llama3-70b-tp4, "
-                            "qwen2.5-7b, deepseek-v3)")  # fmt: skip
+                            "qwen2.5-7b, deepseek-v3); --preset moe: deepseek-v3, deepseek-v3-ep4, qwen3-235b-a22b, "
+                            "mixtral-8x7b (default all)")  # fmt: skip
+    bench.add_argument("--routing", type=lambda s: [p for p in s.split(",") if p],
+                       help="--preset moe: comma-separated routings, balanced and/or zipf (default both)")
     bench.add_argument("--layers", type=int, default=None,
                        help="--preset decode: layers per captured stack, each with its own weights (default 8)")
     bench.add_argument("--check", action="store_true",
@@ -119,8 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="the weight shapes of a bench preset (llm: Llama-3, Qwen2.5, DeepSeek-V3 projections)")
         cmd.add_argument("--dtype", action="append", choices=("fp8", "bf16", "fp16"),
                          help="input dtype (repeatable; default fp8)")
-        cmd.add_argument("--scales", action="append", choices=("tensor", "row"),
-                         help="fp8 scaling the model uses (repeatable; default row)")
+        cmd.add_argument("--scales", action="append", choices=("tensor", "row", "block"),
+                         help="fp8 scaling the model uses (repeatable; default row; block: 1x128 activations x "
+                              "128x128 weight blocks)")
         cmd.add_argument("--out-dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="output dtype")
         cmd.add_argument("--max-m", type=int, default=8192, help="largest M (batch tokens) to prepare for")
         cmd.add_argument("--exact-accum", action="store_true", help="fp8 with use_fast_accum=False")
@@ -194,6 +201,9 @@ def _check_mode_plan(args: argparse.Namespace):
     if args.preset and not (args.n or args.k):  # with --n/--k, _shapes names the conflict instead
         if args.preset == "tma":
             raise ValueError("--preset tma needs a GPU: it times TMA copies and NVRTC compiles")
+        if args.preset == "moe":
+            raise ValueError("--preset moe needs a GPU: it times CUDA-graph replay of grouped expert GEMMs "
+                             "(up to 15 GB of expert weights per call) against torch's grouped ops")  # fmt: skip
         if args.preset == "decode":
             raise ValueError("--preset decode needs a GPU: it times CUDA-graph replay of model layer stacks "
                              "(hundreds of MB of weights per layer) against cuBLAS")  # fmt: skip
@@ -292,8 +302,10 @@ def cmd_bench(args: argparse.Namespace, command: str) -> int:
     from .bench import envinfo
 
     _refuse_fp8_options_without_fp8(args)
-    if args.preset != "decode" and (args.models or args.layers is not None):
-        raise ValueError("--models and --layers apply to --preset decode only")
+    if args.preset not in ("decode", "moe") and (args.models or args.layers is not None):
+        raise ValueError("--models and --layers apply to --preset decode only (--models also to --preset moe)")
+    if args.preset != "moe" and args.routing:
+        raise ValueError("--routing applies to --preset moe only")
     if args.check or not torch.cuda.is_available():
         dtypes, checked, what = _check_mode_plan(args)
         out_dir = args.out or _default_out(what)
@@ -305,6 +317,8 @@ def cmd_bench(args: argparse.Namespace, command: str) -> int:
         return 0 if all(r["status"] in ("checked", "unsupported", "absent") for r in result.records) else 1
     if args.preset == "decode":
         return _bench_decode(args, command)
+    if args.preset == "moe":
+        return _bench_moe(args, command)
     if args.preset == "tma":
         given = [flag for flag, value in (("--m", args.m), ("--n", args.n), ("--k", args.k), ("--dtype", args.dtype),
                  ("--providers", args.providers), ("--rowwise", args.rowwise), ("--exact-accum", args.exact_accum),
@@ -356,6 +370,35 @@ def _bench_decode(args: argparse.Namespace, command: str) -> int:
     paths = decode.save(result, records, out_dir)
     print("\nwrote " + ", ".join(str(p) for p in paths.values()))
     return 0 if not any(r["status"] == decode.WRONG for r in records) else 1
+
+
+def _bench_moe(args: argparse.Namespace, command: str) -> int:
+    """``--preset moe`` (bench/moe.py): its own tables and records; ``tmagemm report`` prints them."""
+    from .bench import moe
+
+    given = [flag for flag, value in (("--n", args.n), ("--k", args.k), ("--providers", args.providers),
+             ("--rowwise", args.rowwise), ("--graph", args.graph), ("--no-host-loop", args.no_host_loop),
+             ("--layers", args.layers is not None)) if value]  # fmt: skip
+    if given:
+        raise ValueError(f"--preset moe times tmagemm vs torch's grouped ops and a per-expert loop on fp8 (row-wise) "
+                         f"and bf16 expert GEMMs, always as CUDA-graph replay; {', '.join(given)} do not apply "
+                         "(--models picks the models, --m the tokens per expert, --dtype fp8|bf16, --routing "
+                         "balanced,zipf)")  # fmt: skip
+    config = moe.MoEConfig(
+        models=moe.parse_models(args.models),
+        dtypes=moe.dtypes_for(args.dtype),
+        m_values=tuple(args.m or moe.DEFAULT_M),
+        routings=moe.parse_routings(args.routing),
+        fast_accum=not args.exact_accum,
+        command=command,
+        **({} if args.budget_ms is None else {"budget_ms": args.budget_ms}),
+    )
+    out_dir = args.out or _default_out(f"moe-{args.dtype or 'fp8+bf16'}")
+    result, records = moe.run(config)
+    print(moe.render(result))
+    paths = moe.save(result, records, out_dir)
+    print("\nwrote " + ", ".join(str(p) for p in paths.values()))
+    return 0 if not any(r["status"] == moe.WRONG for r in records) else 1
 
 
 def cmd_report(args: argparse.Namespace) -> int:

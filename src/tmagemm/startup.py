@@ -75,16 +75,32 @@ def _check_dtype(dtype: str) -> None:
         raise ValueError(f"dtypes must be 'fp8', 'bf16' or 'fp16', got {dtype!r}")
 
 
-def _run_all(shapes, dtypes, m_values, scales, out_dtype, use_fast_accum, bias, device, progress, what) -> Summary:
+_SCALES = ("tensor", "row", "block")
+
+
+def _fp8_scales(scale: str, m: int, n: int, k: int, device):
+    """Scales of one fp8 recipe, shaped as a model passes them (values do not matter here)."""
+    if scale == "row":
+        return torch.ones(m, 1, device=device), torch.ones(1, n, device=device)
+    if scale == "block":  # 1x128 activations, 128x128 weight blocks (an HF checkpoint's layout)
+        kb, nb = -(-k // 128), -(-n // 128)
+        return torch.ones(m, kb, device=device), torch.ones(nb, kb, device=device)
+    return torch.ones(1, device=device), torch.ones(1, device=device)
+
+
+def _run_all(shapes, dtypes, m_values, scales, out_dtype, use_fast_accum, bias, device, progress, what,
+             b_k_major: bool = True) -> Summary:
     shapes = _shapes(shapes)
     for dtype in dtypes:
         _check_dtype(dtype)
     for scale in scales:
-        if scale not in ("tensor", "row"):
-            raise ValueError(f"scales must be 'tensor' or 'row', got {scale!r}")
+        if scale not in _SCALES:
+            raise ValueError(f"scales must be among {', '.join(repr(s) for s in _SCALES)}, got {scale!r}")
     device = torch.device(device if device is not None else "cuda")
     if device.type != "cuda":
         raise ValueError(f"device must be a CUDA device, got {device}")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"{what} needs a CUDA GPU: it compiles (and tune times) kernels on it")
     m_values = sorted(set(int(m) for m in m_values))
     if not m_values or m_values[0] < 1:
         raise ValueError(f"M values must be positive, got {m_values}")
@@ -98,14 +114,15 @@ def _run_all(shapes, dtypes, m_values, scales, out_dtype, use_fast_accum, bias, 
             half = torch.bfloat16 if dtype == "bf16" else torch.float16
             a_all = torch.randn(max_m, k, device=device).to(_FP8 if dtype == "fp8" else half)
             w = torch.randn(n, k, device=device).to(_FP8 if dtype == "fp8" else half)
-            b = w.t() if dtype == "fp8" else w.t().contiguous()
+            # fp8 reads B K-major always; 16-bit B as the model holds it: w.t() of an nn.Linear
+            # weight (K-major, the default) or a row-major (K, N) matrix.
+            b = w.t() if dtype == "fp8" or b_k_major else w.t().contiguous()
             bias_t = torch.randn(n, device=device, dtype=out_dtype) if bias else None
             for m in m_values:
                 a = a_all[:m]
                 t0 = time.perf_counter()
                 if dtype == "fp8":
-                    sa = torch.ones(m, 1, device=device) if scale == "row" else torch.ones(1, device=device)
-                    sb = torch.ones(1, n, device=device) if scale == "row" else torch.ones(1, device=device)
+                    sa, sb = _fp8_scales(scale, m, n, k, device)
                     api.scaled_mm(a, b, sa, sb, bias=bias_t, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
                 else:
                     api.matmul(a, b, out_dtype=out_dtype)
@@ -136,21 +153,23 @@ def warmup(
     bias: bool = False,
     device: torch.device | str | int | None = None,
     progress: bool = True,
+    b_k_major: bool = True,
 ) -> Summary:
     """Compile and load every kernel the given weight shapes can pick, for every M up to ``max_m``.
 
-    shapes: (N, K) of each weight (``nn.Linear(K, N)``). fp8 is planned as ``scaled_mm(x, w.t(),
-    ...)`` (b column-major); bf16/fp16 as ``matmul(x, w.t().contiguous())`` (b row-major (K, N):
-    a model that passes the column-major ``w.t()`` needs other binaries, planned on its first
-    call). dtypes: any of "fp8", "bf16", "fp16". scales: the
-    fp8 scalings the model uses ("tensor", "row"; each is its own binary), with ``out_dtype``,
+    shapes: (N, K) of each weight (``nn.Linear(K, N)``), planned as the model calls it:
+    ``scaled_mm(x, w.t(), ...)`` (fp8) and ``matmul(x, w.t())`` (bf16/fp16; ``b_k_major=False``:
+    ``matmul(x, w_kn)`` with a row-major (K, N) matrix instead, a different binary). dtypes: any
+    of "fp8", "bf16", "fp16". scales: the fp8 scalings the model uses ("tensor", "row", "block" =
+    1x128 activations x 128x128 weight blocks; each is its own binary), with ``out_dtype``,
     ``use_fast_accum`` and ``bias`` as the model calls them. m_values: the M values to plan
     (default: :func:`m_buckets` of ``max_m``). Prints progress to stderr unless ``progress`` is
     False; returns a :class:`Summary`.
     """
     if m_values is None:
         m_values = m_buckets(max_m)
-    return _run_all(shapes, dtypes, m_values, scales, out_dtype, use_fast_accum, bias, device, progress, "warmup")
+    return _run_all(shapes, dtypes, m_values, scales, out_dtype, use_fast_accum, bias, device, progress, "warmup",
+                    b_k_major)
 
 
 def tune(

@@ -206,8 +206,10 @@ def unsupported_reason(args: GemmArgs, config: NativeGemmConfig) -> str | None:
     b_k_major = tma.b_is_k_major(args.b)
     if args.is_fp8 and not b_k_major:
         return "fp8 needs B K-major (column-major (K, N), the torch._scaled_mm layout): FP8 wgmma reads K-major B"
+    # out through a TMA store: a row that ends inside a 16-byte chunk would have the chunk's rest
+    # (the neighbouring columns of a sliced view) written too; such outputs take another kernel.
     reason = (tma.operand_reason(args.a, "a", True) or tma.operand_reason(args.b, "b", not b_k_major)
-              or tma.operand_reason(args.out, "out", True))
+              or tma.store_reason(args.out))
     if reason:
         return reason
     if not config.fitted(args.out.element_size()).is_valid(args.out.element_size()):
