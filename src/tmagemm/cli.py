@@ -365,11 +365,16 @@ def _bench_decode(args: argparse.Namespace, command: str) -> int:
         **({} if args.budget_ms is None else {"budget_ms": args.budget_ms}),
     )
     out_dir = args.out or _default_out(f"decode-{args.dtype or 'fp8+bf16'}")
-    result, records = decode.run(config)
-    print(decode.render(result))
-    paths = decode.save(result, records, out_dir)
+    return _run_graphed(decode, config, out_dir)
+
+
+def _run_graphed(preset, config, out_dir) -> int:
+    """Run a graph-timed preset module (decode, moe), print and save its tables; 1 if a row was wrong."""
+    result, records = preset.run(config)
+    print(preset.render(result))
+    paths = preset.save(result, records, out_dir)
     print("\nwrote " + ", ".join(str(p) for p in paths.values()))
-    return 0 if not any(r["status"] == decode.WRONG for r in records) else 1
+    return 0 if not any(r["status"] == preset.WRONG for r in records) else 1
 
 
 def _bench_moe(args: argparse.Namespace, command: str) -> int:
@@ -394,11 +399,7 @@ def _bench_moe(args: argparse.Namespace, command: str) -> int:
         **({} if args.budget_ms is None else {"budget_ms": args.budget_ms}),
     )
     out_dir = args.out or _default_out(f"moe-{args.dtype or 'fp8+bf16'}")
-    result, records = moe.run(config)
-    print(moe.render(result))
-    paths = moe.save(result, records, out_dir)
-    print("\nwrote " + ", ".join(str(p) for p in paths.values()))
-    return 0 if not any(r["status"] == moe.WRONG for r in records) else 1
+    return _run_graphed(moe, config, out_dir)
 
 
 def cmd_report(args: argparse.Namespace) -> int:

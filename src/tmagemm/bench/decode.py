@@ -28,8 +28,6 @@ percentage of the measured device-to-device copy rate (bytes read + bytes writte
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 import sys
 import time
@@ -37,7 +35,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
-from .results import SCHEMA, BenchResult, geomean
+from . import graphed
+from .graphed import fmt, table
+from .results import BenchResult, geomean
 from .shapes import LLM_LAYERS
 
 # ------------------------------------------------------------------------------------ models
@@ -254,14 +254,8 @@ def geomeans(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------------- tables
 
 
-def _fmt(value: Any, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
 
 
-def _table(headers: list[str], rows: list[list[str]]) -> str:
-    from .report import table
-
-    return table(headers, rows)
 
 
 def layer_table(records: list[dict[str, Any]]) -> str:
@@ -275,23 +269,23 @@ def layer_table(records: list[dict[str, Any]]) -> str:
         ours, peer = pair.get("tmagemm") or {}, pair.get("cublas") or {}
 
         def cell(r: dict, key: str, spec: str) -> str:
-            return _fmt(r.get(key), spec) if r.get("status") == OK else "-"
+            return fmt(r.get(key), spec) if r.get("status") == OK else "-"
 
         speedup = ours.get("speedup")
         note = ", ".join(f"{p} {r['status']}" for p, r in pair.items() if r["status"] != OK)
-        rows.append([model, recipe, str(m), _fmt((ours or peer)["bytes"] / 1e6, ".1f"), cell(ours, "layer_us", ".1f"),
+        rows.append([model, recipe, str(m), fmt((ours or peer)["bytes"] / 1e6, ".1f"), cell(ours, "layer_us", ".1f"),
                      cell(peer, "layer_us", ".1f"), "-" if speedup is None else f"{speedup:.3f}x",
                      cell(ours, "pct_copy", ".0f"), cell(peer, "pct_copy", ".0f"),
-                     _fmt(ours.get("max_rel_err"), ".1e"), _fmt(peer.get("max_rel_err"), ".1e"), note])  # fmt: skip
+                     fmt(ours.get("max_rel_err"), ".1e"), fmt(peer.get("max_rel_err"), ".1e"), note])  # fmt: skip
     headers = ["model", "recipe", "M", "MB/layer", "tmagemm us", "cuBLAS us", "speedup", "tmagemm %copy",
                "cuBLAS %copy", "tmagemm err", "cuBLAS err", "note"]  # fmt: skip
-    return _table(headers, rows)
+    return table(headers, rows)
 
 
 def geomean_table(records: list[dict[str, Any]]) -> str:
-    rows = [[g["recipe"], f"{g['paired']}/{g['rows']}", _fmt(g["speedup"], ".3f"), _fmt(g["tmagemm_pct_copy"], ".0f"),
-             _fmt(g["cublas_pct_copy"], ".0f")] for g in geomeans(records)]  # fmt: skip
-    return _table(["recipe", "paired", "geomean speedup", "tmagemm %copy", "cuBLAS %copy"], rows)
+    rows = [[g["recipe"], f"{g['paired']}/{g['rows']}", fmt(g["speedup"], ".3f"), fmt(g["tmagemm_pct_copy"], ".0f"),
+             fmt(g["cublas_pct_copy"], ".0f")] for g in geomeans(records)]  # fmt: skip
+    return table(["recipe", "paired", "geomean speedup", "tmagemm %copy", "cuBLAS %copy"], rows)
 
 
 def issues_table(records: list[dict[str, Any]]) -> str:
@@ -301,7 +295,7 @@ def issues_table(records: list[dict[str, Any]]) -> str:
             seen.setdefault((r["provider"], r["status"], r.get("reason") or ""), []).append(f"{r['model']} {r['recipe']} M={r['m']}")
     rows = [[p, s, ", ".join(where[:3]) + (f" (+{len(where) - 3})" if len(where) > 3 else ""), reason[:110]]
             for (p, s, reason), where in seen.items()]  # fmt: skip
-    return _table(["provider", "status", "where", "reason"], rows) if rows else ""
+    return table(["provider", "status", "where", "reason"], rows) if rows else ""
 
 
 NOTES = (
@@ -325,40 +319,25 @@ def tables(records: list[dict[str, Any]]) -> dict[str, str]:
     out["decode notes"] = NOTES
     return out
 
-
 def render(result: BenchResult) -> str:
-    from .report import header
-
-    parts = [header(result)]
-    for name, text in result.extras.items():
-        parts += ["", f"{name}:", text if isinstance(text, str) else json.dumps(text, default=str)]
-    return "\n".join(parts)
+    return graphed.render(result)
 
 
 def make_result(metadata: dict[str, Any], records: list[dict[str, Any]]) -> BenchResult:
-    """A :class:`BenchResult` whose extras hold the decode tables (the long-form records are
-    kept beside it: :func:`save` writes them)."""
-    return BenchResult(metadata, records=[], extras=tables(records))
+    """A :class:`BenchResult` whose extras hold the decode tables (:func:`save` writes the records)."""
+    return graphed.make_result(metadata, tables(records))
 
 
 def save(result: BenchResult, records: list[dict[str, Any]], directory: str | Path) -> dict[str, Path]:
-    """``results.json`` (the other presets' schema: metadata, records [] so ``tmagemm report``
-    prints the decode tables from ``extras``; the decode records under ``decode``),
-    ``results.csv`` (the decode records, metadata as ``# key: value`` lines), ``table.txt``."""
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "results.json", "csv": out / "results.csv", "table": out / "table.txt"}
-    payload = {"schema": SCHEMA, "metadata": result.metadata, "records": [], "host_loop": [],
-               "extras": result.extras, "decode": {"fields": list(FIELDS), "records": records}}  # fmt: skip
-    paths["json"].write_text(json.dumps(payload, indent=1, default=str) + "\n")
-    with paths["csv"].open("w", newline="") as f:
-        for key, value in result.metadata.items():
-            f.write(f"# {key}: {json.dumps(value, default=str)}\n")
-        writer = csv.DictWriter(f, fieldnames=list(FIELDS), extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(records)
-    paths["table"].write_text(render(result) + "\n")
-    return paths
+    """``results.json`` / ``results.csv`` / ``table.txt``, the decode records under ``decode``."""
+    return graphed.save(result, records, FIELDS, "decode", directory)
+
+
+
+
+
+
+
 
 
 # ------------------------------------------------------------------------------- GPU: stacks
@@ -500,48 +479,8 @@ class _Refused(Exception):
     """The peer cannot run this recipe at all here."""
 
 
-def _capture(stack: _Stack):
-    """Eager warm-up on a side stream, then one CUDA graph of the whole stack (torch's recipe)."""
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        stack.call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
-        stack.call()
-    torch.cuda.synchronize()
-    return graph
 
 
-def _time_graphs(graphs: dict[str, Any], budget_ms: float, rounds: int = 4) -> dict[str, list[float]]:
-    """Replay times (ms) of each graph, in alternating rounds so drift (clocks, power) hits both."""
-    import torch
-
-    per_replay = {}
-    for name, g in graphs.items():  # estimate from 2 replays (the first is warm: eager ran already)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        g.replay()
-        start.record()
-        g.replay()
-        g.replay()
-        end.record()
-        end.synchronize()
-        per_replay[name] = max(start.elapsed_time(end) / 2, 1e-3)
-    times: dict[str, list[float]] = {name: [] for name in graphs}
-    for _ in range(rounds):
-        for name, g in graphs.items():
-            reps = int(min(50, max(2, budget_ms / rounds / per_replay[name])))
-            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-            for s, e in events:
-                s.record()
-                g.replay()
-                e.record()
-            torch.cuda.synchronize()
-            times[name] += [s.elapsed_time(e) for s, e in events]
-    return times
 
 
 def _dequant_a(g: _Gemm, recipe: str):
@@ -613,13 +552,13 @@ def _run_case(model: Model, recipe: str, m: int, ops: _Operands, config: DecodeC
             torch.cuda.synchronize()
             continue
         try:
-            graphs[provider] = _capture(stack)
+            graphs[provider] = graphed.capture(stack.call)
             stacks[provider] = stack
         except Exception as exc:
             rec.update(status=FAILED, reason=f"graph capture: {_error_text(exc)}")
             torch.cuda.synchronize()
     if graphs:
-        times = _time_graphs(graphs, config.budget_ms)
+        times = graphed.time_graphs(graphs, config.budget_ms)
         for provider, ms in times.items():
             ms.sort()
             q = lambda f: ms[min(len(ms) - 1, int(f * len(ms)))]  # noqa: E731

@@ -33,8 +33,6 @@ bytes / time as a percentage of the measured device-to-device copy rate (read + 
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 import sys
 import time
@@ -42,7 +40,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
-from .results import SCHEMA, BenchResult, geomean
+from . import graphed
+from .graphed import fmt, table
+from .results import BenchResult, geomean
 
 # ------------------------------------------------------------------------------------ models
 
@@ -346,14 +346,8 @@ def geomeans(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------------- tables
 
 
-def _fmt(value: Any, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
 
 
-def _table(headers: list[str], rows: list[list[str]]) -> str:
-    from .report import table
-
-    return table(headers, rows)
 
 
 def case_table(records: list[dict[str, Any]]) -> str:
@@ -368,34 +362,34 @@ def case_table(records: list[dict[str, Any]]) -> str:
 
         def us(p: str) -> str:
             r = group.get(p) or {}
-            return _fmt(r.get("us"), ".1f") if r.get("status") == OK else "-"
+            return fmt(r.get("us"), ".1f") if r.get("status") == OK else "-"
 
         def x(v: Any) -> str:
             return "-" if v is None else f"{v:.2f}x"
 
         note = ", ".join(f"{p} {r['status']}" for p, r in group.items() if r["status"] != OK)
         rows.append([any_["model"], any_["projection"], any_["dtype"], str(any_["e"]), any_["layout"], any_["routing"],
-                     str(any_["m"]), str(any_["rows"]), str(any_["experts_touched"]), _fmt(any_["max_m"], "d"),
-                     _fmt(any_["bytes"] / 1e6, ".1f"), us("tmagemm"), us("torch"), us("loop"),
-                     _fmt(ours.get("tflops"), ".1f"), x(ours.get("speedup_vs_torch")), x(ours.get("speedup_vs_loop")),
-                     _fmt(ours.get("pct_copy"), ".0f"), _fmt(ours.get("skew_ratio"), ".2f"),
-                     _fmt(ours.get("max_rel_err"), ".1e"), note])  # fmt: skip
+                     str(any_["m"]), str(any_["rows"]), str(any_["experts_touched"]), fmt(any_["max_m"], "d"),
+                     fmt(any_["bytes"] / 1e6, ".1f"), us("tmagemm"), us("torch"), us("loop"),
+                     fmt(ours.get("tflops"), ".1f"), x(ours.get("speedup_vs_torch")), x(ours.get("speedup_vs_loop")),
+                     fmt(ours.get("pct_copy"), ".0f"), fmt(ours.get("skew_ratio"), ".2f"),
+                     fmt(ours.get("max_rel_err"), ".1e"), note])  # fmt: skip
     headers = ["model", "proj", "dtype", "E", "layout", "routing", "m", "rows", "touched", "max_m", "MB",
                "tmagemm us", "torch us", "loop us", "TFLOP/s", "vs torch", "vs loop", "%copy", "skew", "err", "note"]  # fmt: skip
-    return _table(headers, rows)
+    return table(headers, rows)
 
 
 def geomean_table(records: list[dict[str, Any]]) -> str:
     rows = []
     for g in geomeans(records):
         def pair(what: str, spec: str = ".3f") -> list[str]:
-            return [f"{g[what + '_n']}/{g['rows']}", _fmt(g[what], spec), _fmt(g[what + "_min"], spec)]
+            return [f"{g[what + '_n']}/{g['rows']}", fmt(g[what], spec), fmt(g[what + "_min"], spec)]
 
         rows.append([g["dtype"], g["layout"], *pair("speedup_vs_torch"), *pair("speedup_vs_loop"),
-                     _fmt(g["pct_copy"], ".0f"), *pair("skew_ratio")])  # fmt: skip
+                     fmt(g["pct_copy"], ".0f"), *pair("skew_ratio")])  # fmt: skip
     headers = ["dtype", "layout", "vs torch n", "vs torch", "min", "vs loop n", "vs loop", "min", "%copy",
                "skew n", "skew", "min"]  # fmt: skip
-    return _table(headers, rows)
+    return table(headers, rows)
 
 
 def issues_table(records: list[dict[str, Any]]) -> str:
@@ -406,7 +400,7 @@ def issues_table(records: list[dict[str, Any]]) -> str:
             seen.setdefault((r["provider"], r["status"], r.get("reason") or ""), []).append(where)
     rows = [[p, s, ", ".join(where[:2]) + (f" (+{len(where) - 2})" if len(where) > 2 else ""), reason[:110]]
             for (p, s, reason), where in seen.items()]  # fmt: skip
-    return _table(["provider", "status", "where", "reason"], rows) if rows else ""
+    return table(["provider", "status", "where", "reason"], rows) if rows else ""
 
 
 NOTES = (
@@ -432,35 +426,25 @@ def tables(records: list[dict[str, Any]]) -> dict[str, str]:
     out["moe notes"] = NOTES
     return out
 
-
 def render(result: BenchResult) -> str:
-    from .decode import render as decode_render
-
-    return decode_render(result)
+    return graphed.render(result)
 
 
 def make_result(metadata: dict[str, Any], records: list[dict[str, Any]]) -> BenchResult:
-    return BenchResult(metadata, records=[], extras=tables(records))
+    """A :class:`BenchResult` whose extras hold the moe tables (:func:`save` writes the records)."""
+    return graphed.make_result(metadata, tables(records))
 
 
 def save(result: BenchResult, records: list[dict[str, Any]], directory: str | Path) -> dict[str, Path]:
-    """``results.json`` (the common schema: records [] so ``tmagemm report`` prints the moe tables
-    from ``extras``; the moe records under ``moe``), ``results.csv`` (moe records, metadata as
-    ``# key: value`` lines), ``table.txt``."""
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "results.json", "csv": out / "results.csv", "table": out / "table.txt"}
-    payload = {"schema": SCHEMA, "metadata": result.metadata, "records": [], "host_loop": [],
-               "extras": result.extras, "moe": {"fields": list(FIELDS), "records": records}}  # fmt: skip
-    paths["json"].write_text(json.dumps(payload, indent=1, default=str) + "\n")
-    with paths["csv"].open("w", newline="") as f:
-        for key, value in result.metadata.items():
-            f.write(f"# {key}: {json.dumps(value, default=str)}\n")
-        writer = csv.DictWriter(f, fieldnames=list(FIELDS), extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(records)
-    paths["table"].write_text(render(result) + "\n")
-    return paths
+    """``results.json`` / ``results.csv`` / ``table.txt``, the moe records under ``moe``."""
+    return graphed.save(result, records, FIELDS, "moe", directory)
+
+
+
+
+
+
+
 
 
 # ------------------------------------------------------------------------------ GPU: operands
@@ -603,50 +587,8 @@ def _build(provider: str, case: Case, ws: _Weights, x: _Inputs, fast_accum: bool
     return run, lambda: out, ""
 
 
-def _capture(call: Callable[[], Any]):
-    """Eager warm-up on a side stream, then one CUDA graph of the call (torch's recipe)."""
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
-        call()
-    torch.cuda.synchronize()
-    return graph
 
 
-def _time_graphs(graphs: dict[str, Any], budget_ms: float, flush, rounds: int = 4) -> dict[str, list[float]]:
-    """Replay times (ms) of each graph in alternating rounds; ``flush`` (a tensor or None) is zeroed
-    before each replay, outside its events."""
-    import torch
-
-    per_replay = {}
-    for name, g in graphs.items():
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        g.replay()
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        per_replay[name] = max(start.elapsed_time(end), 1e-3)
-    times: dict[str, list[float]] = {name: [] for name in graphs}
-    for _ in range(rounds):
-        for name, g in graphs.items():
-            reps = int(min(50, max(2, budget_ms / rounds / per_replay[name])))
-            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-            for s, e in events:
-                if flush is not None:
-                    flush.zero_()
-                s.record()
-                g.replay()
-                e.record()
-            torch.cuda.synchronize()
-            times[name] += [s.elapsed_time(e) for s, e in events]
-    return times
 
 
 def _references(case: Case, ws: _Weights, x: _Inputs) -> dict[int, tuple[int, Any]]:
@@ -704,14 +646,14 @@ def _run_case(case: Case, ws: _Weights, config: MoEConfig, device, flush) -> lis
             torch.cuda.synchronize()
             continue
         try:
-            graphs[provider] = _capture(call)
+            graphs[provider] = graphed.capture(call)
             outputs[provider] = output
         except Exception as exc:
             rec.update(status=FAILED, reason=f"graph capture: {_error_text(exc)}")
             torch.cuda.synchronize()
     flushed = case_bytes(case.counts, case.n, case.k, case.dtype)["weight_bytes"] < FLUSH_BELOW_BYTES
     if graphs:
-        times = _time_graphs(graphs, config.budget_ms, flush if flushed else None)
+        times = graphed.time_graphs(graphs, config.budget_ms, flush if flushed else None)
         for provider, ms in times.items():
             ms.sort()
             q = lambda f: 1e3 * ms[min(len(ms) - 1, int(f * len(ms)))]  # noqa: E731

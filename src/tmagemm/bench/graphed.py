@@ -1,0 +1,105 @@
+"""Shared by the presets that time whole CUDA graphs (``decode``, ``moe``): capture, alternating
+replay timing, and the result files (their records have their own fields, so they live beside
+the common schema, and ``tmagemm report`` prints the preset's tables from ``extras``)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from .results import SCHEMA, BenchResult
+
+
+def fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    from .report import table as text_table
+
+    return text_table(headers, rows)
+
+
+def render(result: BenchResult) -> str:
+    """The metadata header and the preset's named tables."""
+    from .report import header
+
+    parts = [header(result)]
+    for name, text in result.extras.items():
+        parts += ["", f"{name}:", text if isinstance(text, str) else json.dumps(text, default=str)]
+    return "\n".join(parts)
+
+
+def make_result(metadata: dict[str, Any], tables: dict[str, str]) -> BenchResult:
+    """A :class:`BenchResult` whose extras hold the preset's tables (its records are saved beside)."""
+    return BenchResult(metadata, records=[], extras=tables)
+
+
+def save(result: BenchResult, records: list[dict[str, Any]], fields: Sequence[str], preset: str,
+         directory: str | Path) -> dict[str, Path]:
+    """``results.json`` (the common schema with records [], the preset's records under
+    ``preset``), ``results.csv`` (the preset's records, metadata as ``# key: value`` lines) and
+    ``table.txt``."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "results.json", "csv": out / "results.csv", "table": out / "table.txt"}
+    payload = {"schema": SCHEMA, "metadata": result.metadata, "records": [], "host_loop": [],
+               "extras": result.extras, preset: {"fields": list(fields), "records": records}}  # fmt: skip
+    paths["json"].write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    with paths["csv"].open("w", newline="") as f:
+        for key, value in result.metadata.items():
+            f.write(f"# {key}: {json.dumps(value, default=str)}\n")
+        writer = csv.DictWriter(f, fieldnames=list(fields), extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(records)
+    paths["table"].write_text(render(result) + "\n")
+    return paths
+
+
+def capture(call: Callable[[], Any]):
+    """Eager warm-up on a side stream, then one CUDA graph of ``call`` (torch's recipe)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        call()
+    torch.cuda.synchronize()
+    return graph
+
+
+def time_graphs(graphs: dict[str, Any], budget_ms: float, flush=None, rounds: int = 4) -> dict[str, list[float]]:
+    """Replay times (ms) of each graph, in alternating rounds so drift (clocks, power) hits every
+    one alike; ``flush`` (a tensor or None) is zeroed before each replay, outside its events."""
+    import torch
+
+    per_replay = {}
+    for name, g in graphs.items():  # estimate from 2 replays (the first is warm: eager ran already)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        g.replay()
+        start.record()
+        g.replay()
+        g.replay()
+        end.record()
+        end.synchronize()
+        per_replay[name] = max(start.elapsed_time(end) / 2, 1e-3)
+    times: dict[str, list[float]] = {name: [] for name in graphs}
+    for _ in range(rounds):
+        for name, g in graphs.items():
+            reps = int(min(50, max(2, budget_ms / rounds / per_replay[name])))
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+            for s, e in events:
+                if flush is not None:
+                    flush.zero_()
+                s.record()
+                g.replay()
+                e.record()
+            torch.cuda.synchronize()
+            times[name] += [s.elapsed_time(e) for s, e in events]
+    return times
