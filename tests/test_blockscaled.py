@@ -14,6 +14,7 @@ from gemm_ref import FP8, assert_close, poisoned
 from tmagemm.configs import TritonGemmConfig
 from tmagemm.plan import GemmArgs, Scaling
 from tmagemm.triton import matmul_blockscaled as bs
+from tmagemm.triton import matmul_splitk as splitk
 from tmagemm.triton.quantize import quantize_1x128, quantize_128x128
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -408,3 +409,37 @@ def test_k_without_a_tensor_map_takes_pointer_loads(m, n, k, seeded):
     ref, magnitude = a_deq @ w_deq.t(), a_deq.abs() @ w_deq.abs().t()
     # Within a k-block wgmma's fp8 adder (GPU) rounds like fast accumulation: 2^-10 of sum |a||b|.
     assert bool(((out.double() - ref).abs() <= 2.0**-10 * magnitude + 1e-6).all())
+
+
+# ------------------------------------------------------------- small M: split-K (triton.splitk)
+
+
+@pytest.mark.parametrize("split,swap,a_tma", [(1, True, False), (3, True, True), (2, False, False)],
+                         ids=["whole_k", "split3_swap_tma", "split2_noswap"])
+@pytest.mark.parametrize("recipe", [BLOCK_128, PER_CHANNEL], ids=["128x128", "per_channel"])
+@pytest.mark.parametrize("m,n,k", [(1, 72, 200), (17, 200, 640), (40, 130, 384)])
+def test_splitk_block_scaled(m, n, k, recipe, split, swap, a_tma, seeded):
+    """The small-M kernel promotes each 128-deep k-block with its scales, in every K slice, and
+    sums the slices' dequantised partials; ragged M, N and K; outer-dim-major scale_a."""
+    a, w, sa, sb = operands(m, n, k, recipe)
+    sa = outer_major(sa)
+    bias = torch.randn(n, device=DEVICE).to(torch.bfloat16) if split == 3 else None
+    args = GemmArgs(a, w.t(), poisoned((m, n), torch.float32, DEVICE), sa, sb, bias, True, recipe)
+    assert splitk.supports(args) is None, splitk.supports(args)
+    config = splitk.SplitKConfig(block_m=16, block_n=32, block_k=128, split_k=split, swap_ab=swap, a_tma=a_tma,
+                                 num_stages=2)
+    plan = splitk.build(args, config)
+    plan(args)
+    tol = WGMMA_TOL if ON_GPU else TOL
+    assert_close(args.out, block_reference(a, w, sa, sb, recipe, bias), tol[torch.float32], f"{m}x{n}x{k}")
+
+
+def test_splitk_refuses_what_block_rules_refuse():
+    a, w, sa, sb = operands(4, 72, 200, BLOCK_128, device="cpu")
+    good = GemmArgs(a, w.t(), torch.empty(4, 72), sa, sb, None, True, BLOCK_128)
+    assert splitk.supports(good) is None
+    assert "scale_b has shape" in splitk.supports(good._replace(scale_b=sb[:, :1]))
+    assert "small M" in splitk.supports(good._replace(a=padded(torch.zeros(129, 200).to(FP8)),
+                                                      out=torch.empty(129, 72), scale_a=torch.ones(129, 2)))
+    unaligned = torch.empty(72, 201, dtype=FP8)[:, :200]  # a row stride TMA cannot describe
+    assert "pointer loads" in splitk.supports(good._replace(b=unaligned.t()))

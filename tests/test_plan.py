@@ -101,13 +101,32 @@ def test_scaling_description():
     assert args.scaling == (plan.Scaling.ROW, plan.Scaling.TENSOR)
 
 
-@pytest.mark.parametrize("m, n, first", [(1, 4096, "triton.blockscaled"), (128, 7168, "triton.blockscaled"),
-                                         (128, 24576, "cuda.blockscaled"), (4096, 4096, "cuda.blockscaled")])
-def test_block_scaled_preference(m, n, first):
-    k = 7168
+S, T, C = "triton.splitk", "triton.blockscaled", "cuda.blockscaled"
+
+
+@pytest.mark.parametrize("m, n, k, expected", [
+    (1, 51200, 5120, (S, C, T)),  # M <= 16: split-K always
+    (16, 5120, 2048, (S, T, C)),
+    (32, 4096, 7168, (S, T, C)),  # 64 tiles: 4 slices
+    (64, 5120, 2048, (T, C, S)),  # 80 tiles, 16 k-blocks: no split, the 64 x 64 tiles
+    (128, 7168, 16384, (T, C, S)),  # 112 tiles, 2 slices: not enough above M = 64
+    (128, 2112, 7168, (S, T, C)),  # 33 tiles, 3 slices
+    (128, 24576, 1536, (C, T, S)),
+    (129, 2112, 7168, (C, T, S)),
+    (4096, 4096, 7168, (C, T, S)),
+])
+def test_block_scaled_preference(m, n, k, expected):
     args = GemmArgs(torch.empty(m, k, dtype=F8, device="meta"), torch.empty(n, k, dtype=F8, device="meta").t(),
-                    torch.empty(m, n, dtype=torch.bfloat16, device="meta"), torch.empty(m, k // 128, device="meta"),
-                    torch.empty(-(-n // 128), k // 128, device="meta"), None, True,
+                    torch.empty(m, n, dtype=torch.bfloat16, device="meta"), torch.empty(m, -(-k // 128), device="meta"),
+                    torch.empty(-(-n // 128), -(-k // 128), device="meta"), None, True,
                     (plan.Scaling.BLOCK_1X128, plan.Scaling.BLOCK_128X128))
-    order = plan.preference(args)
-    assert order[0] == first and set(order) == {"cuda.blockscaled", "triton.blockscaled"}
+    assert plan.preference(args) == expected
+
+
+def test_block_split_k():
+    assert plan.block_split_k(1, 2112, 7168, 132) == 3  # 33 tiles: 8 for two CTAs per SM, 56 k-blocks allow 3
+    assert plan.block_split_k(16, 7168, 16384, 132) == 2
+    assert plan.block_split_k(1, 7168, 2048, 132) == 1  # 16 k-blocks: one slice
+    assert plan.block_split_k(128, 51200, 5120, 132) == 1
+    assert plan.block_split_k(1, 64, 100000, 132) == 48  # capped by the k-blocks (782 // 16)
+    assert plan.block_split_k(1, 64, 128 * 40, 132) == 2

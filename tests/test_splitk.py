@@ -242,7 +242,7 @@ TMA_FP8_TABLE = [
     (256, 4096, (64, 128, 256, 4, 4)),  # 4 x 32 tiles: 1.00x
     (512, 4096, (128, 64, 128, 4, 4)),  # 256 tiles, two CTAs per SM: 0.95x
     (2048, 4096, (128, 256, 128, 3, 8)),
-    (16, 28672, (64, 128, 256, 4, 4)),  # no tile fits one wave: the widest
+    (16, 28672, (64, 128, 128, 4, 4)),  # no 256-deep tile fits one wave: 128-deep, two CTAs per SM
 ]
 
 

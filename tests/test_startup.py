@@ -20,7 +20,7 @@ from tmagemm.triton import matmul_persistent, matmul_splitk, matmul_tma
 from tmagemm.triton.launch import kernel_params
 
 F8 = torch.float8_e4m3fn
-SHAPES = [(4096, 4096), (2048, 7168), (28672, 4096), (4096, 14336), (57344, 8192), (24576, 1536)]
+SHAPES = [(4096, 4096), (2048, 7168), (7168, 2048), (14336, 4096), (2560, 4096), (28672, 4096), (4096, 14336), (57344, 8192), (24576, 1536)]
 
 
 def _args(m, n, k, dtype):

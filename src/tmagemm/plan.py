@@ -24,6 +24,8 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from . import device
+
 # Modules that define VARIANTS. One line per kernel family.
 FAMILY_MODULES = (
     "tmagemm.triton.matmul_tma",
@@ -229,12 +231,28 @@ def _splitk_first(args: GemmArgs) -> bool:
     return args.is_fp8 and ((args.m <= 16 and args.k >= 4096) or (args.m <= 32 and args.k > 8192))
 
 
-# Block-scaled fp8 at decode-sized M on narrow weights: the Triton kernel's 64 x 64 tiles put
-# more CTAs on the weight than the native kernel's 128 x 128 (H100, graph-timed, BENCHMARKS.md:
-# 1.1-1.8x faster at M = 1 and 128 for N = 2112-7168; from N = 10240 the native kernel was ahead
-# at M = 128 and within 6% at M = 1).
+# Block-scaled fp8 at decode-sized M. The split-K kernel (swap-AB, 64 weight rows per tile) wins
+# at M <= 16 on every checkpoint shape, and up to BLOCK_SMALL_M where its K split is at least 2
+# (3 above M = 64): narrow or long-K weights whose tiles alone leave SMs idle. Elsewhere the
+# Triton kernel's 64 x 64 tiles are ahead of the native kernel's 128 x 128 on weights up to
+# BLOCK_SMALL_N wide (H100, graph-timed, L2 flushed; BENCHMARKS.md).
 BLOCK_SMALL_M = 128
 BLOCK_SMALL_N = 8192
+
+
+def block_split_k(m: int, n: int, k: int, sms: int) -> int:
+    """K slices of the block-scaled split-K launch: enough for two CTAs per SM over the 64-row
+    weight tiles (tokens tiled by up to 128), keeping >= 16 k-blocks of 128 per slice (a shorter
+    slice costs more in partial sums than it gains: H100, K = 2048 lost 10% with 2 slices)."""
+    tiles = -(-max(m, 1) // min(128, 1 << max(4, (m - 1).bit_length()))) * -(-n // 64)
+    return max(1, min(2 * sms // tiles, -(-k // 128) // 16))
+
+
+def _block_splitk_first(args: GemmArgs) -> bool:
+    if args.m > BLOCK_SMALL_M:
+        return False
+    split = block_split_k(args.m, args.n, args.k, device.sms_of(args.out.device))
+    return args.m <= 16 or split >= (3 if args.m > 64 else 2)
 
 
 def preference(args: GemmArgs) -> tuple[str, ...]:
@@ -249,12 +267,15 @@ def preference(args: GemmArgs) -> tuple[str, ...]:
       ``triton.tma_device`` costs ~2.5 us more GPU time and stays a fallback.
     - larger M: the native persistent cooperative kernel (per-shape config), then the Triton
       persistent one.
-    - block-scaled fp8 (1x128 x 128x128): the native block-scaled kernel, or the Triton one first
-      at M <= BLOCK_SMALL_M on weights with N <= BLOCK_SMALL_N.
+    - block-scaled fp8 (1x128 x 128x128): split-K where :func:`_block_splitk_first`, then the
+      native block-scaled kernel, or the Triton one first at M <= BLOCK_SMALL_M on weights with
+      N <= BLOCK_SMALL_N.
     """
     if args.block_scaling is not None:
         native = ("cuda.blockscaled", "triton.blockscaled")
-        return native[::-1] if args.m <= BLOCK_SMALL_M and args.n <= BLOCK_SMALL_N else native
+        if args.m <= BLOCK_SMALL_M and args.n <= BLOCK_SMALL_N:
+            native = native[::-1]
+        return ("triton.splitk", *native) if _block_splitk_first(args) else (*native, "triton.splitk")
     tma = ("triton.tma", "triton.tma_device")
     if _splitk_first(args):
         return ("triton.splitk", *tma, "triton.persistent", "triton.ptr")

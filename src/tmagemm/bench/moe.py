@@ -574,7 +574,9 @@ def _build(provider: str, case: Case, ws: _Weights, x: _Inputs, fast_accum: bool
             rows = (slice(x.starts[g], x.starts[g] + c),)
         a, o, w = x.a[rows], out[rows], ws.w[g].t()
         if fp8:
-            sa, sb = x.sa[rows].unsqueeze(-1), ws.sb[g].unsqueeze(0)
+            # cuBLAS wants 16-byte aligned scale pointers: a slice starting at an odd row is not,
+            # so each expert's row scales get their own allocation (made here, outside the timing).
+            sa, sb = x.sa[rows].unsqueeze(-1).clone(), ws.sb[g].unsqueeze(0).clone()
             parts.append(lambda a=a, o=o, w=w, sa=sa, sb=sb: torch._scaled_mm(
                 a, w, sa, sb, out_dtype=bf16, use_fast_accum=fast_accum, out=o))  # fmt: skip
         else:
@@ -585,10 +587,6 @@ def _build(provider: str, case: Case, ws: _Weights, x: _Inputs, fast_accum: bool
             p()
 
     return run, lambda: out, ""
-
-
-
-
 
 
 def _references(case: Case, ws: _Weights, x: _Inputs) -> dict[int, tuple[int, Any]]:

@@ -69,16 +69,23 @@ def mma(a, b, acc, FAST_ACCUM: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def block_scaled_add(acc, partial, sa_ptrs, sb_ptrs, stride_sak, stride_sbk, kb, row_ok, col_ok,
-                     B_PER_CHANNEL: tl.constexpr, BLOCK_N: tl.constexpr):
+                     B_PER_CHANNEL: tl.constexpr, BLOCK_N: tl.constexpr, SWAPPED: tl.constexpr):
     """acc += partial * scale_a[rows, kb] * scale_b[kb]: one 128-deep k-block's fresh product
     promoted into the fp32 sum with its block scales. sa_ptrs / sb_ptrs point at k-block 0 of the
     tile's rows / weight block (per column when B_PER_CHANNEL or the tile spans several 128-column
-    blocks). Masked lanes read 1.0, so rows and columns past the edge cannot turn into NaN."""
+    blocks). SWAPPED: acc and partial are the [BLOCK_N, rows] tile of out^T (swap-AB kernels).
+    Masked lanes read 1.0, so rows and columns past the edge cannot turn into NaN."""
     sa = tl.load(sa_ptrs + kb * stride_sak, mask=row_ok, other=1.0)
     if B_PER_CHANNEL or BLOCK_N > 128:
         sb = tl.load(sb_ptrs + kb * stride_sbk, mask=col_ok, other=1.0)
-        acc += partial * sa[:, None] * sb[None, :]
+        if SWAPPED:
+            acc += partial * sb[:, None] * sa[None, :]
+        else:
+            acc += partial * sa[:, None] * sb[None, :]
     else:
         sb = tl.load(sb_ptrs + kb * stride_sbk)  # the tile's one weight block
-        acc += partial * (sa * sb)[:, None]
+        if SWAPPED:
+            acc += partial * (sa * sb)[None, :]
+        else:
+            acc += partial * (sa * sb)[:, None]
     return acc

@@ -88,7 +88,7 @@ def blockscaled_gemm_kernel(
                         mask=k_ok[:, None] & (offs_n[None, :] < N), other=0.0)
         partial = tl.dot(a, b)  # no accumulator in: the block's sum starts from zero
         acc = block_scaled_add(acc, partial, sa_ptrs, sb_ptrs, stride_sak, stride_sbk, kb, sa_mask, sb_mask,
-                               B_PER_CHANNEL, BLOCK_N)
+                               B_PER_CHANNEL, BLOCK_N, False)
 
     # ---- epilogue: bias in fp32, then one rounding to the output dtype
     if HAS_BIAS:

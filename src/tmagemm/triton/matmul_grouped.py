@@ -173,7 +173,7 @@ def grouped_gemm_kernel(
                     b = load_b(b_desc, g, kb * BLOCK_K, off_n, BLOCK_N, BLOCK_K, B_K_MAJOR)
                     partial = tl.dot(a, b)
                     acc = block_scaled_add(acc, partial, sa_ptrs, sb_ptrs, stride_sak, stride_sbk, kb, row_ok, col_ok,
-                                           B_PER_CHANNEL, BLOCK_N)
+                                           B_PER_CHANNEL, BLOCK_N, False)
             else:
                 for k in range(tl.cdiv(K, BLOCK_K)):
                     a = load_a(a_desc, g, off_m, k * BLOCK_K, BLOCK_M, BLOCK_K, LAYOUT)

@@ -117,6 +117,7 @@ CONFIGS = tuple(
         (64, 32, 256, 6, 4),
         (64, 64, 256, 6, 4),
         (64, 128, 256, 4, 4),
+        (64, 64, 128, 4, 4),
     )
 )
 
@@ -134,28 +135,41 @@ def _fp8_small_m(args: GemmArgs, sms: int) -> TritonGemmConfig:
     (half the loop trips and twice the TMA box of 128), 6 stages, block_n=64 unless its tiles
     overflow one wave on the SMs, then 128 (a second wave on a few SMs costs more than the
     extra parallelism gives). Measured on an H100 at N=K=4096: 0.95-1.00x of cuBLAS at M=16-256.
+    Where even 128-wide tiles overflow a wave (M = 192-256 at N = 7168, M >= 96 at N = 14336),
+    128-deep steps let two CTAs share an SM: 5-12% faster there (H100, BENCHMARKS.md).
     """
     tiles_m = triton.cdiv(args.m, _SMALL_M_BLOCK)
     for block_n, stages in _FP8_SMALL_M_TILES:
         if tiles_m * triton.cdiv(args.n, block_n) <= sms:
-            break
-    return TritonGemmConfig(_SMALL_M_BLOCK, block_n, 256, 8, stages, 4)
+            return TritonGemmConfig(_SMALL_M_BLOCK, block_n, 256, 8, stages, 4)
+    return TritonGemmConfig(_SMALL_M_BLOCK, 128, 128, 8, 4, 4)
+
+
+def _16bit_small_m(args: GemmArgs, sms: int) -> TritonGemmConfig:
+    """bf16/fp16 at 64 < M <= 256: 64-row tiles with 128-deep K steps, 64 wide while one wave of
+    them fits on the SMs, else 128. A graph-timed sweep of every candidate on an H100 (M = 96-256,
+    N = 4096-14336, K = 2048-14336) had these within 3% of the best tile at every point, and
+    1.2-2.7x faster than the 64 x 128 x 64 / 128 x 256 x 64 tiles used before."""
+    tiles_m = triton.cdiv(args.m, _SMALL_M_BLOCK)
+    block_n = 64 if tiles_m * triton.cdiv(args.n, 64) <= sms else 128
+    return TritonGemmConfig(_SMALL_M_BLOCK, block_n, 128, 8, 4, 4)
 
 
 def heuristic(args: GemmArgs) -> TritonGemmConfig:
     """A config that is good on H100/H200 without timing anything (CUDA-graph capture, tuning
-    off, the default). fp8 rules are fitted to graph-replay timings at N=K=4096 (docs/small-m.md)."""
+    off, the default), fitted to graph-replay timings (docs/small-m.md, BENCHMARKS.md)."""
+    sms = device.sms_of(args.out.device)
     if args.is_fp8:
         if args.m <= 256:
-            return _fp8_small_m(args, device.sms_of(args.out.device))
+            return _fp8_small_m(args, sms)
         if args.m <= 512:
             # Two 112 KB CTAs per SM: 256 tiles of 128x64 all resident at once.
             return TritonGemmConfig(128, 64, 128, 8, 4, 4)
         return TritonGemmConfig(128, 256, 128, 8, 3, 8)
     if args.m <= 64:
         return TritonGemmConfig(64, 64, 128, 8, 4, 4)
-    if args.m <= 128:
-        return TritonGemmConfig(64, 128, 64, 8, 4, 4)
+    if args.m <= 256:
+        return _16bit_small_m(args, sms)
     return TritonGemmConfig(128, 256, 64, 8, 3, 8)
 
 
