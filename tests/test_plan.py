@@ -31,8 +31,9 @@ def _args(m, n, k, dtype=F8):
         (512, 4096, 4096, F8, "cuda.persistent_coop"),
         (256, 4096, 4096, torch.bfloat16, "triton.tma"),
         (512, 4096, 4096, torch.bfloat16, "cuda.persistent_coop"),
-        (8, 4096, 4096, torch.bfloat16, "triton.tma"),  # bf16 at small M: not measured to favour split-K
-        (8, 28672, 4096, torch.bfloat16, "triton.splitk"),  # ... unless the weight is >= 100 MB
+        (8, 4096, 4096, torch.bfloat16, "triton.splitk"),  # 16-bit at M <= 32: split-K
+        (32, 2560, 8192, torch.float16, "triton.splitk"),
+        (33, 4096, 4096, torch.bfloat16, "triton.tma"),
         (4096, 4096, 4096, torch.bfloat16, "cuda.persistent_coop"),
     ],
 )
