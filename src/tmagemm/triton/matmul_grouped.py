@@ -225,14 +225,17 @@ def heuristic_for(rows_per_group: int, fp8: bool, block_scaled: bool) -> TritonG
     - <= 64 rows (decode, or many small experts): 64-row tiles, one warpgroup (wgmma's M is 64,
       so a 64-row tile wastes least on a short group) and 128 columns, deep pipelines: the GEMM
       streams the weights, and every expert's weight is read by its one row of tiles.
-    - <= 256 rows: 128x128 tiles, two warpgroups.
+    - <= 128 rows: 128x128 tiles, two warpgroups.
     - more: 128x256 (16-bit, and fp8 with tensor/row scales); block-scaled stays at 128x128 (its
-      fresh per-block product doubles the accumulator registers, as in triton.blockscaled).
+      fresh per-block product doubles the accumulator registers, as in triton.blockscaled). At
+      256 rows per group 128x256 was ahead of 128x128 in 10 of 12 contiguous cases (DeepSeek-V3,
+      Qwen3-MoE, Mixtral projections; all six bf16 ones, by 4-11%; H100, graph-timed,
+      BENCHMARKS.md).
     """
     bk = SCALE_BLOCK if (fp8 or block_scaled) else 64
     if rows_per_group <= 64:
         return _config(64, 128, bk, 5 if fp8 else 4, 4)
-    if rows_per_group <= 256 or block_scaled:
+    if rows_per_group <= 128 or block_scaled:
         return _config(128, 128, bk, 4, 8)
     return _config(128, 256, bk, 3, 8)
 
