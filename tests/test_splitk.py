@@ -212,6 +212,25 @@ def test_heuristic_invariants(dtype, m, kn):
     assert tiles <= workspace.COUNTERS
 
 
+@pytest.mark.parametrize("m", [1, 16, 17, 64, 100, 128])
+@pytest.mark.parametrize("n,k", [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (5120, 25600),
+                                 (64, 100000), (200, 300)])
+def test_block_config_invariants(m, n, k):
+    """Block-scaled launches: one 128-deep scale block per K step, weight tiles inside one
+    128-row scale block, at most two CTAs per SM once split, >= 16 k-blocks per slice, and the
+    partial sums within a stream's first eager workspace."""
+    cfg = sk.choose_block_config(m, n, k, 132)
+    assert cfg == sk.choose_block_config(m, n, k, 132), "must be a pure function"
+    assert cfg.block_k == 128 and 128 % cfg.block_n == 0 and cfg.a_tma and cfg.swap_ab
+    k_iters, per = _slices(cfg, k)
+    split = -(-k_iters // per)
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    if split > 1:
+        assert tiles * split <= 2 * 132 and per >= 16, (tiles, split, per)
+        assert tiles * split * cfg.block_m * cfg.block_n <= workspace.MIN_PARTIALS
+    assert cfg.smem_bytes(1) <= sk._SMEM_BUDGET
+
+
 HEURISTIC_TABLE = [
     # m, n, k, dtype, expected (block_m, block_n, split_k, swap_ab); from the H100 sweep
     (1, 4096, 4096, F8, (16, 64, 2, True)),
