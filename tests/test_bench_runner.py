@@ -127,9 +127,9 @@ def test_check_passes_rowwise_and_accumulation_on(seeded, monkeypatch):
         made.append(real_case(*args, **kwargs))
         return made[-1]
 
-    def tmagemm_providers(fast_accum=True):
+    def tmagemm_providers(fast_accum=True, configs=False):
         asked.append(fast_accum)
-        return real_providers(fast_accum)
+        return real_providers(fast_accum, configs)
 
     monkeypatch.setattr(prov, "make_case", make_case)
     monkeypatch.setattr(prov, "tmagemm_providers", tmagemm_providers)
@@ -146,3 +146,34 @@ def test_check_refuses_gpu_only_providers_naming_the_dtypes():
         runner.check(("fp16", "fp8"), patterns=("cublas.fp8*",))
     with pytest.raises(ValueError, match=r"'nope' matches none of the providers the interpreter check runs for fp8 \("):
         runner.check(("fp8",), patterns=("nope",))
+
+
+def test_configs_adds_one_provider_per_candidate(seeded):
+    """--configs: every candidate config of triton.tma is its own provider, built with that
+    config (not the heuristic) and checked against the reference; without it, none are listed."""
+    from tmagemm.triton import matmul_tma
+
+    plain = {p.name for p in prov.tmagemm_providers()}
+    assert not any("@" in name for name in plain)
+    listed = {p.name for p in prov.tmagemm_providers(configs=True)}
+    for config in matmul_tma.CONFIGS:
+        assert f"triton.tma@{config.label()}" in listed
+    result = runner.check(("fp8",), (Shape(17, 80, 96),), ("triton.tma@64x*",), configs=True, stream=io.StringIO())
+    recs = result.records
+    assert {r["provider"] for r in recs} == {f"triton.tma@{c.label()}" for c in matmul_tma.CONFIGS if c.block_m == 64}
+    assert all(r["status"] == CHECKED and r["max_rel_err"] <= r["tolerance"] for r in recs), recs
+
+
+def test_config_provider_builds_the_forced_config(monkeypatch):
+    from tmagemm import plan
+    from tmagemm.configs import TritonGemmConfig
+
+    forced = TritonGemmConfig(64, 32, 256, 8, 6, 4)
+    seen = []
+    variant = plan.get("triton.tma")
+    monkeypatch.setattr(plan, "build", lambda args, variant=None, config=None: seen.append((variant, config)) or
+                        (lambda a: None))
+    provider = next(p for p in prov.tmagemm_providers(configs=True) if p.name == f"triton.tma@{forced.label()}")
+    provider.prepare(prov.make_case(Shape(16, 64, 256), "fp8", "cpu"))
+    assert seen == [(variant.name, forced)]
+    assert forced.label() == "64x32x256s6w4"

@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", type=Path, help="output directory (default results/<date>-<preset>-<dtype>; "
                        "without a GPU results/<date>-check-<shapes>-<dtypes>)")  # fmt: skip
     bench.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
+    bench.add_argument("--configs", action="store_true",
+                       help="also run every candidate config of the Triton variants that have them, one provider "
+                            "each (named variant@config, e.g. 'triton.tma@64x128x128s4w4'; select with "
+                            "--providers)")
     bench.add_argument("--models", type=lambda s: [p for p in s.split(",") if p],
                        help="--preset decode: comma-separated models (default all: llama3-8b, llama3-70b-tp4, "
                             "qwen2.5-7b, deepseek-v3); --preset moe: deepseek-v3, deepseek-v3-ep4, qwen3-235b-a22b, "
@@ -312,7 +316,7 @@ def cmd_bench(args: argparse.Namespace, command: str) -> int:
         print(f"No GPU (or --check): checking the Triton kernels under the interpreter, {' and '.join(dtypes)} on "
               f"{len(checked)} shape(s); timings need a GPU.", file=sys.stderr)  # fmt: skip
         result = runner.check(dtypes, checked, tuple(args.providers) if args.providers else None, command,
-                              rowwise=args.rowwise, fast_accum=not args.exact_accum)  # fmt: skip
+                              rowwise=args.rowwise, fast_accum=not args.exact_accum, configs=args.configs)  # fmt: skip
         _emit(result, out_dir, plots=False)
         return 0 if all(r["status"] in ("checked", "unsupported", "absent") for r in result.records) else 1
     if args.preset == "decode":
@@ -322,7 +326,8 @@ def cmd_bench(args: argparse.Namespace, command: str) -> int:
     if args.preset == "tma":
         given = [flag for flag, value in (("--m", args.m), ("--n", args.n), ("--k", args.k), ("--dtype", args.dtype),
                  ("--providers", args.providers), ("--rowwise", args.rowwise), ("--exact-accum", args.exact_accum),
-                 ("--graph", args.graph), ("--budget-ms", args.budget_ms is not None)) if value]  # fmt: skip
+                 ("--graph", args.graph), ("--budget-ms", args.budget_ms is not None), ("--configs", args.configs))
+             if value]  # fmt: skip
         if given:
             raise ValueError(f"--preset tma measures TMA copies and NVRTC compiles; {', '.join(given)} do not apply")
         result = BenchResult(envinfo.metadata(command), extras=_tma_extras())
@@ -336,6 +341,7 @@ def cmd_bench(args: argparse.Namespace, command: str) -> int:
         fast_accum=not args.exact_accum,
         graph=args.graph,
         host_loop=not args.no_host_loop,
+        configs=args.configs,
         command=command,
         **({} if args.budget_ms is None else {"budget_ms": args.budget_ms}),
     )
@@ -350,7 +356,8 @@ def _bench_decode(args: argparse.Namespace, command: str) -> int:
     from .bench import decode
 
     given = [flag for flag, value in (("--n", args.n), ("--k", args.k), ("--providers", args.providers),
-             ("--rowwise", args.rowwise), ("--graph", args.graph), ("--no-host-loop", args.no_host_loop)) if value]  # fmt: skip
+             ("--rowwise", args.rowwise), ("--graph", args.graph), ("--no-host-loop", args.no_host_loop),
+             ("--configs", args.configs)) if value]  # fmt: skip
     if given:
         raise ValueError(f"--preset decode times tmagemm vs cuBLAS on fp8 tensor/row/block and bf16 stacks, always "
                          f"as CUDA-graph replay; {', '.join(given)} do not apply (--dtype picks the recipes, "
@@ -383,7 +390,7 @@ def _bench_moe(args: argparse.Namespace, command: str) -> int:
 
     given = [flag for flag, value in (("--n", args.n), ("--k", args.k), ("--providers", args.providers),
              ("--rowwise", args.rowwise), ("--graph", args.graph), ("--no-host-loop", args.no_host_loop),
-             ("--layers", args.layers is not None)) if value]  # fmt: skip
+             ("--layers", args.layers is not None), ("--configs", args.configs)) if value]  # fmt: skip
     if given:
         raise ValueError(f"--preset moe times tmagemm vs torch's grouped ops and a per-expert loop on fp8 (row-wise) "
                          f"and bf16 expert GEMMs, always as CUDA-graph replay; {', '.join(given)} do not apply "

@@ -29,6 +29,12 @@ class TritonGemmConfig:
     num_warps: int = 8
     epilogue_subtile: bool = False
 
+    def label(self) -> str:
+        """Short name, e.g. ``64x128x128s4w4`` (tile, stages, warps; group and subtiling when not
+        the defaults): how ``tmagemm bench --configs`` names a config's provider."""
+        extra = (f"g{self.group_m}" if self.group_m != 8 else "") + ("e" if self.epilogue_subtile else "")
+        return f"{self.block_m}x{self.block_n}x{self.block_k}s{self.num_stages}w{self.num_warps}{extra}"
+
     def smem_bytes(self, a_itemsize: int, b_itemsize: int, out_itemsize: int) -> int:
         """Shared memory the pipeline and epilogue need (operand ring + output staging tile)."""
         ring = self.num_stages * self.block_k * (self.block_m * a_itemsize + self.block_n * b_itemsize)

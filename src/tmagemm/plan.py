@@ -161,7 +161,9 @@ class Variant:
     reason why not (e.g. "b leading stride of 12 bytes is not a multiple of 16"). ``build(args,
     config=None)`` returns the :class:`Plan` for every problem with the same signature (shapes,
     strides, dtypes, alignment, scaling, fast_accum) as ``args``; ``config`` overrides the
-    family's heuristic (tests, benchmarks).
+    family's heuristic (tests, benchmarks). ``configs``: the family's candidate configs, the ones
+    call-time tuning times and ``tmagemm bench --configs`` lists one by one (empty: the family has
+    a rule, not candidates).
     """
 
     name: str
@@ -169,6 +171,7 @@ class Variant:
     description: str
     supports: Callable[[GemmArgs], str | None]
     build: Callable[..., Plan]
+    configs: tuple = ()
 
 
 # ------------------------------------------------------------------------------------ registry

@@ -155,7 +155,9 @@ class Provider:
 # --------------------------------------------------------------------------------------------
 
 
-def _variant_provider(variant, fast_accum: bool) -> Provider:
+def _variant_provider(variant, fast_accum: bool, config=None) -> Provider:
+    """A registered variant with its own choice of config, or with ``config`` forced."""
+
     def prepare(case: Case) -> Prepared:
         from .. import plan
 
@@ -166,7 +168,12 @@ def _variant_provider(variant, fast_accum: bool) -> Provider:
         if reason is not None:
             raise Unsupported(reason)
         # What a user's repeated call gets: the plan built once for the signature.
-        built = plan.build(args, variant=variant.name)
+        try:
+            built = plan.build(args, variant=variant.name, config=config)
+        except ValueError as exc:  # a forced config that does not fit this problem
+            if config is None:
+                raise
+            raise Unsupported(str(exc)) from None
 
         def call() -> torch.Tensor:
             built(args)
@@ -174,7 +181,10 @@ def _variant_provider(variant, fast_accum: bool) -> Provider:
 
         return Prepared(call)
 
-    return Provider(variant.name, "tmagemm", variant.backend, variant.description, DTYPES, prepare)
+    if config is None:
+        return Provider(variant.name, "tmagemm", variant.backend, variant.description, DTYPES, prepare)
+    return Provider(f"{variant.name}@{config.label()}", "tmagemm", variant.backend,
+                    f"{variant.name} with config {config.label()} (not its heuristic)", DTYPES, prepare)
 
 
 def _auto_provider(fast_accum: bool) -> Provider:
@@ -200,8 +210,10 @@ def _auto_provider(fast_accum: bool) -> Provider:
     return Provider("tmagemm.auto", "tmagemm", "api", "public API: tmagemm.scaled_mm / tmagemm.matmul", DTYPES, prepare)
 
 
-def tmagemm_providers(fast_accum: bool = True) -> list[Provider]:
-    """The public API, every registered variant, and an absent entry per unimportable module."""
+def tmagemm_providers(fast_accum: bool = True, configs: bool = False) -> list[Provider]:
+    """The public API, every registered variant, and an absent entry per unimportable module;
+    with ``configs``, also one provider per candidate config of each variant that has them
+    (named ``variant@label``, e.g. ``triton.tma@64x128x128s4w4``)."""
     found = [_auto_provider(fast_accum)]
     try:
         from .. import plan
@@ -212,6 +224,8 @@ def tmagemm_providers(fast_accum: bool = True) -> list[Provider]:
         return found + [Provider("tmagemm.variants", "tmagemm", "api", "variant registry", DTYPES,
                                  absent=f"variant registry failed: {type(exc).__name__}: {exc}")]  # fmt: skip
     found += [_variant_provider(v, fast_accum) for v in variants]
+    if configs:
+        found += [_variant_provider(v, fast_accum, c) for v in variants for c in v.configs]
     for module, reason in missing.items():
         name = module.removeprefix("tmagemm.")
         backend = name.split(".")[0]

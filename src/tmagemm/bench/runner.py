@@ -33,6 +33,7 @@ class BenchConfig:
     instead of tensor-wise. fast_accum: fp8 accumulation mode of the tmagemm providers.
     graph: also time CUDA-graph replay. host_loop: also time a Python loop of calls at
     :data:`HOST_LOOP_SHAPE`. budget_ms: GPU time spent on timed runs per (shape, provider).
+    configs: also time every candidate config of the variants that have them, one provider each.
     """
 
     shapes: tuple[Shape, ...]
@@ -43,6 +44,7 @@ class BenchConfig:
     graph: bool = False
     host_loop: bool = True
     budget_ms: float = 200.0
+    configs: bool = False
     command: str = ""
 
 
@@ -168,7 +170,7 @@ def _host_loop(chosen: list[prov.Provider], config: BenchConfig, device: torch.d
 
 
 def _providers(config: BenchConfig) -> list[prov.Provider]:
-    everything = prov.tmagemm_providers(config.fast_accum) + prov.peer_providers()
+    everything = prov.tmagemm_providers(config.fast_accum, config.configs) + prov.peer_providers()
     return prov.select(everything, config.dtype, list(config.providers) if config.providers else None)
 
 
@@ -210,10 +212,11 @@ def run(config: BenchConfig, stream: TextIO | None = None) -> BenchResult:
 INTERPRETER_BACKENDS = ("triton", "api")
 
 
-def _check_providers(dtypes: tuple[str, ...], patterns: tuple[str, ...] | None, fast_accum: bool) -> dict[str, list]:
+def _check_providers(dtypes: tuple[str, ...], patterns: tuple[str, ...] | None, fast_accum: bool,
+                     configs: bool = False) -> dict[str, list]:
     """The interpreter-capable providers per dtype. A pattern that matches none of them is an
     error naming the dtypes checked and the GPU-only providers it would have matched."""
-    everything = prov.tmagemm_providers(fast_accum) + prov.peer_providers()
+    everything = prov.tmagemm_providers(fast_accum, configs) + prov.peer_providers()
     runnable = [p for p in everything if p.backend in INTERPRETER_BACKENDS]
     for pattern in patterns or ():
         def matches(p: prov.Provider) -> bool:
@@ -230,19 +233,21 @@ def _check_providers(dtypes: tuple[str, ...], patterns: tuple[str, ...] | None, 
 
 def check(dtypes: tuple[str, ...] = ("fp16", "fp8"), shapes: tuple[Shape, ...] = CHECK_SHAPES,
           patterns: tuple[str, ...] | None = None, command: str = "", stream: TextIO | None = None,
-          rowwise: bool = False, fast_accum: bool = True) -> BenchResult:  # fmt: skip
+          rowwise: bool = False, fast_accum: bool = True, configs: bool = False) -> BenchResult:  # fmt: skip
     """CPU mode: run the Triton providers under the interpreter on small shapes, no timing.
 
-    rowwise and fast_accum mean what they do in :class:`BenchConfig` (fp8 cases only).
+    rowwise, fast_accum and configs mean what they do in :class:`BenchConfig` (the first two for
+    fp8 cases only).
     """
     if "bf16" in dtypes:
         raise ValueError("the Triton interpreter computes bf16 dots wrongly; check fp16 and fp8 on the CPU")
     meta = envinfo.metadata(command)
     meta["mode"] = "interpreter check (no GPU): accuracy only, timings need a GPU"
     meta["config"] = {"dtypes": list(dtypes), "shapes": [str(s) for s in shapes], "rowwise": rowwise,
-                      "fast_accum": fast_accum, "providers": list(patterns) if patterns else None}  # fmt: skip
+                      "fast_accum": fast_accum, "configs": configs,
+                      "providers": list(patterns) if patterns else None}  # fmt: skip
     result = BenchResult(meta)
-    per_dtype = _check_providers(tuple(dtypes), patterns, fast_accum)
+    per_dtype = _check_providers(tuple(dtypes), patterns, fast_accum, configs)
     progress = Progress(sum(len(v) for v in per_dtype.values()) * len(shapes), stream)
     for dtype, chosen in per_dtype.items():
         for shape in shapes:

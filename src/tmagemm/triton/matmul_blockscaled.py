@@ -298,6 +298,7 @@ VARIANTS = [
                     "TMA loads, fp32 promotion per 128-deep k-block",
         supports=supports,
         build=build,
+        configs=CONFIGS,
     ),
 ]
 

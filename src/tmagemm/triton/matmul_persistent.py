@@ -127,6 +127,7 @@ VARIANTS = [
         description="Triton, persistent (one program per SM), TMA loads/stores, epilogue subtiling",
         supports=tma_supports,
         build=build,
+        configs=CONFIGS,
     ),
 ]
 

@@ -208,6 +208,7 @@ VARIANTS = [
         description="Triton, non-persistent, TMA loads/stores via host TensorDescriptor passed by value",
         supports=tma_supports,
         build=build,
+        configs=CONFIGS,
     ),
     Variant(
         name="triton.tma_device",
@@ -215,6 +216,7 @@ VARIANTS = [
         description="triton.tma with tensor maps built on the device (tl.make_tensor_descriptor): no host encode per call",
         supports=tma_supports,
         build=build_device,
+        configs=CONFIGS,
     ),
 ]
 
