@@ -31,7 +31,7 @@ def _args(m, n, k, dtype=F8):
         (512, 4096, 4096, F8, "cuda.persistent_coop"),
         (256, 4096, 4096, torch.bfloat16, "triton.tma"),
         (512, 4096, 4096, torch.bfloat16, "cuda.persistent_coop"),
-        (8, 4096, 4096, torch.bfloat16, "triton.splitk"),  # 16-bit at M <= 32: split-K
+        (8, 4096, 4096, torch.bfloat16, "triton.splitk"),  # 16-bit at M <= 32, K-major weight: split-K
         (32, 2560, 8192, torch.float16, "triton.splitk"),
         (33, 4096, 4096, torch.bfloat16, "triton.tma"),
         (4096, 4096, 4096, torch.bfloat16, "cuda.persistent_coop"),
@@ -41,6 +41,15 @@ def test_preference_table(m, n, k, dtype, first):
     order = plan.preference(_args(m, n, k, dtype))
     assert order[0] == first, order
     assert order[-1] == "triton.ptr"  # the pointer kernel accepts anything: always the last resort
+
+
+def test_16bit_split_k_first_only_for_k_major_weights():
+    a = torch.empty(8, 4096, dtype=torch.bfloat16, device="meta")
+    out = torch.empty(8, 4096, dtype=torch.bfloat16, device="meta")
+    k_major = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta").t()
+    n_major = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta")  # a row-major (K, N) matrix
+    assert plan.preference(GemmArgs(a, k_major, out))[0] == "triton.splitk"
+    assert plan.preference(GemmArgs(a, n_major, out))[0] == "triton.tma"
 
 
 # ------------------------------------------------------------------------------ the Plan contract

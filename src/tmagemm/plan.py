@@ -24,7 +24,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from . import device
+from . import device, tma
 
 # Modules that define VARIANTS. One line per kernel family.
 FAMILY_MODULES = (
@@ -229,9 +229,12 @@ def _splitk_first(args: GemmArgs) -> bool:
     long-K projections 0.97-1.04x vs 0.73-0.88x; with a short K, e.g. K = 512-1536 and N =
     24-32K, the tile kernel was ahead), fp8 at M <= 32 with K > 8192 (the tile kernel then walks
     a long K on few CTAs), any M <= 32 with >= 100 MB of weight (earlier H100 sweep), and bf16 /
-    fp16 at M <= 32 (H100, 12 Llama-3 / Qwen2.5 projections, K-major weights: split-K 0.92-1.03x
-    cuBLAS where the tile kernel ran 0.69-0.99x; at M = 64 the tile kernel was ahead)."""
-    if args.m <= 32 and (not args.is_fp8 or args.n * args.k * args.b.element_size() >= 100e6):
+    fp16 at M <= 32 with a K-major weight (``w.t()``; H100, 12 Llama-3 / Qwen2.5 projections:
+    split-K 0.92-1.03x cuBLAS where the tile kernel ran 0.69-0.99x; at M = 64 the tile kernel was
+    ahead; an N-major weight was not measured)."""
+    if args.m <= 32 and args.n * args.k * args.b.element_size() >= 100e6:
+        return True
+    if args.m <= 32 and not args.is_fp8 and tma.b_is_k_major(args.b):
         return True
     return args.is_fp8 and ((args.m <= 16 and args.k >= 4096) or (args.m <= 32 and args.k > 8192))
 

@@ -17,8 +17,9 @@ decode-sized M: BLOCK_K is then the 128-deep scale block, each step's product is
 the fp32 sum with its scales, and the slices' partial sums are already dequantised.
 
 The configuration comes from :func:`choose_config` (or :func:`choose_block_config`), a pure
-function of (M, N, K, dtype, SMs); nothing is tuned at call time. Partial sums and counters come from ``tmagemm.workspace``, which
-makes the launch safe in eager mode and under any CUDA-graph capture.
+function of (M, N, K, dtype, SMs); nothing is tuned at call time. Partial sums and counters come
+from ``tmagemm.workspace``, which makes the launch safe in eager mode and under any CUDA-graph
+capture.
 """
 
 from __future__ import annotations
@@ -379,6 +380,9 @@ def build(args: GemmArgs, config: SplitKConfig | None = None) -> Plan:
     """The plan of one problem signature: heuristic config, the kernel launched directly
     (``triton/launch.py``) with the workspace of the calling stream (or capture) per call."""
     itemsize = args.a.element_size()
+    if config is not None and args.block_scaling is not None and (config.block_k != 128 or config.block_n > 128):
+        raise ValueError(f"triton.splitk: block-scaled problems need block_k = 128 (one scale block per K step) "
+                         f"and block_n <= 128 (a tile inside one 128-row weight block), got {config}")
     if config is None:
         sms = device.sms_of(args.out.device)
         if args.block_scaling is not None:
