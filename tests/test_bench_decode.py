@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tmagemm import cli
-from tmagemm.bench import decode, report, results, shapes
+from tmagemm.bench import decode, graphed, report, results, shapes
 
 
 def _llm(label):
@@ -139,8 +139,8 @@ def test_save_writes_the_common_schema_and_report_prints_it(tmp_path, capsys):
     recs = decode.derive(_records(), 3000.0)
     meta = {"gpu": "NVIDIA H100 80GB HBM3", "command": "tmagemm bench --preset decode", "preset": "decode",
             "ceilings": {"copy_gbs": 3000.0, "peak_tflops": {}, "errors": []}}  # fmt: skip
-    result = decode.make_result(meta, recs)
-    paths = decode.save(result, recs, tmp_path)
+    result = graphed.make_result(meta, decode.tables(recs))
+    paths = graphed.save(result, recs, decode.FIELDS, decode.NAME, tmp_path)
     payload = json.loads(paths["json"].read_text())
     assert payload["schema"] == results.SCHEMA and payload["records"] == []
     assert payload["decode"]["fields"] == list(decode.FIELDS)

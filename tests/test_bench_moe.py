@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tmagemm import cli
-from tmagemm.bench import moe, report, results
+from tmagemm.bench import graphed, moe, report, results
 
 # ------------------------------------------------------------------------------ expert shapes
 
@@ -191,8 +191,8 @@ def test_save_writes_the_common_schema_and_report_prints_it(tmp_path, capsys):
     recs = moe.derive(_records(), 3000.0)
     meta = {"gpu": "NVIDIA H100 80GB HBM3", "command": "tmagemm bench --preset moe", "preset": "moe",
             "ceilings": {"copy_gbs": 3000.0, "peak_tflops": {}, "errors": []}}  # fmt: skip
-    result = moe.make_result(meta, recs)
-    paths = moe.save(result, recs, tmp_path)
+    result = graphed.make_result(meta, moe.tables(recs))
+    paths = graphed.save(result, recs, moe.FIELDS, moe.NAME, tmp_path)
     payload = json.loads(paths["json"].read_text())
     assert payload["schema"] == results.SCHEMA and payload["records"] == []
     assert payload["moe"]["fields"] == list(moe.FIELDS)
@@ -279,7 +279,7 @@ def test_moe_options_reach_the_config(monkeypatch, tmp_path):
 
     def fake_run(config):
         seen["config"] = config
-        return moe.make_result({"command": config.command}, []), []
+        return graphed.make_result({"command": config.command}, moe.tables([])), []
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(moe, "run", fake_run)

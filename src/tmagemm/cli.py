@@ -377,11 +377,14 @@ def _bench_decode(args: argparse.Namespace, command: str) -> int:
 
 def _run_graphed(preset, config, out_dir) -> int:
     """Run a graph-timed preset module (decode, moe), print and save its tables; 1 if a row was wrong."""
+    from .bench import graphed
+    from .bench.results import WRONG
+
     result, records = preset.run(config)
-    print(preset.render(result))
-    paths = preset.save(result, records, out_dir)
+    print(graphed.render(result))
+    paths = graphed.save(result, records, preset.FIELDS, preset.NAME, out_dir)
     print("\nwrote " + ", ".join(str(p) for p in paths.values()))
-    return 0 if not any(r["status"] == preset.WRONG for r in records) else 1
+    return 0 if not any(r["status"] == WRONG for r in records) else 1
 
 
 def _bench_moe(args: argparse.Namespace, command: str) -> int:

@@ -32,12 +32,11 @@ import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Callable, TextIO
 
 from . import graphed
 from .graphed import fmt, table
-from .results import BenchResult, geomean
+from .results import FAILED, OK, UNSUPPORTED, WRONG, BenchResult, error_text, geomean
 from .shapes import LLM_LAYERS
 
 # ------------------------------------------------------------------------------------ models
@@ -104,6 +103,7 @@ RECIPES = ("fp8-tensor", "fp8-row", "fp8-block", "bf16")
 DECODE_M = (1, 8, 16, 32, 64, 128)
 DEFAULT_LAYERS = 8
 DEFAULT_BUDGET_MS = 100.0
+NAME = "decode"  # the preset, and the key of its records in results.json
 PROVIDERS = ("tmagemm", "cublas")
 TOLERANCE = {"fp8": 2e-2, "bf16": 1e-2}  # as the other presets (providers.TOLERANCE)
 FAST_ACCUM_K = 4096  # the K at which the fp8 tolerance was set; fast accumulation's error grows past it
@@ -173,7 +173,6 @@ def layer_bytes(layer: tuple[Projection, ...], m: int, recipe: str) -> dict[str,
 
 # ------------------------------------------------------------------------------------ records
 
-OK, WRONG, UNSUPPORTED, FAILED = "ok", "wrong", "unsupported", "failed"
 
 FIELDS = (
     "model", "tp", "recipe", "m", "layers", "provider", "status", "reason",
@@ -254,10 +253,6 @@ def geomeans(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------------- tables
 
 
-
-
-
-
 def layer_table(records: list[dict[str, Any]]) -> str:
     """One row per (model, recipe, M): per-layer us of both providers, speedup, %copy; a provider
     that did not run correctly shows "-" and its status in the note (the reason is listed below)."""
@@ -288,16 +283,6 @@ def geomean_table(records: list[dict[str, Any]]) -> str:
     return table(["recipe", "paired", "geomean speedup", "tmagemm %copy", "cuBLAS %copy"], rows)
 
 
-def issues_table(records: list[dict[str, Any]]) -> str:
-    seen: dict[tuple[str, str, str], list[str]] = {}
-    for r in records:
-        if r["status"] != OK or r.get("reason"):
-            seen.setdefault((r["provider"], r["status"], r.get("reason") or ""), []).append(f"{r['model']} {r['recipe']} M={r['m']}")
-    rows = [[p, s, ", ".join(where[:3]) + (f" (+{len(where) - 3})" if len(where) > 3 else ""), reason[:110]]
-            for (p, s, reason), where in seen.items()]  # fmt: skip
-    return table(["provider", "status", "where", "reason"], rows) if rows else ""
-
-
 NOTES = (
     "per-layer us = median CUDA-graph replay time of the whole stack / layers (alternating rounds of "
     "both providers); the stack streams its own weights per layer (>> L2), so L2 is not flushed. "
@@ -313,31 +298,11 @@ def tables(records: list[dict[str, Any]]) -> dict[str, str]:
     """The printed report, as named text blocks (also stored in results.json's extras, so
     ``tmagemm report`` prints the same)."""
     out = {"decode layers": layer_table(records), "decode geomeans": geomean_table(records)}
-    issues = issues_table(records)
+    issues = graphed.issues_table(records, lambda r: f"{r['model']} {r['recipe']} M={r['m']}")
     if issues:
         out["decode not run / not correct"] = issues
     out["decode notes"] = NOTES
     return out
-
-def render(result: BenchResult) -> str:
-    return graphed.render(result)
-
-
-def make_result(metadata: dict[str, Any], records: list[dict[str, Any]]) -> BenchResult:
-    """A :class:`BenchResult` whose extras hold the decode tables (:func:`save` writes the records)."""
-    return graphed.make_result(metadata, tables(records))
-
-
-def save(result: BenchResult, records: list[dict[str, Any]], directory: str | Path) -> dict[str, Path]:
-    """``results.json`` / ``results.csv`` / ``table.txt``, the decode records under ``decode``."""
-    return graphed.save(result, records, FIELDS, "decode", directory)
-
-
-
-
-
-
-
 
 
 # ------------------------------------------------------------------------------- GPU: stacks
@@ -479,10 +444,6 @@ class _Refused(Exception):
     """The peer cannot run this recipe at all here."""
 
 
-
-
-
-
 def _dequant_a(g: _Gemm, recipe: str):
     a = g.a.double()
     if recipe == "bf16":
@@ -521,12 +482,6 @@ def _check(stack: _Stack, recipe: str, ref_w: dict[int, Any]) -> tuple[float, st
     return worst, where
 
 
-def _error_text(exc: BaseException) -> str:
-    from .runner import _error_text as text
-
-    return text(exc)
-
-
 def _run_case(model: Model, recipe: str, m: int, ops: _Operands, config: DecodeConfig, device,
               w_scales: list[dict], ref_w: dict[int, Any]) -> list[dict[str, Any]]:  # fmt: skip
     """Both providers at one (model, recipe, M): build, warm up, capture, time, check."""
@@ -548,14 +503,14 @@ def _run_case(model: Model, recipe: str, m: int, ops: _Operands, config: DecodeC
             torch.cuda.synchronize()
         except Exception as exc:
             refused = provider == "cublas"
-            rec.update(status=UNSUPPORTED if refused else FAILED, reason=("cuBLAS refuses: " if refused else "") + _error_text(exc))
+            rec.update(status=UNSUPPORTED if refused else FAILED, reason=("cuBLAS refuses: " if refused else "") + error_text(exc))
             torch.cuda.synchronize()
             continue
         try:
             graphs[provider] = graphed.capture(stack.call)
             stacks[provider] = stack
         except Exception as exc:
-            rec.update(status=FAILED, reason=f"graph capture: {_error_text(exc)}")
+            rec.update(status=FAILED, reason=f"graph capture: {error_text(exc)}")
             torch.cuda.synchronize()
     if graphs:
         times = graphed.time_graphs(graphs, config.budget_ms)
@@ -585,13 +540,6 @@ def _run_case(model: Model, recipe: str, m: int, ops: _Operands, config: DecodeC
     return list(records.values())
 
 
-def copy_rate_gbs(device) -> float:
-    """The device-to-device copy rate of the other presets' ceilings (1 GiB, read + write bytes)."""
-    from .timing import copy_bandwidth_gbs
-
-    return copy_bandwidth_gbs(device)
-
-
 def run(config: DecodeConfig, stream: TextIO | None = None) -> tuple[BenchResult, list[dict[str, Any]]]:
     """Time every (model, recipe, M) of ``config`` for both providers on the current GPU."""
     import torch
@@ -603,17 +551,12 @@ def run(config: DecodeConfig, stream: TextIO | None = None) -> tuple[BenchResult
         raise RuntimeError("--preset decode needs a CUDA GPU: it times CUDA-graph replay of model layer stacks")
     device = torch.device("cuda", torch.cuda.current_device())
     meta = envinfo.metadata(config.command)
-    meta["preset"] = "decode"
+    meta["preset"] = NAME
     meta["config"] = asdict(config)
     meta["models"] = {name: {"tp": MODELS[name].tp, "layer": [f"{p.name} {p.n}x{p.k} ({p.parallel})"
                                                                for p in MODELS[name].layer()]}
                       for name in config.models}  # fmt: skip
-    ceilings: dict[str, Any] = {"copy_gbs": None, "peak_tflops": {}, "errors": []}
-    try:
-        ceilings["copy_gbs"] = copy_rate_gbs(device)
-    except Exception as exc:
-        ceilings["errors"].append(f"copy bandwidth: {_error_text(exc)}")
-    meta["ceilings"] = ceilings
+    meta["ceilings"] = ceilings = graphed.copy_ceilings(device)
     records: list[dict[str, Any]] = []
     progress = Progress(len(config.models) * len(config.recipes) * len(config.m_values), stream or sys.stderr)
     t0 = time.perf_counter()
@@ -630,7 +573,7 @@ def run(config: DecodeConfig, stream: TextIO | None = None) -> tuple[BenchResult
                     for m in config.m_values:
                         for p in PROVIDERS:
                             records.append({**new_record(model, recipe, m, config.layers, p, config.fast_accum), "status": FAILED,
-                                            "reason": f"weights: {_error_text(exc)}"})  # fmt: skip
+                                            "reason": f"weights: {error_text(exc)}"})  # fmt: skip
                         progress.step(f"{name} {recipe} M={m}")
                 continue
             for recipe in recipes:
@@ -642,11 +585,11 @@ def run(config: DecodeConfig, stream: TextIO | None = None) -> tuple[BenchResult
                     except Exception as exc:
                         for p in PROVIDERS:
                             records.append({**new_record(model, recipe, m, config.layers, p, config.fast_accum), "status": FAILED,
-                                            "reason": _error_text(exc)})  # fmt: skip
+                                            "reason": error_text(exc)})  # fmt: skip
                     progress.step(f"{name} {recipe} M={m}")
                 del ref_w
             del ops
             torch.cuda.empty_cache()
     meta["wall_s"] = round(time.perf_counter() - t0, 1)
     derive(records, ceilings["copy_gbs"])
-    return make_result(meta, records), records
+    return graphed.make_result(meta, tables(records)), records

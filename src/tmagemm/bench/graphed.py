@@ -9,7 +9,20 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .results import SCHEMA, BenchResult
+from .results import OK, SCHEMA, BenchResult, error_text
+
+
+def copy_ceilings(device) -> dict[str, Any]:
+    """A graph-timed preset's ``ceilings``: the measured device-to-device copy rate (1 GiB, bytes
+    read + written), or why it could not be measured."""
+    from .timing import copy_bandwidth_gbs
+
+    ceilings: dict[str, Any] = {"copy_gbs": None, "peak_tflops": {}, "errors": []}
+    try:
+        ceilings["copy_gbs"] = copy_bandwidth_gbs(device)
+    except Exception as exc:
+        ceilings["errors"].append(f"copy bandwidth: {error_text(exc)}")
+    return ceilings
 
 
 def fmt(value: Any, spec: str) -> str:
@@ -20,6 +33,18 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
     from .report import table as text_table
 
     return text_table(headers, rows)
+
+
+def issues_table(records: list[dict[str, Any]], where: Callable[[dict[str, Any]], str], shown: int = 3) -> str:
+    """Records not ok (or ok with a note), grouped by (provider, status, reason): the first
+    ``shown`` places (``where(record)``) of each and how many more; "" when there are none."""
+    seen: dict[tuple[str, str, str], list[str]] = {}
+    for r in records:
+        if r["status"] != OK or r.get("reason"):
+            seen.setdefault((r["provider"], r["status"], r.get("reason") or ""), []).append(where(r))
+    rows = [[p, s, ", ".join(places[:shown]) + (f" (+{len(places) - shown})" if len(places) > shown else ""),
+             reason[:110]] for (p, s, reason), places in seen.items()]  # fmt: skip
+    return table(["provider", "status", "where", "reason"], rows) if rows else ""
 
 
 def render(result: BenchResult) -> str:

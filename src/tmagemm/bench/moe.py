@@ -37,12 +37,11 @@ import math
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, Callable, TextIO
 
 from . import graphed
 from .graphed import fmt, table
-from .results import BenchResult, geomean
+from .results import FAILED, OK, UNSUPPORTED, WRONG, BenchResult, error_text, geomean
 
 # ------------------------------------------------------------------------------------ models
 
@@ -87,6 +86,7 @@ MODELS = {m.name: m for m in (
 DTYPES = ("fp8", "bf16")
 ROUTINGS = ("balanced", "zipf")
 LAYOUTS = ("contiguous", "masked")
+NAME = "moe"  # the preset, and the key of its records in results.json
 PROVIDERS = ("tmagemm", "torch", "loop")
 DEFAULT_M = (1, 16, 64, 256, 2048)
 MAX_ROWS = 65536  # contiguous cases with E * m above this are skipped (activations + outputs of 1-4 GB)
@@ -245,7 +245,6 @@ def tolerance(dtype: str, k: int, fast_accum: bool) -> float:
 
 # ------------------------------------------------------------------------------------ records
 
-OK, WRONG, UNSUPPORTED, FAILED = "ok", "wrong", "unsupported", "failed"
 
 FIELDS = (
     "model", "projection", "e", "n", "k", "dtype", "layout", "routing", "m", "rows", "max_m",
@@ -346,10 +345,6 @@ def geomeans(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------------- tables
 
 
-
-
-
-
 def case_table(records: list[dict[str, Any]]) -> str:
     """One row per case: us of each provider, tmagemm's TFLOP/s, speedups, %copy, skew ratio."""
     cases: dict[tuple, dict[str, dict]] = {}
@@ -392,17 +387,6 @@ def geomean_table(records: list[dict[str, Any]]) -> str:
     return table(headers, rows)
 
 
-def issues_table(records: list[dict[str, Any]]) -> str:
-    seen: dict[tuple[str, str, str], list[str]] = {}
-    for r in records:
-        if r["status"] != OK or r.get("reason"):
-            where = f"{r['model']} {r['projection']} {r['dtype']} {r['layout']} {r['routing']} m={r['m']}"
-            seen.setdefault((r["provider"], r["status"], r.get("reason") or ""), []).append(where)
-    rows = [[p, s, ", ".join(where[:2]) + (f" (+{len(where) - 2})" if len(where) > 2 else ""), reason[:110]]
-            for (p, s, reason), where in seen.items()]  # fmt: skip
-    return table(["provider", "status", "where", "reason"], rows) if rows else ""
-
-
 NOTES = (
     "us = median CUDA-graph replay time of ONE grouped call (alternating rounds of the providers); "
     "L2 flushed (256 MB zeroed) before each replay where the touched experts' weights are < 256 MB, "
@@ -420,31 +404,12 @@ NOTES = (
 def tables(records: list[dict[str, Any]]) -> dict[str, str]:
     """The printed report as named text blocks (also in results.json's extras: ``tmagemm report``)."""
     out = {"moe cases": case_table(records), "moe geomeans (tmagemm)": geomean_table(records)}
-    issues = issues_table(records)
+    issues = graphed.issues_table(
+        records, lambda r: f"{r['model']} {r['projection']} {r['dtype']} {r['layout']} {r['routing']} m={r['m']}", 2)
     if issues:
         out["moe not run / not correct"] = issues
     out["moe notes"] = NOTES
     return out
-
-def render(result: BenchResult) -> str:
-    return graphed.render(result)
-
-
-def make_result(metadata: dict[str, Any], records: list[dict[str, Any]]) -> BenchResult:
-    """A :class:`BenchResult` whose extras hold the moe tables (:func:`save` writes the records)."""
-    return graphed.make_result(metadata, tables(records))
-
-
-def save(result: BenchResult, records: list[dict[str, Any]], directory: str | Path) -> dict[str, Path]:
-    """``results.json`` / ``results.csv`` / ``table.txt``, the moe records under ``moe``."""
-    return graphed.save(result, records, FIELDS, "moe", directory)
-
-
-
-
-
-
-
 
 
 # ------------------------------------------------------------------------------ GPU: operands
@@ -552,7 +517,7 @@ def _build(provider: str, case: Case, ws: _Weights, x: _Inputs, fast_accum: bool
                 held["out"] = fn()
                 torch.cuda.synchronize()
             except Exception as exc:
-                errors.append(_error_text(exc))
+                errors.append(error_text(exc))
                 torch.cuda.synchronize()
                 continue
 
@@ -617,12 +582,6 @@ def _check(case: Case, out, x: _Inputs, refs: dict[int, tuple[int, Any]]) -> tup
     return worst, where
 
 
-def _error_text(exc: BaseException) -> str:
-    from .runner import _error_text as text
-
-    return text(exc)
-
-
 def _run_case(case: Case, ws: _Weights, config: MoEConfig, device, flush) -> list[dict[str, Any]]:
     """Every provider at one case: build, first call, capture, time, check."""
     import torch
@@ -639,7 +598,7 @@ def _run_case(case: Case, ws: _Weights, config: MoEConfig, device, flush) -> lis
             rec["reason"] = note or None
         except Exception as exc:
             peer = provider != "tmagemm"
-            text = str(exc) if isinstance(exc, _Refused) else _error_text(exc)
+            text = str(exc) if isinstance(exc, _Refused) else error_text(exc)
             rec.update(status=UNSUPPORTED if peer else FAILED, reason=(f"{provider} refuses: " if peer else "") + text)
             torch.cuda.synchronize()
             continue
@@ -647,7 +606,7 @@ def _run_case(case: Case, ws: _Weights, config: MoEConfig, device, flush) -> lis
             graphs[provider] = graphed.capture(call)
             outputs[provider] = output
         except Exception as exc:
-            rec.update(status=FAILED, reason=f"graph capture: {_error_text(exc)}")
+            rec.update(status=FAILED, reason=f"graph capture: {error_text(exc)}")
             torch.cuda.synchronize()
     flushed = case_bytes(case.counts, case.n, case.k, case.dtype)["weight_bytes"] < FLUSH_BELOW_BYTES
     if graphs:
@@ -676,24 +635,19 @@ def run(config: MoEConfig, stream: TextIO | None = None) -> tuple[BenchResult, l
 
     from . import envinfo
     from .runner import Progress
-    from .timing import FLUSH_BYTES, copy_bandwidth_gbs
+    from .timing import FLUSH_BYTES
 
     if not torch.cuda.is_available():
         raise RuntimeError("--preset moe needs a CUDA GPU: it times CUDA-graph replay of grouped expert GEMMs")
     device = torch.device("cuda", torch.cuda.current_device())
     meta = envinfo.metadata(config.command)
-    meta["preset"] = "moe"
+    meta["preset"] = NAME
     meta["config"] = asdict(config)
     meta["models"] = {name: {"experts": MODELS[name].experts, "top_k": MODELS[name].top_k, "ep": MODELS[name].ep,
                              "projections": [f"{p.name} {p.n}x{p.k}" for p in MODELS[name].projections()]}
                       for name in config.models}  # fmt: skip
     meta["routing"] = {"zipf_s": ZIPF_S, "seed": SEED, "max_rows": MAX_ROWS, "masked_max_m": MASKED_MAX_M}
-    ceilings: dict[str, Any] = {"copy_gbs": None, "peak_tflops": {}, "errors": []}
-    try:
-        ceilings["copy_gbs"] = copy_bandwidth_gbs(device)
-    except Exception as exc:
-        ceilings["errors"].append(f"copy bandwidth: {_error_text(exc)}")
-    meta["ceilings"] = ceilings
+    meta["ceilings"] = ceilings = graphed.copy_ceilings(device)
     flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device=device)
     cases = config.cases()
     records: list[dict[str, Any]] = []
@@ -712,11 +666,11 @@ def run(config: MoEConfig, stream: TextIO | None = None) -> tuple[BenchResult, l
             records += _run_case(case, ws, config, device, flush)
         except Exception as exc:  # e.g. out of memory
             held = ()
-            records += [{**new_record(case, p, config.fast_accum), "status": FAILED, "reason": _error_text(exc)}
+            records += [{**new_record(case, p, config.fast_accum), "status": FAILED, "reason": error_text(exc)}
                         for p in PROVIDERS]  # fmt: skip
             torch.cuda.synchronize()
         progress.step(label)
     del ws
     meta["wall_s"] = round(time.perf_counter() - t0, 1)
     derive(records, ceilings["copy_gbs"])
-    return make_result(meta, records), records
+    return graphed.make_result(meta, tables(records)), records

@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,15 @@ SCHEMA = 1
 
 # Statuses of a record. Only "ok" records enter speedups and geometric means.
 OK, WRONG, UNSUPPORTED, ABSENT, FAILED, CHECKED = "ok", "wrong", "unsupported", "absent", "failed", "checked"
+
+
+def error_text(exc: BaseException) -> str:
+    """The exception's first line plus where it was raised, short enough for a table cell."""
+    first = (str(exc).strip().splitlines() or [""])[0][:240]
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {frames[-1].name}:{frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {first}{where}"
+
 
 BASE_FIELDS = (
     "m", "n", "k", "label", "dtype", "provider", "family", "status", "reason",

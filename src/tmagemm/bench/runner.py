@@ -10,14 +10,13 @@ from __future__ import annotations
 import fnmatch
 import sys
 import time
-import traceback
 from dataclasses import asdict, dataclass
 from typing import Any, TextIO
 
 import torch
 
 from . import envinfo, providers as prov
-from .results import ABSENT, CHECKED, FAILED, OK, UNSUPPORTED, WRONG, BenchResult, derive
+from .results import ABSENT, CHECKED, FAILED, OK, UNSUPPORTED, WRONG, BenchResult, derive, error_text
 from .shapes import CHECK_SHAPES, Shape
 from .timing import Timer, copy_bandwidth_gbs, host_loop_us, matmul_peak_tflops
 
@@ -71,14 +70,6 @@ class Progress:
         self.stream.flush()
 
 
-def _error_text(exc: BaseException) -> str:
-    """The exception's first line plus where it was raised, short enough for a table cell."""
-    first = (str(exc).strip().splitlines() or [""])[0][:240]
-    frames = traceback.extract_tb(exc.__traceback__)
-    where = f" (at {frames[-1].name}:{frames[-1].lineno})" if frames else ""
-    return f"{type(exc).__name__}: {first}{where}"
-
-
 def _record(shape: Shape, dtype: str, provider: prov.Provider, bytes_: int) -> dict[str, Any]:
     return {
         "m": shape.m, "n": shape.n, "k": shape.k, "label": shape.label, "dtype": dtype,
@@ -100,7 +91,7 @@ def _run_one(provider: prov.Provider, case: prov.Case, timer: Timer | None, grap
         rec.update(status=UNSUPPORTED, reason=str(exc))
         return rec
     except Exception as exc:
-        rec.update(status=FAILED, reason=f"prepare: {_error_text(exc)}")
+        rec.update(status=FAILED, reason=f"prepare: {error_text(exc)}")
         return rec
     try:
         # The first call compiles (and tunes, with TMAGEMM_AUTOTUNE=1); it is also the one checked
@@ -108,7 +99,7 @@ def _run_one(provider: prov.Provider, case: prov.Case, timer: Timer | None, grap
         out = prepared.call()
         err = prov.relative_error(out, case, prepared.out_scale, prepared.reference)
     except Exception as exc:
-        rec.update(status=FAILED, reason=_error_text(exc))
+        rec.update(status=FAILED, reason=error_text(exc))
         return rec
     rec["max_rel_err"] = err
     good = err <= rec["tolerance"]
@@ -126,14 +117,14 @@ def _run_one(provider: prov.Provider, case: prov.Case, timer: Timer | None, grap
         if t.host_bound:
             rec["reason"] = "; ".join(filter(None, [rec["reason"], "timing: host fell behind the GPU; times may include launch work"]))
     except Exception as exc:
-        rec.update(status=FAILED, reason=f"timing: {_error_text(exc)}")
+        rec.update(status=FAILED, reason=f"timing: {error_text(exc)}")
         return rec
     if graph:
         try:
             t = timer.graph(prepared.call)
             rec.update(graph_median_us=t.median_us, graph_p20_us=t.p20_us, graph_p80_us=t.p80_us)
         except Exception as exc:
-            rec["reason"] = "; ".join(filter(None, [rec["reason"], f"graph: {_error_text(exc)}"]))
+            rec["reason"] = "; ".join(filter(None, [rec["reason"], f"graph: {error_text(exc)}"]))
     return rec
 
 
@@ -142,11 +133,11 @@ def _ceilings(dtype: str, device: torch.device) -> dict[str, Any]:
     try:
         ceilings["copy_gbs"] = copy_bandwidth_gbs(device)
     except Exception as exc:
-        ceilings["errors"].append(f"copy bandwidth: {_error_text(exc)}")
+        ceilings["errors"].append(f"copy bandwidth: {error_text(exc)}")
     try:
         ceilings["peak_tflops"][dtype] = matmul_peak_tflops(dtype, device)
     except Exception as exc:
-        ceilings["errors"].append(f"{dtype} matmul peak: {_error_text(exc)}")
+        ceilings["errors"].append(f"{dtype} matmul peak: {error_text(exc)}")
     return ceilings
 
 
@@ -164,7 +155,7 @@ def _host_loop(chosen: list[prov.Provider], config: BenchConfig, device: torch.d
         except prov.Unsupported as exc:
             row["reason"] = f"unsupported: {exc}"
         except Exception as exc:
-            row["reason"] = _error_text(exc)
+            row["reason"] = error_text(exc)
         rows.append(row)
     return rows
 
@@ -193,7 +184,7 @@ def run(config: BenchConfig, stream: TextIO | None = None) -> BenchResult:
         except Exception as exc:  # e.g. out of memory for the operands or the reference
             for p in chosen:
                 rec = _record(shape, config.dtype, p, 0)
-                rec.update(status=FAILED, reason=f"operands: {_error_text(exc)}")
+                rec.update(status=FAILED, reason=f"operands: {error_text(exc)}")
                 result.records.append(rec)
                 progress.step(f"{shape} {p.name}")
             continue
