@@ -5,6 +5,7 @@ compiled kernels at the shapes of real checkpoints (ragged M, N = 2112, K = 7000
 reference dequantizes both operands block by block in float64; outputs are poisoned with NaN.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -443,8 +444,8 @@ def test_splitk_refuses_what_block_rules_refuse():
                                                       out=torch.empty(129, 72), scale_a=torch.ones(129, 2)))
     unaligned = torch.empty(72, 201, dtype=FP8)[:, :200]  # a row stride TMA cannot describe
     assert "pointer loads" in splitk.supports(good._replace(b=unaligned.t()))
+    fits = splitk.SplitKConfig(block_m=16, block_n=32, block_k=128, split_k=1, swap_ab=True, a_tma=False,
+                               num_stages=2)
     for bad in (dict(block_k=64), dict(block_n=256)):  # a K step off the scale block; a tile over two
-        config = splitk.SplitKConfig(**{**dict(block_m=16, block_n=32, block_k=128, split_k=1, swap_ab=True,
-                                               a_tma=False, num_stages=2), **bad})
         with pytest.raises(ValueError, match="block-scaled problems need block_k = 128"):
-            splitk.build(good, config)
+            splitk.build(good, dataclasses.replace(fits, **bad))

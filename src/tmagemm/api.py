@@ -126,7 +126,7 @@ def _scale_tensor(scale, name: str) -> None:
         raise ValueError(f"{name} must have at most 2 dimensions, got shape {tuple(scale.shape)}")
 
 
-def _pick(name: str, shape: tuple, fits: dict, wanted: str | None, expected) -> str:
+def pick_recipe(name: str, shape: tuple, fits: dict, wanted: str | None, expected) -> str:
     """The recipe of a scale: the one asked for, which must fit its shape, or else the first that
     fits (the candidates that can all fit one shape describe the same product). ``expected()``
     names the shapes for an error message; it is only called then, since formatting a size
@@ -178,10 +178,10 @@ def scale_layout(scale_a, scale_b, m: int, n: int, k: int, recipe_a=None, recipe
     sa, sb = tuple(scale_a.shape), tuple(scale_b.shape)
     if recipe_a == "128x128":
         raise ValueError("scale_recipe_a: 128x128 blocks apply to the weight (b) only; activations take 1x128 groups")
-    a = _pick("scale_a", sa, {"tensor": scale_a.numel() == 1, "row": sa in ((m, 1), (m,)), "1x128": sa == (m, kb)},
+    a = pick_recipe("scale_a", sa, {"tensor": scale_a.numel() == 1, "row": sa in ((m, 1), (m,)), "1x128": sa == (m, kb)},
               recipe_a, lambda: {"tensor": "one element", "row": f"({m}, 1) or ({m},)", "1x128": f"({m}, {kb})"})
     blocks = {"128x128": ((nb, kb), ((kb, nb), (kb4, nb))), "1x128": ((n, kb), ((kb, n),))}
-    b = _pick("scale_b", sb, {"tensor": scale_b.numel() == 1, "row": sb in ((1, n), (n,)),
+    b = pick_recipe("scale_b", sb, {"tensor": scale_b.numel() == 1, "row": sb in ((1, n), (n,)),
                               **{r: sb == weight or sb in k_first for r, (weight, k_first) in blocks.items()}},
               recipe_b, lambda: {"tensor": "one element", "row": f"(1, {n}) or ({n},)",
                                  "128x128": f"({nb}, {kb}) or ({kb}, {nb}) (KB rounded up to 4 allowed there)",

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from . import tma
-from .api import check_runtime_device, parse_recipe
+from .api import check_runtime_device, parse_recipe, pick_recipe
 from .plan import Plan, cached, cached_calls, on_device, remember, tensor_key
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -221,21 +221,6 @@ def _scale_tensor(scale, name: str, dev: torch.device) -> None:
     _same_device(scale, name, dev)
 
 
-def _pick(name: str, shape: tuple, fits: dict, wanted: str | None, expected: dict) -> str:
-    """The recipe of a scale: the one asked for (which must fit), else the first that fits (where
-    several fit one shape they describe the same product, up to the ambiguities documented)."""
-    if wanted is not None:
-        if wanted not in fits:
-            raise ValueError(f"{name}: the {wanted} recipe does not apply here; use one of {', '.join(map(repr, fits))}")
-        if not fits[wanted]:
-            raise ValueError(f"{name} has shape {shape}; the {wanted} recipe expects {expected[wanted]}")
-        return wanted
-    for recipe, ok in fits.items():
-        if ok:
-            return recipe
-    raise ValueError(f"{name} has shape {shape}; expected " + "; ".join(f"{r}: {t}" for r, t in expected.items()))
-
-
 def scale_strides(scale_a, scale_b, layout: GroupLayout, e: int, m: int, n: int, k: int,
                   recipe_a=None, recipe_b=None) -> tuple[GroupScaling, tuple, tuple, bool]:
     """How the fp8 scales apply: ``(scaling, scale_a_strides, scale_b_strides, b_per_channel)``.
@@ -254,12 +239,14 @@ def scale_strides(scale_a, scale_b, layout: GroupLayout, e: int, m: int, n: int,
     sa, sb = tuple(scale_a.shape), tuple(scale_b.shape)
     if recipe_a == "128x128":
         raise ValueError("scale_recipe_a: 128x128 blocks apply to the weights (b) only; activations take 1x128")
-    a = _pick("scale_a", sa, {"tensor": scale_a.numel() == 1, "row": sa in (rows, rows + (1,)), "1x128": sa == rows + (kb,)},
-              recipe_a, {"tensor": "one element", "row": f"{rows} or {rows + (1,)}", "1x128": f"{rows + (kb,)}"})
-    b = _pick("scale_b", sb, {"tensor": scale_b.numel() == 1 or sb in ((e,), (e, 1), (e, 1, 1)),
-                              "row": sb in ((e, n), (e, 1, n)), "128x128": sb == (e, nb, kb), "1x128": sb == (e, n, kb)},
-              recipe_b, {"tensor": f"({e},), ({e}, 1) or one element", "row": f"({e}, {n}) or ({e}, 1, {n})",
-                         "128x128": f"({e}, {nb}, {kb})", "1x128": f"({e}, {n}, {kb})"})
+    a = pick_recipe("scale_a", sa, {"tensor": scale_a.numel() == 1, "row": sa in (rows, rows + (1,)),
+                                    "1x128": sa == rows + (kb,)}, recipe_a,
+                    lambda: {"tensor": "one element", "row": f"{rows} or {rows + (1,)}", "1x128": f"{rows + (kb,)}"})
+    b = pick_recipe("scale_b", sb, {"tensor": scale_b.numel() == 1 or sb in ((e,), (e, 1), (e, 1, 1)),
+                                    "row": sb in ((e, n), (e, 1, n)), "128x128": sb == (e, nb, kb),
+                                    "1x128": sb == (e, n, kb)}, recipe_b,
+                    lambda: {"tensor": f"({e},), ({e}, 1) or one element", "row": f"({e}, {n}) or ({e}, 1, {n})",
+                             "128x128": f"({e}, {nb}, {kb})", "1x128": f"({e}, {n}, {kb})"})
     st_a, st_b = scale_a.stride(), scale_b.stride()
     per_expert = 0 if layout == GroupLayout.CONTIGUOUS else st_a[0]
     if a == "tensor":
