@@ -41,6 +41,13 @@ def direct_launch_enabled() -> bool:
     return os.environ.get("TMAGEMM_DIRECT_LAUNCH", "1") != "0"
 
 
+def pdl_enabled() -> bool:
+    """``TMAGEMM_PDL=0`` launches every kernel without programmatic dependent launch (on by
+    default: a GEMM may start, set up and prefetch its weight into L2 while the kernel before it
+    in the stream drains; it waits for that kernel before reading anything it may have written)."""
+    return os.environ.get("TMAGEMM_PDL", "1") != "0"
+
+
 def interpret() -> bool:
     """True when Triton kernels run under the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

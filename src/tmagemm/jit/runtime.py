@@ -51,6 +51,57 @@ def current_stream(device_index: int) -> int:
     return stream_getter()(device_index)
 
 
+# cuLaunchKernelEx's configuration, laid out as cuda.h declares it (CUlaunchAttribute: a 4-byte id,
+# padding to 8, a 64-byte value union), so the hot path builds it once and calls libcuda directly.
+_ATTR_CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class _LaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+@functools.lru_cache(maxsize=1)
+def _launch_ex_fn():
+    fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    return fn
+
+
+def launch_attributes(cluster: tuple[int, int, int], pdl: bool) -> list[tuple[int, tuple[int, ...]]]:
+    """The cuLaunchKernelEx attributes of a launch: ``(id, leading words of the value)``: the
+    cluster shape when it is not 1x1x1; programmatic stream serialization (PDL) when ``pdl``, so
+    the kernel may start while the previous kernel in the stream drains (the kernel itself waits
+    with ``griddepcontrol.wait`` before touching what that kernel writes)."""
+    attributes = []
+    if tuple(cluster) != (1, 1, 1):
+        attributes.append((_ATTR_CLUSTER_DIMENSION, tuple(cluster)))
+    if pdl:
+        attributes.append((_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION, (1,)))
+    return attributes
+
+
+def _config_struct(grid, block, smem_bytes: int, attributes) -> _LaunchConfig:
+    config = _LaunchConfig()
+    config.grid[:] = grid
+    config.block[:] = block
+    config.shared_mem_bytes = smem_bytes
+    array = (_LaunchAttribute * max(len(attributes), 1))()
+    for slot, (ident, words) in zip(array, attributes):
+        slot.id = ident
+        slot.value[: len(words)] = words
+    config.attrs = ctypes.cast(array, ctypes.POINTER(_LaunchAttribute))
+    config.num_attrs = len(attributes)
+    config._keep = array  # the attribute array lives as long as the config
+    return config
+
+
 @functools.lru_cache(maxsize=1)
 def _launch_untyped():
     """cuLaunchKernel without argtypes, for :meth:`Kernel.packed` whose arguments are already
@@ -138,11 +189,13 @@ class Kernel:
         smem_bytes: int = 0,
         cluster: Sequence[int] = (1, 1, 1),
         stream: torch.cuda.Stream | int | None = None,
+        pdl: bool = False,
     ) -> None:
         """Launch on ``stream`` (default: torch's current stream of the kernel's device).
 
         args: torch tensors (device pointers), TensorMaps (by value), ctypes scalars/structures.
         Plain Python numbers are refused: the kernel's parameter width must be explicit.
+        pdl: a programmatic dependent launch (:func:`launch_attributes`).
         """
         gx, gy, gz = _dim3(grid, "grid")
         bx, by, bz = _dim3(block, "block")
@@ -180,19 +233,18 @@ class Kernel:
             handle = int(stream)
 
         cx, cy, cz = _dim3(cluster, "cluster")
-        if cx * cy * cz == 1:
+        if gx % cx or gy % cy or gz % cz:
+            raise ValueError(f"{self.name}: grid {(gx, gy, gz)} is not a multiple of cluster {(cx, cy, cz)}")
+        attributes = launch_attributes((cx, cy, cz), pdl)
+        if not attributes:
             code = _launch_fn()(self._handle, gx, gy, gz, bx, by, bz, smem_bytes, handle, pointers, None)
-            if code == 0:
-                return
-            result = _driver().CUresult(code)
         else:
-            if gx % cx or gy % cy or gz % cz:
-                raise ValueError(f"{self.name}: grid {(gx, gy, gz)} is not a multiple of cluster {(cx, cy, cz)}")
-            result = self._launch_cluster((gx, gy, gz), (bx, by, bz), (cx, cy, cz), smem_bytes, handle, pointers)
-        _check(
-            result,
-            f"launch of {self.name} grid={(gx, gy, gz)} block={(bx, by, bz)} cluster={(cx, cy, cz)} smem={smem_bytes}",
-        )
+            config = _config_struct((gx, gy, gz), (bx, by, bz), smem_bytes, attributes)
+            config.stream = handle
+            code = _launch_ex_fn()(ctypes.byref(config), self._handle, pointers, None)
+        if code:
+            _check(_driver().CUresult(code), f"launch of {self.name} grid={(gx, gy, gz)} block={(bx, by, bz)} "
+                                             f"cluster={(cx, cy, cz)} smem={smem_bytes} pdl={pdl}")
 
     def max_active_clusters(self, block: tuple[int, int, int], smem_bytes: int, cluster: tuple[int, int, int]) -> int:
         """How many clusters of this shape can be resident on the device at once
@@ -206,23 +258,27 @@ class Kernel:
         return int(count)
 
     def packed(self, grid: tuple[int, int, int], block: tuple[int, int, int], smem_bytes: int, pointers,
-               cluster: tuple[int, int, int] = (1, 1, 1)) -> Callable[[int], None]:
+               cluster: tuple[int, int, int] = (1, 1, 1), pdl: bool = False) -> Callable[[int], None]:
         """A launcher for callers that keep their own argument array (a ``ctypes`` ``void*[]``
         pointing at each parameter's bytes, updated in place between calls): call it with a
         stream handle. Shape, shared memory and the array are fixed, so the C arguments are built
-        once; a call converts only the stream (about half the cost of a typed ctypes call)."""
+        once; a call converts only the stream (about half the cost of a typed ctypes call).
+        Clusters and ``pdl`` (:func:`launch_attributes`) go through cuLaunchKernelEx, with its
+        configuration built once too."""
         self.reserve_shared_memory(smem_bytes)
-        if cluster != (1, 1, 1):
-            driver = _driver()
-            config = _launch_config(grid, block, cluster, smem_bytes, 0)
-            address = ctypes.addressof(pointers)
+        attributes = launch_attributes(cluster, pdl)
+        if attributes:
+            config = _config_struct(grid, block, smem_bytes, attributes)
+            config_ref, handle, fn_ex = ctypes.byref(config), ctypes.c_void_p(self._handle), _launch_ex_fn()
 
-            def launch_cluster(stream: int) -> None:
-                config.hStream = driver.CUstream(stream)
-                _check(driver.cuLaunchKernelEx(config, self._function, address, 0)[0],
-                       f"launch of {self.name} grid={grid} block={block} cluster={cluster} smem={smem_bytes}")
+            def launch_ex(stream: int) -> None:
+                config.stream = stream
+                code = fn_ex(config_ref, handle, pointers, None)
+                if code:
+                    _check(_driver().CUresult(code), f"launch of {self.name} grid={grid} block={block} "
+                                                     f"cluster={cluster} smem={smem_bytes} pdl={pdl}")
 
-            return launch_cluster
+            return launch_ex
         fn = _launch_untyped()
         head = (ctypes.c_void_p(self._handle),) + tuple(ctypes.c_uint(v) for v in (*grid, *block, smem_bytes))
 
@@ -233,14 +289,11 @@ class Kernel:
 
         return launch
 
-    def _launch_cluster(self, grid, block, cluster, smem_bytes, handle, pointers):
-        config = _launch_config(grid, block, cluster, smem_bytes, handle)
-        (result,) = _driver().cuLaunchKernelEx(config, self._function, ctypes.addressof(pointers), 0)
-        return result
 
 
 def _launch_config(grid, block, cluster, smem_bytes: int, stream: int):
-    """A cuLaunchKernelEx configuration with a cluster-dimension attribute."""
+    """A cuda.bindings launch configuration with a cluster-dimension attribute (occupancy
+    queries; launches use :func:`_config_struct`)."""
     driver = _driver()
     config = driver.CUlaunchConfig()
     config.gridDimX, config.gridDimY, config.gridDimZ = grid

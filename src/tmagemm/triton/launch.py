@@ -18,8 +18,13 @@ The kernel's parameter list is read from its PTX ``.entry`` and checked against 
 arguments imply (per host descriptor: the 128-byte map, the shape as i32, the strides as i64;
 per tensor a pointer; per int an i32/i64 unless Triton specialized it as the constant 1; then
 Triton's trailing scratch pointers). Anything that does not match exactly, or that needs launch
-features this path does not provide (scratch memory, clusters, PDL), makes :meth:`DirectLaunch.build`
-return the reason instead, and the caller keeps Triton's launcher: never a guess about the ABI.
+features this path does not provide (scratch memory, clusters, cooperative grids), makes
+:meth:`DirectLaunch.build` return the reason instead, and the caller keeps Triton's launcher:
+never a guess about the ABI.
+
+Programmatic dependent launch: a kernel with a ``PDL`` constexpr set by :func:`pdl` is launched
+with PDL by either path (Triton's ``launch_pdl`` option; here the launch attribute of
+``cuLaunchKernelEx``), and waits for the previous kernel itself (``common.wait_for_previous_kernel``).
 """
 
 from __future__ import annotations
@@ -38,11 +43,26 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .. import envs, tma
 from ..jit.compiler import Module
 from ..jit.runtime import stream_getter
+from .common import HAS_GDC
 
 # The per-call operand slots a kernel's parameters can be bound to, in the order a plan's launch
 # receives them: GemmArgs.operands, then the split-K workspace.
 OPERAND_NAMES = ("a", "b", "out", "scale_a", "scale_b", "bias", "partials", "counters")
 A, B, OUT, SCALE_A, SCALE_B, BIAS, PARTIALS, COUNTERS = range(len(OPERAND_NAMES))
+
+
+def pdl(out: torch.Tensor) -> bool:
+    """Whether a kernel writing ``out`` is launched with programmatic dependent launch: a CUDA
+    tensor (not the interpreter), ``TMAGEMM_PDL`` not 0, a Triton with grid dependency control.
+    A kernel's ``PDL`` constexpr takes this value, so its launch and its device code agree."""
+    return out.is_cuda and HAS_GDC and envs.pdl_enabled() and not envs.interpret()
+
+
+def prefetch_depth(block_k: int, num_stages: int) -> int:
+    """K extent of the weight a PDL launch prefetches into L2 before its wait: what its pipeline
+    loads first (num_stages K steps), as a power of two (it may be a tl.arange length)."""
+    depth = block_k * num_stages
+    return 1 << (depth.bit_length() - 1)
 
 
 @dataclass(frozen=True)
@@ -84,9 +104,14 @@ class KernelCall:
         params = [p for _, p in self._params() if not p.is_constexpr]
         return frozenset(i for i, p in enumerate(params) if p.do_not_specialize)
 
+    @property
+    def launch_options(self) -> dict[str, Any]:
+        """:attr:`options` plus ``launch_pdl`` for a kernel whose ``PDL`` constexpr is set."""
+        return {**self.options, "launch_pdl": True} if self.args.get("PDL") else dict(self.options)
+
     def launch(self) -> None:
         """Through Triton's own launcher (any device, the interpreter, graph capture)."""
-        self.fn[self.grid](**self.args, **self.options)
+        self.fn[self.grid](**self.args, **self.launch_options)
 
 
 @dataclass(frozen=True)
@@ -123,7 +148,7 @@ def direct_launch(name: str, call: KernelCall) -> "DirectLaunch | None":
     if torch.cuda.is_current_stream_capturing():  # loading a module is not a capturable call
         return None
     built = DirectLaunch.build(call.fn, call.grid, call.positional, call.operand_slots, call.unspecialized,
-                               **call.constexprs, **call.options)
+                               **call.constexprs, **call.launch_options)
     if isinstance(built, str):
         warnings.warn(f"{name}: using Triton's launcher ({built})", RuntimeWarning, stacklevel=3)
         return None
@@ -145,12 +170,15 @@ _TL_NAMES = {
 def aot_spec(call: KernelCall, name: str):
     """The :class:`~tmagemm.inspection.KernelSpec` Triton's launcher would compile for ``call``
     (specialization as at run time: 16-byte aligned pointers and ints divisible by 16 carry the
-    divisibility hint; None arguments and ints equal to 1 become constants)."""
+    divisibility hint; None arguments and ints equal to 1 become constants). A ``PDL`` constexpr
+    is set as on a GPU (``TMAGEMM_PDL``), whatever device the example tensors are on."""
     from ..inspection import KernelSpec
 
     signature, constants, attrs = {}, {}, {}
     for param in kernel_params(call.fn):
         value = call.args[param.name]
+        if param.name == "PDL":
+            value = HAS_GDC and envs.pdl_enabled()
         if param.is_constexpr or value is None:
             signature[param.name] = "constexpr"
             constants[param.name] = value
@@ -244,8 +272,8 @@ def _launch_reason(metadata) -> str | None:
     """Launch features Triton's launcher would provide and this path does not."""
     if metadata.get("num_ctas", 1) != 1:
         return "the kernel launches clusters"
-    if metadata.get("launch_cooperative_grid") or metadata.get("launch_pdl"):
-        return "the kernel needs a cooperative or programmatic-dependent launch"
+    if metadata.get("launch_cooperative_grid"):
+        return "the kernel needs a cooperative launch"
     if metadata.get("global_scratch_size") or metadata.get("profile_scratch_size"):
         return "the kernel needs global scratch memory (device-built tensor maps)"
     return None
@@ -346,7 +374,7 @@ class DirectLaunch:
     built on; the caller makes that device current (:meth:`tmagemm.plan.Plan.run` does).
     """
 
-    def __init__(self, kernel, grid, block, smem, slots, n_params, fixed, device_index):
+    def __init__(self, kernel, grid, block, smem, slots, n_params, fixed, device_index, pdl: bool = False):
         self._holders = [ctypes.c_uint64(0) for _ in range(n_params)]
         self._pointers = (ctypes.c_void_p * max(n_params, 1))()
         for i, holder in enumerate(self._holders):
@@ -356,7 +384,8 @@ class DirectLaunch:
         # Per call: pointer params get the operand's address, map params point at its map.
         self._pointer_slots = [(operand, self._holders[index]) for operand, index, maps in slots if maps is None]
         self._map_slots = [(operand, index, maps) for operand, index, maps in slots if maps is not None]
-        self._launch = kernel.packed(grid, block, smem, self._pointers)
+        self._launch = kernel.packed(grid, block, smem, self._pointers, pdl=pdl)
+        self.pdl = pdl
         self.device_index = device_index
         self._stream = stream_getter()
         self._lock = threading.Lock()
@@ -385,7 +414,8 @@ class DirectLaunch:
         block = (32 * int(metadata["num_warps"]), 1, 1)
         grid3 = tuple(grid) + (1,) * (3 - len(grid))
         # Trailing scratch pointers stay 0: parameter_plan refused kernels that use scratch.
-        return cls(kernel, grid3, block, smem, slots, n_params, fixed, device_index)
+        return cls(kernel, grid3, block, smem, slots, n_params, fixed, device_index,
+                   pdl=bool(metadata.get("launch_pdl")))
 
     def __call__(self, *operands: torch.Tensor | None) -> None:
         with self._lock:  # the holders and retargeted maps are shared by every call of the plan

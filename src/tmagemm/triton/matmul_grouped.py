@@ -45,8 +45,8 @@ from .. import device, tma
 from ..configs import TritonGemmConfig
 from ..grouped import GroupedArgs, GroupLayout, GroupScaling
 from ..plan import Plan
-from .common import block_scaled_add, grouped_tile, mma
-from .launch import A, B, BIAS, OUT, PARTIALS, SCALE_A, SCALE_B, KernelCall, aot_spec as _aot_spec, direct_launch
+from .common import block_scaled_add, grouped_tile, mma, wait_for_previous_kernel
+from .launch import A, B, BIAS, OUT, PARTIALS, SCALE_A, SCALE_B, KernelCall, aot_spec as _aot_spec, direct_launch, pdl
 
 NAME = "triton.grouped"
 SCALE_BLOCK = 128  # the block-scaled recipe's k-block and weight-block edge
@@ -123,12 +123,15 @@ def grouped_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_SMS: tl.constexpr, E_BLOCK: tl.constexpr, LAYOUT: tl.constexpr, B_K_MAJOR: tl.constexpr,
     SCALING: tl.constexpr, B_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, FAST_ACCUM: tl.constexpr,
-    HAS_K: tl.constexpr,
+    HAS_K: tl.constexpr, PDL: tl.constexpr,
 ):
     # ---- static checks
     tl.static_assert(SCALING != 2 or BLOCK_K == 128, "block-scaled: BLOCK_K must be the 128-deep scale block")
     tl.static_assert(SCALING != 2 or B_PER_CHANNEL or (128 % BLOCK_N == 0) or (BLOCK_N % 128 == 0),
                      "128x128 weight scales: tiles must not straddle a 128-column block")
+
+    # PDL: the counts (and the activation) typically come from the kernel before: wait for it.
+    wait_for_previous_kernel(PDL)
 
     # ---- scheduler: the group table, once per program (one vector load of the counts)
     idx, starts, ends = group_rows(counts_ptr, E, M, E_BLOCK, LAYOUT)
@@ -307,7 +310,7 @@ def kernel_call(args: GroupedArgs, config: TritonGemmConfig, num_sms: int | None
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         NUM_SMS=num_sms, E_BLOCK=triton.next_power_of_2(max(args.e, 1)), LAYOUT=int(args.layout),
         B_K_MAJOR=args.b_k_major, SCALING=int(scaling), B_PER_CHANNEL=args.b_per_channel,
-        HAS_BIAS=bias is not None, FAST_ACCUM=args.fast_accum, HAS_K=has_k,
+        HAS_BIAS=bias is not None, FAST_ACCUM=args.fast_accum, HAS_K=has_k, PDL=pdl(out),
     )
     return KernelCall(grouped_gemm_kernel, grid, values,
                       dict(num_warps=config.num_warps, num_stages=config.num_stages), _OPERANDS)

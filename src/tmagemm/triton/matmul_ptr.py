@@ -14,9 +14,9 @@ import triton.language as tl
 from .. import tuning
 from ..configs import TritonGemmConfig
 from ..plan import GemmArgs, Plan, Scaling, Variant
-from .common import grouped_tile, mma, scale_bias_epilogue
+from .common import grouped_tile, mma, scale_bias_epilogue, wait_for_previous_kernel
 from .host import example_args
-from .launch import A, B, BIAS, OUT, SCALE_A, SCALE_B, KernelCall, aot_spec as _aot_spec
+from .launch import A, B, BIAS, OUT, SCALE_A, SCALE_B, KernelCall, aot_spec as _aot_spec, pdl
 
 
 # M changes with every batch: not specialising on it keeps one binary per config, so a new M
@@ -28,7 +28,10 @@ def ptr_gemm_kernel(
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCALE_A: tl.constexpr, SCALE_B: tl.constexpr, HAS_BIAS: tl.constexpr, FAST_ACCUM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    # PDL: nothing is prefetched (rows of any stride); every read comes after the previous kernel.
+    wait_for_previous_kernel(PDL)
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -84,7 +87,7 @@ def kernel_call(args: GemmArgs, config: TritonGemmConfig) -> KernelCall:
         stride_cm=out.stride(0), stride_cn=out.stride(1),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         SCALE_A=int(Scaling.of(args.scale_a)), SCALE_B=int(Scaling.of(args.scale_b)), HAS_BIAS=args.bias is not None,
-        FAST_ACCUM=args.fast_accum,
+        FAST_ACCUM=args.fast_accum, PDL=pdl(out),
     )
     return KernelCall(ptr_gemm_kernel, grid, values, dict(num_warps=config.num_warps, num_stages=config.num_stages),
                       _OPERANDS)

@@ -22,6 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import wait_for_previous_kernel
+from .launch import pdl
+
 SCALE_BLOCK = 128  # the recipe's group width along K (and height along N for weights)
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _IN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -56,17 +59,49 @@ def _round_to_fp8_grid(q, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
 
 
 @triton.jit
+def quantize_row_groups(x, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
+                        F32_TINY: tl.constexpr, POW2: tl.constexpr):
+    """Quantize an fp32 tile whose rows are each one whole 1x128 group: returns ``(q, scale)``, q
+    fp32 on the fp8 grid (the cast to fp8 that follows is exact) and one dequantization scale
+    per row. The arithmetic of :func:`quantize_1x128`, bit for bit (a test holds it to that):
+    NaN counts as +Inf in the amax (a hardware max would drop it), scale = max(div_rn(amax,
+    FP8_MAX), F32_TINY), with POW2 rounded up to a power of two, and q = div_rn(x, scale) clamped
+    to +-FP8_MAX and rounded to nearest even on the grid. For kernels that produce an activation
+    and quantize it in their epilogue (``triton/gate_up.py``); a row of zeros gets the smallest
+    normal scale and zeros, rows that are padding should be masked at the store."""
+    mag = tl.where(x == x, tl.abs(x), float("inf"))
+    scale = tl.maximum(tl.math.div_rn(tl.max(mag, axis=1), FP8_MAX), F32_TINY)
+    if POW2:
+        bits = scale.to(tl.int32, bitcast=True)
+        bits = tl.where(bits < 0x7F800000, (bits + 0x7FFFFF) & 0x7F800000, bits)
+        scale = bits.to(tl.float32, bitcast=True)
+    q = tl.math.div_rn(x, scale[:, None])
+    q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+    return _round_to_fp8_grid(q, MANT_BITS, MIN_EXP), scale
+
+
+def fp8_grid(dtype: torch.dtype = torch.float8_e4m3fn) -> dict:
+    """The constexprs :func:`quantize_row_groups` (and the quantizer kernel) take for ``dtype``."""
+    return dict(FP8_MAX=float(torch.finfo(dtype).max), MANT_BITS=_FP8_GRID[dtype][0], MIN_EXP=_FP8_GRID[dtype][1],
+                F32_TINY=_F32_TINY)
+
+
+@triton.jit
 def _block_quantize_kernel(
     x_ptr, q_ptr, s_ptr,
     R, K, stride_x, stride_q, stride_s,
     FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, F32_TINY: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PER_ROW: tl.constexpr, POW2: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PER_ROW: tl.constexpr, POW2: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: BLOCK_R rows x one BLOCK_K-wide column group of x.
 
     PER_ROW: one scale per row of the tile (1x128 groups, s[r, kb]); otherwise one scale for the
     whole tile (BLOCK_R = 128: a 128x128 block, s[rb, kb]).
     """
+    # PDL: x typically comes from the kernel before; the GEMM after may start prefetching its
+    # weight as soon as every program of this one is past here.
+    wait_for_previous_kernel(PDL)
+
     # ---- load the tile once (ragged rows / columns masked to 0, which never raises an amax)
     pid_r = tl.program_id(0)
     kb = tl.program_id(1)
@@ -140,14 +175,15 @@ def _quantize(x, dtype, pow2_scale, per_row: bool, fn: str, name: str, check_fin
     if rows == 0 or k == 0:
         return q, scale
     grid = (triton.cdiv(rows, block_r), kb)
+    use_pdl = pdl(q)
     _block_quantize_kernel[grid](
         x, q, scale, rows, k, x.stride(0), q.stride(0), scale.stride(0),
         FP8_MAX=float(torch.finfo(dtype).max), MANT_BITS=_FP8_GRID[dtype][0], MIN_EXP=_FP8_GRID[dtype][1],
         F32_TINY=_F32_TINY,
-        BLOCK_R=block_r, BLOCK_K=SCALE_BLOCK, PER_ROW=per_row, POW2=bool(pow2_scale),
+        BLOCK_R=block_r, BLOCK_K=SCALE_BLOCK, PER_ROW=per_row, POW2=bool(pow2_scale), PDL=use_pdl,
         # 4 warps hold a 16x128 tile in 16 fp32 registers per thread; the 128x128 weight tile
         # is spread over 16 warps (32 per thread: 1.35-1.47 TB/s against 1.1-1.2 with 8).
-        num_warps=4 if per_row else 16,
+        num_warps=4 if per_row else 16, **({"launch_pdl": True} if use_pdl else {}),
     )
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     if check_finite and not capturing and not bool(torch.isfinite(scale).all()):
