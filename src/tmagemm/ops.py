@@ -1,4 +1,5 @@
-"""The GEMMs as torch ops (``torch.ops.tmagemm.*``) with fake implementations.
+"""The GEMMs (and the fused gate/up projection) as torch ops (``torch.ops.tmagemm.*``) with fake
+implementations.
 
 torch.compile traces these as opaque ops (``fullgraph=True`` works), using the fake
 implementations for shapes. The public functions in ``api.py`` call them while compiling and
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import api
+from . import api, gate_up
 from .plan import call_key
 
 
@@ -86,6 +87,29 @@ def matmul_out_op(a: torch.Tensor, b: torch.Tensor, backend: str, out: torch.Ten
 
 @matmul_out_op.register_fake
 def _(a, b, backend, out):
+    return None
+
+
+@torch.library.custom_op("tmagemm::gate_up_silu_quant", mutates_args=())
+def gate_up_silu_quant_op(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,
+                          pow2_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    return gate_up.gate_up_silu_quant(xq, sx, w, sw, pow2_scale=pow2_scale)
+
+
+@gate_up_silu_quant_op.register_fake
+def _(xq, sx, w, sw, pow2_scale=False):
+    m, i = xq.shape[0], w.shape[0] // 2
+    return xq.new_empty((m, i)), xq.new_empty((m, i // gate_up.GROUP), dtype=torch.float32)
+
+
+@torch.library.custom_op("tmagemm::gate_up_silu_quant_out", mutates_args=("hq", "hs"))
+def gate_up_silu_quant_out_op(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,
+                              pow2_scale: bool, hq: torch.Tensor, hs: torch.Tensor) -> None:
+    gate_up.gate_up_silu_quant(xq, sx, w, sw, pow2_scale=pow2_scale, out=(hq, hs))
+
+
+@gate_up_silu_quant_out_op.register_fake
+def _(xq, sx, w, sw, pow2_scale, hq, hs):
     return None
 
 
