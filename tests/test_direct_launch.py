@@ -59,9 +59,8 @@ def test_kernel_call_derives_positions_from_the_kernel():
     call = _call()
     names = [p.name for p in kernel_params(matmul_tma.tma_gemm_kernel) if not p.is_constexpr]
     assert [names[i] for i in sorted(call.operand_slots)] == [
-        "a_desc", "b_desc", "b_ptr", "c_desc", "c_ptr", "scale_a_ptr", "scale_b_ptr", "bias_ptr"]
-    # b_desc and b_ptr (the PDL prefetch's address) both take b, c_desc and c_ptr both take out.
-    assert sorted(call.operand_slots.values()) == [0, 1, 1, 2, 2, 3, 4, 5]
+        "a_desc", "b_desc", "c_desc", "c_ptr", "scale_a_ptr", "scale_b_ptr", "bias_ptr"]
+    assert sorted(call.operand_slots.values()) == [0, 1, 2, 2, 3, 4, 5]  # c_desc and c_ptr both take out
     assert len(call.positional) == len(names)
 
 
@@ -69,8 +68,8 @@ def test_expected_params_expand_descriptors_and_drop_constant_one():
     call = _call()
     args, slots = call.positional, call.operand_slots
     expanded = [MAP, B32, B32, B64, B64]
-    ints = [a for a in args[8:] if a != 1]
-    assert expected_params(args, slots) == expanded * 2 + [B64] + expanded + [B64] * 3 + [B32] * len(ints)
+    ints = [a for a in args[7:] if a != 1]
+    assert expected_params(args, slots) == expanded * 3 + [B64] * 3 + [B32] * len(ints)
     # Triton turns an int equal to 1 into a constant; an int past 2^31 is passed as 64 bits.
     assert expected_params(args[:-1] + (2**33,), slots)[-1] == B64
     assert "float" in expected_params(args[:-1] + (0.5,), slots)
@@ -83,14 +82,14 @@ def test_parameter_plan_matches_the_compiled_tma_kernel(tma_fp8):
     name, n_params, slots, fixed = plan
     assert name == "tma_gemm_kernel"
     assert n_params == len(entry_params(tma_fp8.ptx)[1])
-    # a, b (map), b (pointer), out (map), out (pointer), the two scales; bias is None (a constexpr).
-    assert [operand for operand, _, _ in slots] == [0, 1, 1, 2, 2, 3, 4]
-    assert [maps is not None for _, _, maps in slots] == [True, True, False, True, False, False, False]
+    # a, b, out (map), out (pointer), the two scales; bias is None (a constexpr).
+    assert [operand for operand, _, _ in slots] == [0, 1, 2, 2, 3, 4]
+    assert [maps is not None for _, _, maps in slots] == [True, True, True, False, False, False]
     # Each map is followed by its shape (i32) and strides (i64), fixed by the plan.
     values = dict(fixed)
     assert [values[i] for i in (1, 2, 3, 4)] == [M, K, K, 1]
     # The layouts are Triton's: 128-byte swizzle, boxes clamped to the 128-byte swizzle span.
-    a_map, b_map, c_map = (maps.params for _, _, maps in slots if maps is not None)
+    a_map, b_map, c_map = (maps.params for _, _, maps in slots[:3])
     assert (a_map.global_dims, a_map.global_strides, a_map.box_dims, a_map.swizzle) == ((K, M), (K,), (128, 128), "128B")
     assert (b_map.global_dims, b_map.box_dims) == ((K, N), (128, 256))
     assert (c_map.global_dims, c_map.global_strides, c_map.box_dims, c_map.dtype) == ((N, M), (2 * N,), (64, 128), "bfloat16")

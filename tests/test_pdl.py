@@ -2,15 +2,14 @@
 
 CPU: the launch configuration cuLaunchKernelEx receives (layout of the ctypes structures, the
 attributes), when a launch asks for PDL, and the compiled kernels: each Triton GEMM family and
-the quantizer wait on the previous grid (``griddepcontrol.wait``) before their first TMA load,
-let dependents launch, and the TMA families prefetch their first weight steps into L2 before the
-wait; with ``TMAGEMM_PDL=0`` none of it is compiled in.
+the quantizer wait on the previous grid (``griddepcontrol.wait``) before their first load and
+let dependents launch after it; with ``TMAGEMM_PDL=0`` none of it is compiled in.
 
 GPU: chains where every GEMM (and quantizer) consumes the previous kernel's output, eagerly and
 replayed from a CUDA graph with new inputs, with PDL on and off; each step is checked against
 float64 of the buffers it read, so a step that ran ahead of its producer fails. Hazards: a GEMM
-whose weight is the previous GEMM's output (the prefetch before the wait must not leave stale
-data), and a GEMM writing the buffer the previous GEMM reads.
+whose weight is the previous GEMM's output, and a GEMM writing the buffer the previous GEMM
+reads.
 """
 
 from __future__ import annotations
@@ -73,11 +72,6 @@ def test_launch_options_follow_the_kernels_pdl_flag():
     assert launch.KernelCall(matmul_tma.tma_gemm_kernel, (1,), {"PDL": False}, base).launch_options == base
 
 
-@pytest.mark.parametrize("block_k, stages, depth", [(64, 3, 128), (128, 4, 512), (256, 6, 1024), (128, 1, 128)])
-def test_prefetch_depth_is_a_power_of_two(block_k, stages, depth):
-    assert launch.prefetch_depth(block_k, stages) == depth
-
-
 def _splitk_spec(dtype, k_major):
     from tmagemm.plan import GemmArgs
 
@@ -92,51 +86,43 @@ def _splitk_spec(dtype, k_major):
     return launch.aot_spec(matmul_splitk.kernel_call(args, config, ws), "triton.splitk")
 
 
+def _quantizer_spec():
+    from tmagemm.triton import quantize
+
+    constexprs = {**quantize.fp8_grid(), "BLOCK_R": 16, "BLOCK_K": 128, "PER_ROW": True, "POW2": False, "PDL": True}
+    signature = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "R": "i32", "K": "i32", "stride_x": "i32",
+                 "stride_q": "i32", "stride_s": "i32", **{c: "constexpr" for c in constexprs}}
+    return inspection.KernelSpec(quantize._block_quantize_kernel, signature, constexprs, 4, 3, "quantize_1x128")
+
+
 def _specs():
-    """(name, KernelSpec factory, prefetches the weight) per Triton GEMM family and the quantizer."""
-    out = [(name, lambda name=name: inspection.triton_spec(name, "fp8"), name != "triton.ptr")
+    """(name, KernelSpec factory) per Triton GEMM family and the quantizer."""
+    out = [(name, lambda name=name: inspection.triton_spec(name, "fp8"))
            for name in ("triton.tma", "triton.tma_device", "triton.persistent", "triton.blockscaled", "triton.ptr")]
-    out += [("triton.splitk fp8", lambda: _splitk_spec(FP8, True), True),
-            ("triton.splitk bf16 n-major", lambda: _splitk_spec(torch.bfloat16, False), True),
-            ("triton.grouped", matmul_grouped.aot_spec, False)]
-    return out
+    return out + [("triton.splitk fp8", lambda: _splitk_spec(FP8, True)),
+                  ("triton.splitk bf16 n-major", lambda: _splitk_spec(torch.bfloat16, False)),
+                  ("triton.grouped", matmul_grouped.aot_spec), ("quantize_1x128", _quantizer_spec)]
+
+
+_LOADS = ("cp.async.bulk.tensor", "ld.global", "cp.async.ca", "cp.async.cg")
 
 
 @pytest.mark.skipif(not HAS_GDC, reason="this Triton has no grid dependency control")
-@pytest.mark.parametrize("name, spec, prefetches", _specs(), ids=[s[0] for s in _specs()])
-def test_compiled_kernels_wait_before_their_loads(name, spec, prefetches, monkeypatch):
+@pytest.mark.parametrize("name, spec", _specs(), ids=[s[0] for s in _specs()])
+def test_compiled_kernels_wait_before_any_load(name, spec, monkeypatch):
+    """One wait, ahead of every load in program order; the trigger for dependents after the
+    first load (once the main loop is done); with TMAGEMM_PDL=0 neither is compiled in."""
     monkeypatch.delenv("TMAGEMM_PDL", raising=False)
     ptx = inspection.compile_triton(spec()).ptx
     body = ptx[ptx.index(".entry"):]
     assert body.count("griddepcontrol.wait") == 1, name
-    assert "griddepcontrol.launch_dependents" in body, name
     wait = body.index("griddepcontrol.wait")
-    assert body.index("griddepcontrol.launch_dependents") > wait
-    for load in ("cp.async.bulk.tensor", "ld.global", "cp.async.ca", "cp.async.cg"):
-        if load in body:  # every read of an operand comes after the wait
-            assert body.index(load) > wait, f"{name}: {load} before griddepcontrol.wait"
-    if prefetches:
-        assert 0 <= body.index("cp.async.bulk.prefetch.L2.global") < wait, name
-    else:
-        assert "cp.async.bulk.prefetch" not in body, name
-    monkeypatch.setenv("TMAGEMM_PDL", "0")
-    assert "griddepcontrol" not in inspection.compile_triton(spec()).ptx
-
-
-@pytest.mark.skipif(not HAS_GDC, reason="this Triton has no grid dependency control")
-def test_quantizer_waits_first():
-    from tmagemm.triton import quantize
-
-    spec = inspection.KernelSpec(
-        quantize._block_quantize_kernel,
-        {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "R": "i32", "K": "i32", "stride_x": "i32",
-         "stride_q": "i32", "stride_s": "i32", **{c: "constexpr" for c in (
-             "FP8_MAX", "MANT_BITS", "MIN_EXP", "F32_TINY", "BLOCK_R", "BLOCK_K", "PER_ROW", "POW2", "PDL")}},
-        {"FP8_MAX": 448.0, "MANT_BITS": 3, "MIN_EXP": -6, "F32_TINY": 1.1754943508222875e-38, "BLOCK_R": 16,
-         "BLOCK_K": 128, "PER_ROW": True, "POW2": False, "PDL": True}, 4, 3, "quantize_1x128")
-    ptx = inspection.compile_triton(spec).ptx
-    body = ptx[ptx.index(".entry"):]
-    assert re.search(r"griddepcontrol\.wait", body) and body.index("griddepcontrol.wait") < body.index("ld.global")
+    loads = [body.index(load) for load in _LOADS if load in body]
+    assert loads and min(loads) > wait, f"{name}: a load before griddepcontrol.wait"
+    assert body.index("griddepcontrol.launch_dependents") > min(loads), name
+    if name != "quantize_1x128":  # (its spec sets PDL itself; the launch takes launch.pdl)
+        monkeypatch.setenv("TMAGEMM_PDL", "0")
+        assert "griddepcontrol" not in inspection.compile_triton(spec()).ptx
 
 
 # ----------------------------------------------------------------------------------------------
@@ -228,8 +214,7 @@ def test_chain_eager_and_graph(kind, m, pdl_mode):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [16, 256])
 def test_weight_made_by_the_previous_kernel(m, pdl_mode):
-    """The weight's L2 prefetch runs before the wait: the values must still be the new ones
-    (L2 is the point of coherence), for an N-major and a K-major weight."""
+    """A weight written by the kernel just before (an N-major and a K-major one) is read fresh."""
     p = torch.randn(1024, 64, device=DEV, dtype=torch.bfloat16)
     q = torch.randn(64, 2048, device=DEV, dtype=torch.bfloat16)
     x = torch.randn(m, 1024, device=DEV, dtype=torch.bfloat16)

@@ -23,46 +23,24 @@ except ImportError:  # older Triton: kernels are launched without PDL (launch.pd
 
 
 @triton.jit
-def prefetch_rows_l2(base, row0, rows, stride, col0, cols, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """Ask L2 for a ROWS x COLS box of a row-major matrix (rows x cols, row ``stride`` in
-    elements), clipped to the matrix: one bulk prefetch per row, no registers, no shared memory.
-    The box's rows must start 16-byte aligned (TMA operands do); a row's byte count is rounded
-    down to 16, so the hint never reaches past the row."""
-    r = tl.minimum(row0 + tl.arange(0, ROWS), rows - 1)
-    nbytes = (tl.minimum(cols - col0, COLS) * (base.dtype.element_ty.primitive_bitwidth // 8)) // 16 * 16
-    if nbytes > 0:
-        ptrs = base + r.to(tl.int64) * stride + col0
-        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; // $0", "=r,l,r",
-                                  [ptrs, tl.full([ROWS], nbytes, tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def wait_for_previous_kernel(PDL: tl.constexpr):
-    """Programmatic dependent launch (the kernel was launched with PDL): block until the kernel
-    before this one in the stream has finished and its writes are visible, then let the next
-    kernel launch (it waits the same way before reading anything this one writes). Every program
-    calls this before its first read of an input and its first write of anything, and before it
-    can return, so a kernel never finishes ahead of the one it follows."""
+    """Programmatic dependent launch (the kernel was launched with PDL, so it may start while
+    the kernel before it in the stream still runs): block until that kernel has finished and its
+    writes are visible. Every program calls this after its setup and before its first read of an
+    input or write of anything, and before it can return, so a kernel never finishes ahead of
+    the one it follows."""
     if PDL:
         gdc_wait()
-        gdc_launch_dependents()
 
 
 @triton.jit
-def prefetch_weight_then_wait(b_ptr, off_n, k0, N, K, lead_b, B_ROW_MAJOR: tl.constexpr, BLOCK_N: tl.constexpr,
-                              PREFETCH_K: tl.constexpr, PDL: tl.constexpr):
-    """With PDL: start this program's first PREFETCH_K x BLOCK_N box of the weight B (K, N) on its
-    way into L2 while the previous kernel still runs, then :func:`wait_for_previous_kernel`.
-    Only a hint is issued before the wait: L2 is the GPU's point of coherence, so even a B that
-    the previous kernel writes is read correctly (the TMA loads come after the wait).
-    B_ROW_MAJOR: B's rows are K (lead_b between them); else B is the K-major w.t() of an (N, K)
-    weight, rows of w N. PREFETCH_K = 0: no prefetch (rows not 16-byte aligned)."""
-    if PDL and PREFETCH_K > 0:
-        if B_ROW_MAJOR:
-            prefetch_rows_l2(b_ptr, k0, K, lead_b, off_n, N, PREFETCH_K, BLOCK_N)
-        else:
-            prefetch_rows_l2(b_ptr, off_n, N, lead_b, k0, K, BLOCK_N, PREFETCH_K)
-    wait_for_previous_kernel(PDL)
+def let_next_kernel_launch(PDL: tl.constexpr):
+    """Let the next kernel in the stream launch (it does its setup, then waits for this one as
+    above). Called once a program's main loop is done: dependents launched any earlier sit on
+    SM resources while this kernel still streams its operands, which measured slower on an H100
+    (decode layer stacks: -1.5% fp8, -4% bf16; at the end of the main loop: +2.7% / +1%)."""
+    if PDL:
+        gdc_launch_dependents()
 
 
 @triton.jit

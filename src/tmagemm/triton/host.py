@@ -18,7 +18,7 @@ from ..plan import GemmArgs, Plan, Scaling
 from .launch import A, B, BIAS, OUT, SCALE_A, SCALE_B, direct_launch
 
 # Every TMA GEMM kernel takes its per-call operands under these parameter names.
-GEMM_OPERANDS = {"a_desc": A, "b_desc": B, "b_ptr": B, "c_desc": OUT, "c_ptr": OUT, "scale_a_ptr": SCALE_A,
+GEMM_OPERANDS = {"a_desc": A, "b_desc": B, "c_desc": OUT, "c_ptr": OUT, "scale_a_ptr": SCALE_A,
                  "scale_b_ptr": SCALE_B, "bias_ptr": BIAS}
 
 

@@ -58,13 +58,6 @@ def pdl(out: torch.Tensor) -> bool:
     return out.is_cuda and HAS_GDC and envs.pdl_enabled() and not envs.interpret()
 
 
-def prefetch_depth(block_k: int, num_stages: int) -> int:
-    """K extent of the weight a PDL launch prefetches into L2 before its wait: what its pipeline
-    loads first (num_stages K steps), as a power of two (it may be a tl.arange length)."""
-    depth = block_k * num_stages
-    return 1 << (depth.bit_length() - 1)
-
-
 @dataclass(frozen=True)
 class KernelCall:
     """One launch of a ``@triton.jit`` kernel.

@@ -26,9 +26,9 @@ import triton.language as tl
 from .. import device, tma, tuning
 from ..configs import TritonGemmConfig
 from ..plan import GemmArgs, Plan, Scaling, Variant
-from .common import block_scaled_add, grouped_tile, prefetch_weight_then_wait
+from .common import block_scaled_add, grouped_tile, let_next_kernel_launch, wait_for_previous_kernel
 from .host import GEMM_OPERANDS, descriptor
-from .launch import KernelCall, aot_spec as _aot_spec, direct_launch, pdl, prefetch_depth
+from .launch import KernelCall, aot_spec as _aot_spec, direct_launch, pdl
 from .matmul_tma import store_tile
 
 NAME = "triton.blockscaled"
@@ -41,11 +41,11 @@ _FP8 = torch.float8_e4m3fn
 # k-stride of an outer-dim-major scale_a, which equals M.
 @triton.jit(do_not_specialize=["M", "stride_sak"])
 def blockscaled_gemm_kernel(
-    a_desc, b_desc, b_ptr, c_desc, c_ptr, scale_a_ptr, scale_b_ptr, bias_ptr,
+    a_desc, b_desc, c_desc, c_ptr, scale_a_ptr, scale_b_ptr, bias_ptr,
     M, N, K, stride_cm, stride_cn, stride_sam, stride_sak, stride_sbn, stride_sbk, stride_am, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     B_PER_CHANNEL: tl.constexpr, TMA_STORE: tl.constexpr, HAS_BIAS: tl.constexpr, OPERAND_TMA: tl.constexpr,
-    PREFETCH_K: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # ---- static checks: one k-step is exactly one scale block
     tl.static_assert(BLOCK_K == 128, "block-scaled GEMM: BLOCK_K must be the 128-deep scale block")
@@ -58,8 +58,7 @@ def blockscaled_gemm_kernel(
     off_n = pid_n * BLOCK_N
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
-    # PDL: the weight's first k-blocks head for L2 while the previous kernel drains.
-    prefetch_weight_then_wait(b_ptr, off_n, 0, N, K, stride_bn, False, BLOCK_N, PREFETCH_K, PDL)
+    wait_for_previous_kernel(PDL)  # PDL: all reads and writes come after the previous kernel
 
     # ---- scale pointers. Rows past M / columns past N read 1.0, not 0: their products are zero
     # (TMA zero-fill) and never stored, but 0 * (an inf from garbage) would be NaN in registers.
@@ -92,6 +91,7 @@ def blockscaled_gemm_kernel(
         partial = tl.dot(a, b)  # no accumulator in: the block's sum starts from zero
         acc = block_scaled_add(acc, partial, sa_ptrs, sb_ptrs, stride_sak, stride_sbk, kb, sa_mask, sb_mask,
                                B_PER_CHANNEL, BLOCK_N, False)
+    let_next_kernel_launch(PDL)
 
     # ---- epilogue: bias in fp32, then one rounding to the output dtype
     if HAS_BIAS:
@@ -262,9 +262,7 @@ def kernel_call(args: GemmArgs, config: TritonGemmConfig, layout: Layout) -> Ker
         stride_am=tma.leading_stride(args.a, True), stride_bn=tma.leading_stride(args.b, False),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
         B_PER_CHANNEL=layout.b_per_channel, TMA_STORE=layout.tma_store, HAS_BIAS=layout.has_bias,
-        OPERAND_TMA=layout.operand_tma, b_ptr=args.b,
-        # Pointer-loaded operands have rows off 16 bytes, which a bulk prefetch cannot start at.
-        PREFETCH_K=prefetch_depth(bk, config.num_stages) if layout.operand_tma else 0, PDL=pdl(args.out),
+        OPERAND_TMA=layout.operand_tma, PDL=pdl(args.out),
     )
     return KernelCall(blockscaled_gemm_kernel, grid, values,
                       dict(num_warps=config.num_warps, num_stages=config.num_stages), GEMM_OPERANDS)

@@ -45,7 +45,7 @@ from .. import device, tma
 from ..configs import TritonGemmConfig
 from ..grouped import GroupedArgs, GroupLayout, GroupScaling
 from ..plan import Plan
-from .common import block_scaled_add, grouped_tile, mma, wait_for_previous_kernel
+from .common import block_scaled_add, grouped_tile, let_next_kernel_launch, mma, wait_for_previous_kernel
 from .launch import A, B, BIAS, OUT, PARTIALS, SCALE_A, SCALE_B, KernelCall, aot_spec as _aot_spec, direct_launch, pdl
 
 NAME = "triton.grouped"
@@ -187,6 +187,9 @@ def grouped_gemm_kernel(
                     sa = tl.load(scale_a_ptr + g64 * stride_sae + offs_m * stride_sam, mask=row_ok, other=0.0)
                     sb = tl.load(scale_b_ptr + g64 * stride_sbe + offs_n * stride_sbn, mask=col_ok, other=0.0)
                     acc = acc * sa[:, None] * sb[None, :]
+
+        if tile_id + NUM_SMS >= total:  # PDL: this program's last main loop is done
+            let_next_kernel_launch(PDL)
 
         # ---- epilogue: bias in fp32, one rounding, stores clipped to this group's rows
         if HAS_BIAS:

@@ -17,12 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import device, tma
+from .. import device
 from ..configs import TritonGemmConfig
 from ..plan import GemmArgs, Variant
-from .common import grouped_tile, mma, prefetch_weight_then_wait, scale_bias_epilogue
+from .common import grouped_tile, let_next_kernel_launch, mma, scale_bias_epilogue, wait_for_previous_kernel
 from .host import GEMM_OPERANDS, Layout, example_args, operand_descriptors, tma_builder, tma_layout, tma_supports
-from .launch import KernelCall, aot_spec as _aot_spec, pdl, prefetch_depth
+from .launch import KernelCall, aot_spec as _aot_spec, pdl
 from .matmul_tma import load_a_tile, load_b_tile, store_tile
 
 
@@ -40,20 +40,18 @@ def _epilogue(acc, c_desc, c_ptr, off_m, off_n, M, N, stride_cm, stride_cn, scal
 # never compiles (the masks and TMA bounds take M at run time).
 @triton.jit(do_not_specialize=["M"])
 def persistent_gemm_kernel(
-    a_desc, b_desc, b_ptr, c_desc, c_ptr, scale_a_ptr, scale_b_ptr, bias_ptr,
-    M, N, K, stride_cm, stride_cn, lead_b,
+    a_desc, b_desc, c_desc, c_ptr, scale_a_ptr, scale_b_ptr, bias_ptr,
+    M, N, K, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_SMS: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr,
     A_ROW_MAJOR: tl.constexpr, B_ROW_MAJOR: tl.constexpr, TMA_STORE: tl.constexpr,
     SCALE_A: tl.constexpr, SCALE_B: tl.constexpr, HAS_BIAS: tl.constexpr, FAST_ACCUM: tl.constexpr,
-    PREFETCH_K: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    # PDL: the first tile's weight steps head for L2 while the previous kernel drains.
-    _, first_n = grouped_tile(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
-    prefetch_weight_then_wait(b_ptr, first_n * BLOCK_N, 0, N, K, lead_b, B_ROW_MAJOR, BLOCK_N, PREFETCH_K, PDL)
+    wait_for_previous_kernel(PDL)  # PDL: all reads and writes come after the previous kernel
 
     # Static round-robin scheduler: program p takes tiles p, p + NUM_SMS, ...
     for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS):
@@ -66,6 +64,8 @@ def persistent_gemm_kernel(
             a = load_a_tile(a_desc, off_m, k * BLOCK_K, A_ROW_MAJOR)
             b = load_b_tile(b_desc, k * BLOCK_K, off_n, B_ROW_MAJOR)
             acc = mma(a, b, acc, FAST_ACCUM, BLOCK_K)
+        if tile_id + NUM_SMS >= num_pid_m * num_pid_n:  # this program's last main loop is done
+            let_next_kernel_launch(PDL)
 
         if EPILOGUE_SUBTILE:
             # [BM, BN] -> two [BM, BN/2] halves: each is scaled, converted and stored on its own.
@@ -111,13 +111,12 @@ def kernel_call(args: GemmArgs, config: TritonGemmConfig, layout: Layout, num_sm
     num_sms = num_sms or device.sms_of(args.out.device, cpu=4)
     tiles = triton.cdiv(args.m, config.block_m) * triton.cdiv(args.n, config.block_n)
     values = dict(
-        a_desc=a_desc, b_desc=b_desc, b_ptr=args.b, c_desc=c_desc, c_ptr=args.out, scale_a_ptr=args.scale_a,
+        a_desc=a_desc, b_desc=b_desc, c_desc=c_desc, c_ptr=args.out, scale_a_ptr=args.scale_a,
         scale_b_ptr=args.scale_b, bias_ptr=args.bias, M=args.m, N=args.n, K=args.k,
         stride_cm=args.out.stride(0), stride_cn=args.out.stride(1),
-        lead_b=tma.leading_stride(args.b, layout.b_row_major),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         NUM_SMS=num_sms, EPILOGUE_SUBTILE=config.epilogue_subtile, **layout.constexprs(args.fast_accum),
-        PREFETCH_K=prefetch_depth(config.block_k, config.num_stages), PDL=pdl(args.out),
+        PDL=pdl(args.out),
     )
     return KernelCall(persistent_gemm_kernel, (min(num_sms, tiles),), values,
                       dict(num_warps=config.num_warps, num_stages=config.num_stages), GEMM_OPERANDS)

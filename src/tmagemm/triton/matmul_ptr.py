@@ -14,7 +14,7 @@ import triton.language as tl
 from .. import tuning
 from ..configs import TritonGemmConfig
 from ..plan import GemmArgs, Plan, Scaling, Variant
-from .common import grouped_tile, mma, scale_bias_epilogue, wait_for_previous_kernel
+from .common import grouped_tile, let_next_kernel_launch, mma, scale_bias_epilogue, wait_for_previous_kernel
 from .host import example_args
 from .launch import A, B, BIAS, OUT, SCALE_A, SCALE_B, KernelCall, aot_spec as _aot_spec, pdl
 
@@ -30,8 +30,7 @@ def ptr_gemm_kernel(
     SCALE_A: tl.constexpr, SCALE_B: tl.constexpr, HAS_BIAS: tl.constexpr, FAST_ACCUM: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # PDL: nothing is prefetched (rows of any stride); every read comes after the previous kernel.
-    wait_for_previous_kernel(PDL)
+    wait_for_previous_kernel(PDL)  # PDL: all reads and writes come after the previous kernel
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -49,6 +48,7 @@ def ptr_gemm_kernel(
         acc = mma(a, b, acc, FAST_ACCUM, BLOCK_K)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    let_next_kernel_launch(PDL)
 
     acc = scale_bias_epilogue(acc, offs_m, offs_n, M, N, scale_a_ptr, scale_b_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS)
     c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn

@@ -35,9 +35,9 @@ import triton.language as tl
 from .. import device, tma, workspace
 from ..plan import GemmArgs, Plan, Scaling, Variant, block_split_k
 from . import matmul_blockscaled as blockscaled
-from .common import block_scaled_add, mma, prefetch_weight_then_wait, scale_bias_epilogue
+from .common import block_scaled_add, let_next_kernel_launch, mma, scale_bias_epilogue, wait_for_previous_kernel
 from .host import descriptor
-from .launch import A, B, BIAS, COUNTERS, OUT, PARTIALS, SCALE_A, SCALE_B, KernelCall, direct_launch, pdl, prefetch_depth
+from .launch import A, B, BIAS, COUNTERS, OUT, PARTIALS, SCALE_A, SCALE_B, KernelCall, direct_launch, pdl
 
 MAX_M = 128
 # Largest N: one arrival counter per 64-column output tile must fit a workspace counter chunk.
@@ -168,7 +168,6 @@ def _splitk_kernel(
     a_ptr,
     a_desc,
     w_desc,
-    w_ptr,
     out_ptr,
     scale_a_ptr,
     scale_b_ptr,
@@ -186,7 +185,6 @@ def _splitk_kernel(
     stride_sak,
     stride_sbn,
     stride_sbk,
-    lead_w,
     split_k,
     iters_per_split,
     BLOCK_M: tl.constexpr,
@@ -200,7 +198,6 @@ def _splitk_kernel(
     HAS_BIAS: tl.constexpr,
     FAST_ACCUM: tl.constexpr,
     BLOCK_SCALED: tl.constexpr,
-    PREFETCH_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # -- scheduler: axis 0 is the K slice, so the slices of one tile are launched side by side
@@ -219,9 +216,8 @@ def _splitk_kernel(
 
     k_lo = split_id * iters_per_split
     k_hi = tl.minimum(k_lo + iters_per_split, tl.cdiv(K, BLOCK_K))
-    # PDL: this slice's first weight steps head for L2 while the previous kernel (typically the
-    # one producing the activation) drains; the activation is read only after it has finished.
-    prefetch_weight_then_wait(w_ptr, off_n, k_lo * BLOCK_K, N, K, lead_w, not W_KMAJOR, BLOCK_N, PREFETCH_K, PDL)
+    # PDL: the activation (and everything else) is read after the previous kernel has finished.
+    wait_for_previous_kernel(PDL)
 
     # -- mainloop: the weight streams through TMA (zero-filled past N and K, so ragged edges need
     # no masks); Triton pipelines the loads num_stages deep behind mbarriers.
@@ -266,6 +262,8 @@ def _splitk_kernel(
             acc = mma(w, a.T, acc, FAST_ACCUM, BLOCK_K)
         else:
             acc = mma(a, w.T, acc, FAST_ACCUM, BLOCK_K)
+
+    let_next_kernel_launch(PDL)
 
     # -- split-K reduction, deterministic: every slice parks its partial in the workspace, then
     # bumps the tile's arrival counter; the last to arrive sums the slices in slice order.
@@ -328,7 +326,7 @@ def supports(args: GemmArgs) -> str | None:
 
 # The per-call operands of _splitk_kernel, by parameter: A reaches the kernel as a pointer (and as
 # a descriptor with a_tma), the weight through its descriptor, then the workspace.
-_OPERANDS = {"a_ptr": A, "a_desc": A, "w_desc": B, "w_ptr": B, "out_ptr": OUT, "scale_a_ptr": SCALE_A, "scale_b_ptr": SCALE_B,
+_OPERANDS = {"a_ptr": A, "a_desc": A, "w_desc": B, "out_ptr": OUT, "scale_a_ptr": SCALE_A, "scale_b_ptr": SCALE_B,
              "bias_ptr": BIAS, "ws_ptr": PARTIALS, "lock_ptr": COUNTERS}
 
 
@@ -363,13 +361,13 @@ def kernel_call(args: GemmArgs, config: SplitKConfig, ws: workspace.Workspace) -
         scale_strides = dict(stride_sam=0, stride_sak=0, stride_sbn=0, stride_sbk=0)
         scaling = dict(SCALE_A=int(Scaling.of(args.scale_a)), SCALE_B=int(Scaling.of(args.scale_b)), BLOCK_SCALED=0)
     values = dict(
-        a_ptr=a, a_desc=a_desc, w_desc=w_desc, w_ptr=b, out_ptr=out, scale_a_ptr=args.scale_a, scale_b_ptr=args.scale_b,
+        a_ptr=a, a_desc=a_desc, w_desc=w_desc, out_ptr=out, scale_a_ptr=args.scale_a, scale_b_ptr=args.scale_b,
         bias_ptr=args.bias, ws_ptr=ws.partials, lock_ptr=ws.counters,
         M=m, N=n, K=k, stride_am=a.stride(0), stride_ak=a.stride(1), stride_om=out.stride(0), stride_on=out.stride(1),
-        **scale_strides, lead_w=tma.leading_stride(b, not kmajor), split_k=split, iters_per_split=per_split,
+        **scale_strides, split_k=split, iters_per_split=per_split,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SWAP_AB=config.swap_ab,
         A_TMA=config.a_tma, W_KMAJOR=kmajor, **scaling, HAS_BIAS=args.bias is not None,
-        FAST_ACCUM=args.fast_accum, PREFETCH_K=prefetch_depth(config.block_k, config.num_stages), PDL=pdl(out),
+        FAST_ACCUM=args.fast_accum, PDL=pdl(out),
     )
     return KernelCall(_splitk_kernel, (split, tiles), values,
                       dict(num_stages=config.num_stages, num_warps=config.num_warps), _OPERANDS)

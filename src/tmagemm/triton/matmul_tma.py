@@ -14,9 +14,9 @@ import triton.language as tl
 from .. import device, tma
 from ..configs import TritonGemmConfig
 from ..plan import GemmArgs, Variant
-from .common import grouped_tile, mma, prefetch_weight_then_wait, scale_bias_epilogue
+from .common import grouped_tile, let_next_kernel_launch, mma, scale_bias_epilogue, wait_for_previous_kernel
 from .host import GEMM_OPERANDS, Layout, example_args, install_allocator, operand_descriptors, tma_builder, tma_layout, tma_supports
-from .launch import KernelCall, aot_spec as _aot_spec, pdl, prefetch_depth
+from .launch import KernelCall, aot_spec as _aot_spec, pdl
 
 
 @triton.jit
@@ -69,19 +69,16 @@ def device_descriptor(base, rows, cols, lead, ROW_MAJOR: tl.constexpr, BLOCK_ROW
 # never compiles (the masks and TMA bounds take M at run time).
 @triton.jit(do_not_specialize=["M"])
 def tma_gemm_kernel(
-    a_desc, b_desc, b_ptr, c_desc, c_ptr, scale_a_ptr, scale_b_ptr, bias_ptr,
+    a_desc, b_desc, c_desc, c_ptr, scale_a_ptr, scale_b_ptr, bias_ptr,
     M, N, K, stride_cm, stride_cn, lead_a, lead_b,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     A_ROW_MAJOR: tl.constexpr, B_ROW_MAJOR: tl.constexpr, TMA_STORE: tl.constexpr,
     SCALE_A: tl.constexpr, SCALE_B: tl.constexpr, HAS_BIAS: tl.constexpr, FAST_ACCUM: tl.constexpr,
-    DEVICE_DESC: tl.constexpr, PREFETCH_K: tl.constexpr, PDL: tl.constexpr,
+    DEVICE_DESC: tl.constexpr, PDL: tl.constexpr,
 ):
-    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-    off_m = pid_m * BLOCK_M
-    off_n = pid_n * BLOCK_N
-    # PDL: this tile's first weight steps head for L2 while the previous kernel drains; all
-    # reads and writes below come after it has finished.
-    prefetch_weight_then_wait(b_ptr, off_n, 0, N, K, lead_b, B_ROW_MAJOR, BLOCK_N, PREFETCH_K, PDL)
+    # PDL: every read and write below comes after the previous kernel has finished (device-built
+    # maps too: their scratch may be memory that kernel was still using).
+    wait_for_previous_kernel(PDL)
     if DEVICE_DESC:
         # a_desc / b_desc are base pointers: each program encodes its own tensor maps in a
         # global scratch slot, so the host launches with plain pointers and encodes nothing
@@ -90,6 +87,9 @@ def tma_gemm_kernel(
         b_desc = device_descriptor(b_desc, K, N, lead_b, B_ROW_MAJOR, BLOCK_K, BLOCK_N)
         if TMA_STORE:
             c_desc = device_descriptor(c_ptr, M, N, stride_cm, True, BLOCK_M, BLOCK_N)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
 
     # K loop: TMA zero-fills the ragged last K tile, so no masks are needed here.
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -97,6 +97,7 @@ def tma_gemm_kernel(
         a = load_a_tile(a_desc, off_m, k * BLOCK_K, A_ROW_MAJOR)
         b = load_b_tile(b_desc, k * BLOCK_K, off_n, B_ROW_MAJOR)
         acc = mma(a, b, acc, FAST_ACCUM, BLOCK_K)
+    let_next_kernel_launch(PDL)
 
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
@@ -178,22 +179,22 @@ def heuristic(args: GemmArgs) -> TritonGemmConfig:
 
 def kernel_call(args: GemmArgs, config: TritonGemmConfig, layout: Layout, device_desc: bool = False) -> KernelCall:
     """One launch (see host.tma_builder)."""
-    lead_a, lead_b = tma.leading_stride(args.a, layout.a_row_major), tma.leading_stride(args.b, layout.b_row_major)
     if device_desc:
         install_allocator()
         a_desc, b_desc, c_desc = args.a, args.b, None
+        lead_a, lead_b = tma.leading_stride(args.a, layout.a_row_major), tma.leading_stride(args.b, layout.b_row_major)
     else:
+        lead_a = lead_b = 0  # unused: the host descriptors carry the strides
         a_desc, b_desc, c_desc = operand_descriptors(
             args, layout, config.block_m, config.block_n, config.block_k, config.block_n
         )
     grid = (triton.cdiv(args.m, config.block_m) * triton.cdiv(args.n, config.block_n),)
     values = dict(
-        a_desc=a_desc, b_desc=b_desc, b_ptr=args.b, c_desc=c_desc, c_ptr=args.out, scale_a_ptr=args.scale_a,
+        a_desc=a_desc, b_desc=b_desc, c_desc=c_desc, c_ptr=args.out, scale_a_ptr=args.scale_a,
         scale_b_ptr=args.scale_b, bias_ptr=args.bias, M=args.m, N=args.n, K=args.k,
         stride_cm=args.out.stride(0), stride_cn=args.out.stride(1), lead_a=lead_a, lead_b=lead_b,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        **layout.constexprs(args.fast_accum), DEVICE_DESC=device_desc,
-        PREFETCH_K=prefetch_depth(config.block_k, config.num_stages), PDL=pdl(args.out),
+        **layout.constexprs(args.fast_accum), DEVICE_DESC=device_desc, PDL=pdl(args.out),
     )
     return KernelCall(tma_gemm_kernel, grid, values, dict(num_warps=config.num_warps, num_stages=config.num_stages),
                       GEMM_OPERANDS)

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import wait_for_previous_kernel
+from .common import let_next_kernel_launch, wait_for_previous_kernel
 from .launch import pdl
 
 SCALE_BLOCK = 128  # the recipe's group width along K (and height along N for weights)
@@ -98,8 +98,7 @@ def _block_quantize_kernel(
     PER_ROW: one scale per row of the tile (1x128 groups, s[r, kb]); otherwise one scale for the
     whole tile (BLOCK_R = 128: a 128x128 block, s[rb, kb]).
     """
-    # PDL: x typically comes from the kernel before; the GEMM after may start prefetching its
-    # weight as soon as every program of this one is past here.
+    # PDL: x typically comes from the kernel before.
     wait_for_previous_kernel(PDL)
 
     # ---- load the tile once (ragged rows / columns masked to 0, which never raises an amax)
@@ -111,6 +110,7 @@ def _block_quantize_kernel(
     # int64 row offsets: a large weight (N * stride) can pass 2^31 elements.
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask, other=0.0)
     x = x.to(tl.float32)
+    let_next_kernel_launch(PDL)  # what is left is arithmetic and two stores
 
     # ---- amax per group. NaN -> +Inf first: max.f32 on the GPU (and the interpreter) returns
     # the non-NaN operand, which would hide a NaN; an infinite amax makes an infinite scale,
