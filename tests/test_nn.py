@@ -1,6 +1,8 @@
 """tmagemm.nn: FP8Linear against a float64 emulation of its quantization, convert, the HF-layout
-FP8 checkpoint round trip, a tiny transformers Llama generating, and (marked gpu) torch.compile /
-CUDA graphs, accuracy against the bf16 model, and 2-GPU tensor parallelism.
+FP8 checkpoint round trip, a tiny transformers Llama generating, the fused gated MLP
+(FP8GatedMLP: emulation, the unfused chain, views through moves and loads, convert and
+checkpoints), and (marked gpu) torch.compile / CUDA graphs, accuracy against the bf16 model,
+and 2-GPU tensor parallelism.
 
 CPU tests run the kernels under the Triton interpreter in float16 (bf16 is refused there), on
 dims of 128-272 and a one-layer Llama, to stay fast.
@@ -8,6 +10,7 @@ dims of 128-272 and a one-layer Llama, to stay fast.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import socket
@@ -356,6 +359,203 @@ def test_tiny_llama_generates(fp8_llama_checkpoint):
     assert torch.equal(greedy(loaded, ids, 3), tokens)
 
 
+# ------------------------------------------------------------------------ fused gated MLP
+
+
+class GatedMLP(torch.nn.Module):
+    """transformers' LlamaMLP, standalone: ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``."""
+
+    def __init__(self, hidden, inter, bias=False, dtype=HALF, device=DEVICE, act=None):
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(hidden, inter, bias=False, dtype=dtype, device=device)
+        self.up_proj = torch.nn.Linear(hidden, inter, bias=False, dtype=dtype, device=device)
+        self.down_proj = torch.nn.Linear(inter, hidden, bias=bias, dtype=dtype, device=device)
+        self.act_fn = act or torch.nn.SiLU()
+
+    def forward(self, x):
+        down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return down_proj
+
+
+class OtherMLP(GatedMLP):
+    """The same children, another computation: never fused."""
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x))
+
+
+def emulate_gated(mlp: tnn.FP8GatedMLP, x: torch.Tensor) -> torch.Tensor:
+    """The fused MLP in float64: x quantized per 1x128 group, g and u from the dequantized weights,
+    h = silu(g) * u quantized per 1x128 group, times the dequantized down weight (+ bias)."""
+    x2 = x.reshape(-1, x.shape[-1]).cpu()
+    wg, wu = (w.cpu() for w in mlp.dequantized_weights(torch.float64))
+    xd = emulate_activation(x2, "block")
+    g, u = xd @ wg.t(), xd @ wu.t()
+    h = emulate_activation((g * torch.sigmoid(g) * u).float(), "block")
+    y = h @ mlp.down_proj.dequantized_weight(torch.float64).cpu().t()
+    if mlp.down_proj.bias is not None:
+        y = y + mlp.down_proj.bias.double().cpu()
+    return y.reshape(*x.shape[:-1], -1)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("lead", [(5,), (2, 9)], ids=lambda s: "x".join(map(str, s)))
+def test_gated_mlp_matches_emulation_and_unfused(bias, lead, seeded):
+    """FP8GatedMLP against its float64 emulation, the unfused FP8Linear chain (same fp8 weights;
+    h rounded to 16 bits before its quantization there) and the 16-bit MLP. H = 272: a ragged
+    k-block; I = 384: three 1x128 groups of h."""
+    reference = GatedMLP(272, 384, bias)
+    unfused = tnn.convert(copy.deepcopy(reference))
+    fused = tnn.FP8GatedMLP.from_mlp(reference)
+    assert fused.down_proj.bias is not None if bias else fused.down_proj.bias is None
+    x = torch.randn(*lead, 272, device=DEVICE, dtype=HALF)
+    with torch.no_grad():
+        y, y_unfused, y_ref = fused(x), unfused(x), reference(x)
+    assert y.shape == (*lead, 272) and y.dtype == HALF
+    # fp32 h in the kernel vs float64 here: an element of h rarely lands on the other side of an
+    # fp8 rounding boundary; otherwise only the fp16 output rounding differs.
+    assert rel_err(y, emulate_gated(fused, x)) < 2e-3
+    assert rel_err(y, y_unfused) < 3e-2, rel_err(y, y_unfused)
+    assert rel_err(y, y_ref) < 0.1, rel_err(y, y_ref)
+
+
+def test_gated_mlp_from_fp8_layers_float32_and_zero_tokens(seeded):
+    """FP8Linear projections are copied bit for bit (down_proj reused as it is); float32 in ->
+    float32 out; zero tokens give an empty output."""
+    mlp = tnn.convert(GatedMLP(256, 256, bias=True, dtype=torch.float32))
+    fused = tnn.FP8GatedMLP.from_mlp(mlp)
+    assert fused.down_proj is mlp.down_proj and fused.down_proj.bias.dtype == torch.float32
+    for name in ("gate_proj", "up_proj"):
+        assert fp8_equal(getattr(fused, name).weight, getattr(mlp, name).weight)
+        assert fp8_equal(getattr(fused, name).weight_scale_inv, getattr(mlp, name).weight_scale_inv)
+    x = torch.randn(3, 256, device=DEVICE)
+    with torch.no_grad():
+        y = fused(x)
+    assert y.dtype == torch.float32 and rel_err(y, emulate_gated(fused, x)) < 1e-5
+    assert fused(torch.empty(0, 256, device=DEVICE)).shape == (0, 256)
+    assert fused(torch.empty(2, 0, 256, device=DEVICE)).shape == (2, 0, 256)
+
+
+def test_gated_mlp_refusals_and_errors():
+    from tmagemm.nn.mlp import gated_mlp_reason
+
+    assert gated_mlp_reason(GatedMLP(128, 256)) is None
+    transformers = pytest.importorskip("transformers")
+    assert gated_mlp_reason(GatedMLP(128, 256, act=transformers.activations.ACT2FN["silu"])) is None
+    assert "not SiLU" in gated_mlp_reason(GatedMLP(128, 256, act=torch.nn.GELU()))
+    assert "forward is not" in gated_mlp_reason(OtherMLP(128, 256))
+    assert "multiple of 128" in gated_mlp_reason(GatedMLP(128, 192))
+    biased = GatedMLP(128, 256)
+    biased.up_proj = torch.nn.Linear(128, 256, device=DEVICE, dtype=HALF)
+    assert "bias" in gated_mlp_reason(biased)
+    row = tnn.convert(GatedMLP(128, 256), "row")
+    assert "recipe 'row'" in gated_mlp_reason(row)
+    assert "lacks" in gated_mlp_reason(torch.nn.Sequential(torch.nn.Linear(128, 128)))
+    assert "already" in gated_mlp_reason(tnn.FP8GatedMLP(128, 256))
+    with pytest.raises(ValueError, match="not SiLU"):
+        tnn.FP8GatedMLP.from_mlp(GatedMLP(128, 256, act=torch.nn.GELU()))
+    with pytest.raises(ValueError, match="intermediate_size = 192 is not a multiple of 128"):
+        tnn.FP8GatedMLP(128, 192)
+    with pytest.raises(ValueError, match="hidden_size|in_features"):
+        tnn.FP8GatedMLP(100, 256)
+    fused = tnn.FP8GatedMLP(128, 256, device=DEVICE, dtype=HALF)
+    with pytest.raises(TypeError, match="FP8GatedMLP takes bfloat16, float16 or float32 input"):
+        fused(torch.zeros(2, 128, dtype=torch.float64, device=DEVICE))
+    with pytest.raises(ValueError, match="FP8GatedMLP: input has shape .2, 96.; its last dimension must be"):
+        fused(torch.zeros(2, 96, dtype=HALF, device=DEVICE))
+    with pytest.raises(ValueError, match="fuse_gate_up=True needs recipe='block'"):
+        tnn.convert(GatedMLP(128, 256), "row", fuse_gate_up=True)
+    with pytest.raises(TypeError, match="fuse_gate_up must be a bool"):
+        tnn.convert(GatedMLP(128, 256), fuse_gate_up="yes")
+
+
+def test_gated_mlp_views_survive_moves_casts_copies_and_loads(seeded):
+    """gate_proj / up_proj hold views of the stacked buffers through .half(), .to(), deepcopy and
+    load_state_dict (copying or assigning); the state dict has the HF names only."""
+    fused = tnn.FP8GatedMLP.from_mlp(GatedMLP(128, 256, bias=True))
+    assert fused._tied()
+    assert sorted(fused.state_dict()) == sorted([f"{p}.{t}" for p in ("gate_proj", "up_proj", "down_proj")
+                                                 for t in ("weight", "weight_scale_inv")] + ["down_proj.bias"])
+    stacked = fused.gate_up_weight.clone()
+    for cast in (lambda m: m.half(), lambda m: m.to(torch.float32), lambda m: m.to("cpu")):
+        cast(fused)
+        assert fused._tied() and fused.gate_up_weight.dtype == FP8 and fp8_equal(fused.gate_up_weight, stacked)
+    assert fused.down_proj.bias.dtype == torch.float32
+    clone = copy.deepcopy(fused)
+    assert clone._tied() and clone.gate_up_weight.data_ptr() != fused.gate_up_weight.data_ptr()
+    other = tnn.FP8GatedMLP.from_mlp(GatedMLP(128, 256, bias=True, dtype=torch.float32, device="cpu"))
+    clone.load_state_dict(other.state_dict())  # copies through the views
+    assert clone._tied() and fp8_equal(clone.gate_up_weight, other.gate_up_weight)
+    meta = tnn.FP8GatedMLP(128, 256, bias=True, dtype=torch.float32, device="meta")
+    meta.load_state_dict(fused.state_dict(), assign=True)  # replaces the children's tensors
+    assert meta._tied() and meta.gate_up_weight.device.type == "cpu"
+    assert fp8_equal(meta.gate_up_weight, stacked)
+    assert fp8_equal(meta.gate_up_weight_scale_inv, fused.gate_up_weight_scale_inv)
+
+
+def test_gated_mlp_compile_fullgraph_traces(seeded):
+    fused = tnn.FP8GatedMLP.from_mlp(GatedMLP(128, 256))
+    compiled = torch.compile(fused, fullgraph=True, backend="inductor" if CUDA else "aot_eager")
+    x = torch.randn(2, 3, 128, device=DEVICE, dtype=HALF)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), fused(x))
+
+
+def test_convert_fuse_gate_up_llama(seeded):
+    """convert(fuse_gate_up=True): the MLP becomes an FP8GatedMLP holding the bits the unfused
+    conversion gives (same state dict, key for key); skipping one projection keeps it unfused."""
+    fused = tnn.convert(tiny_llama(), fuse_gate_up=True)
+    plain = tnn.convert(tiny_llama())
+    mlp = fused.model.layers[0].mlp
+    assert isinstance(mlp, tnn.FP8GatedMLP) and mlp._tied()
+    want, got = plain.state_dict(), fused.state_dict()
+    assert list(want) == list(got)
+    for key in want:
+        assert fp8_equal(got[key], want[key]), key
+    assert type(fused.lm_head) is torch.nn.Linear
+    assert tnn.quantization_config(fused) == tnn.quantization_config(plain)
+    kept = tnn.convert(tiny_llama(), skip=("lm_head", "*.mlp.down_proj"), fuse_gate_up=True)
+    assert type(kept.model.layers[0].mlp).__name__ == "LlamaMLP"
+    assert type(kept.model.layers[0].mlp.down_proj) is torch.nn.Linear
+    assert isinstance(kept.model.layers[0].mlp.gate_proj, tnn.FP8Linear)
+    # An FP8 model converted earlier fuses too (its MLP's FP8Linear bits are copied).
+    again = tnn.convert(plain, fuse_gate_up=True)
+    assert isinstance(again.model.layers[0].mlp, tnn.FP8GatedMLP)
+    assert fp8_equal(again.model.layers[0].mlp.gate_up_weight, mlp.gate_up_weight)
+
+
+def test_fused_checkpoint_round_trip_exact(tmp_path, seeded):
+    """A fused model's checkpoint is the unfused layout; it loads bit for bit into an unfused
+    model, a fused one (fuse_gate_up=True) and a model converted with fuse_gate_up, and the
+    reloaded fused model computes the same bits."""
+    model = tnn.convert(tiny_llama(), fuse_gate_up=True)
+    path = tnn.save_fp8_checkpoint(model, tmp_path)
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "model.layers.0.mlp.gate_proj.weight_scale_inv" in keys and not any("gate_up" in k for k in keys)
+    loaded = [tnn.from_pretrained_fp8(path, device=DEVICE, dtype=HALF),
+              tnn.from_pretrained_fp8(path, device=DEVICE, dtype=HALF, fuse_gate_up=True),
+              tnn.load_fp8_checkpoint(tnn.convert(tiny_llama(seed=1), fuse_gate_up=True), path)]
+    assert type(loaded[0].model.layers[0].mlp).__name__ == "LlamaMLP"
+    want = model.state_dict()
+    for m in loaded:
+        got = m.state_dict()
+        assert list(got) == list(want)
+        for key in want:
+            assert fp8_equal(got[key], want[key]), key
+    for m in loaded[1:]:
+        mlp = m.model.layers[0].mlp
+        assert isinstance(mlp, tnn.FP8GatedMLP) and mlp._tied()
+        assert fp8_equal(mlp.gate_up_weight, model.model.layers[0].mlp.gate_up_weight)
+    ids = torch.tensor([[1, 17, 42, 99]], device=DEVICE)
+    with torch.no_grad():
+        logits = model(ids).logits
+        assert torch.equal(loaded[1](ids).logits, logits)
+    assert torch.equal(greedy(loaded[2], ids, 2), greedy(model, ids, 2))
+
+
 # ------------------------------------------------------------------------------------- GPU
 
 
@@ -474,3 +674,35 @@ def test_tensor_parallel_mlp(recipe, monkeypatch):
     monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     assert os.environ["NCCL_NVLS_ENABLE"] == "0"
     mp.spawn(_tp_worker, args=(2, _free_port(), recipe), nprocs=2, join=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 64, 300])
+def test_gpu_gated_mlp_against_unfused(m, seeded):
+    """A 1024 -> 2816 -> 1024 MLP on the GPU: fused against the float64 emulation, the unfused
+    FP8Linear chain and the bf16 MLP (decode and prefill token counts)."""
+    reference = GatedMLP(1024, 2816, dtype=torch.bfloat16)
+    unfused = tnn.convert(copy.deepcopy(reference))
+    fused = tnn.FP8GatedMLP.from_mlp(reference)
+    x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        y, y_unfused, y_ref = fused(x), unfused(x), reference(x)
+    assert rel_err(y, emulate_gated(fused, x)) < 1e-2
+    assert rel_err(y, y_unfused) < 3e-2
+    assert rel_err(y, y_ref) < 0.1
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_fused_llama_matches_eager(seeded, monkeypatch):
+    """torch.compile(fullgraph=True) of a Llama with fused MLPs, replayed as CUDA graphs
+    (cudagraphs back end, eager's kernels): logits bit-identical to eager."""
+    torch.compiler.reset()
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 16)
+    model = tnn.convert(tiny_llama(layers=2, hidden=256, intermediate=512, vocab=1000), fuse_gate_up=True)
+    compiled = torch.compile(model, fullgraph=True, backend="cudagraphs", dynamic=False)
+    ids = torch.tensor([[1, 17, 42, 99, 7, 3, 250, 11]], device="cuda")
+    with torch.no_grad():
+        for _ in range(3):
+            eager = model(ids, use_cache=False).logits
+            assert torch.equal(compiled(ids, use_cache=False).logits.clone(), eager)
+            ids = torch.cat([ids, eager[:, -1].argmax(-1, keepdim=True)], dim=1)

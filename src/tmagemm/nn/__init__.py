@@ -1,6 +1,8 @@
 """FP8 linear layers for real models: ``FP8Linear`` (quantized weight, activations quantized on
-the fly, ``tmagemm.scaled_mm``), ``convert`` (swap a model's nn.Linear layers), FP8 checkpoints
-in the Hugging Face layout, and tensor-parallel shards. docs/nn.md walks through them."""
+the fly, ``tmagemm.scaled_mm``), ``FP8GatedMLP`` (a gated SiLU MLP with its gate/up projection,
+SiLU-and-multiply and quantization fused), ``convert`` (swap a model's nn.Linear layers and,
+optionally, its MLPs), FP8 checkpoints in the Hugging Face layout, and tensor-parallel shards.
+docs/nn.md walks through them."""
 
 from .checkpoint import (
     from_pretrained_fp8,
@@ -10,10 +12,12 @@ from .checkpoint import (
 )
 from .convert import convert
 from .linear import FP8Linear
+from .mlp import FP8GatedMLP
 from .parallel import ColumnParallelFP8Linear, RowParallelFP8Linear, parallelize_linear
 
 __all__ = [
     "ColumnParallelFP8Linear",
+    "FP8GatedMLP",
     "FP8Linear",
     "RowParallelFP8Linear",
     "convert",

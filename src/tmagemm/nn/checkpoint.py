@@ -22,6 +22,7 @@ from torch import nn
 
 from .convert import high_precision_linears
 from .linear import FP8Linear
+from .mlp import fuse_gated_mlps
 from .parallel import ColumnParallelFP8Linear, RowParallelFP8Linear
 from .quantize import FP8, RECIPES, SCALE_BLOCK, weight_scale_shape
 
@@ -183,7 +184,8 @@ def _build_model(config, device, dtype):
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
-def load_fp8_checkpoint(model_or_config, path, *, device=None, dtype=None, strict: bool = True) -> nn.Module:
+def load_fp8_checkpoint(model_or_config, path, *, device=None, dtype=None, strict: bool = True,
+                        fuse_gate_up: bool = False) -> nn.Module:
     """Load the FP8 checkpoint directory ``path`` into a model and return it.
 
     model_or_config: a model (its nn.Linear layers that the checkpoint stores in fp8 become
@@ -193,6 +195,10 @@ def load_fp8_checkpoint(model_or_config, path, *, device=None, dtype=None, stric
     bit (never dequantized); other tensors are cast to the model's dtypes. strict: ValueError
     for checkpoint tensors the model lacks, model tensors the checkpoint lacks (tied weights
     excepted) and shape mismatches. Needs safetensors (and transformers for a config).
+    fuse_gate_up: every gated SiLU MLP whose three projections the checkpoint stores in fp8 ("block")
+    becomes an :class:`~tmagemm.nn.FP8GatedMLP` before the tensors are copied (they land in its
+    stacked gate/up buffers directly). A model already holding FP8GatedMLPs (converted with
+    ``fuse_gate_up=True``) loads either way: the checkpoint's names are the same.
     """
     path = Path(path)
     read_quantization_config(path)  # refuse what cannot be loaded before building anything
@@ -213,6 +219,8 @@ def load_fp8_checkpoint(model_or_config, path, *, device=None, dtype=None, stric
     model = model_or_config if isinstance(model_or_config, nn.Module) else _build_model(model_or_config, device, dtype)
     for name, recipe in recipes.items():
         _install_shell(model, name, recipe, shape[name + ".weight"], name + ".bias" in where)
+    if fuse_gate_up:
+        model = fuse_gated_mlps(model, quantize=False)
     _copy_tensors(model, where, path, strict)
     return model
 
@@ -270,12 +278,15 @@ def _copy_tensors(model: nn.Module, where: dict, path: Path, strict: bool) -> No
         raise ValueError(f"loading {path}: " + "; ".join(problems))
 
 
-def from_pretrained_fp8(path, *, device=None, dtype=None, strict: bool = True) -> nn.Module:
+def from_pretrained_fp8(path, *, device=None, dtype=None, strict: bool = True,
+                        fuse_gate_up: bool = False) -> nn.Module:
     """A transformers causal LM built from the ``config.json`` in ``path`` and loaded from its
-    FP8 checkpoint (see :func:`load_fp8_checkpoint`), in eval mode. Reads local files only."""
+    FP8 checkpoint (see :func:`load_fp8_checkpoint`, also for ``fuse_gate_up``), in eval mode.
+    Reads local files only."""
     try:
         from transformers import AutoConfig
     except ImportError as exc:
         raise ImportError("from_pretrained_fp8 needs transformers (pip install transformers)") from exc
     config = AutoConfig.from_pretrained(str(path))
-    return load_fp8_checkpoint(config, path, device=device, dtype=dtype, strict=strict).eval()
+    return load_fp8_checkpoint(config, path, device=device, dtype=dtype, strict=strict,
+                               fuse_gate_up=fuse_gate_up).eval()

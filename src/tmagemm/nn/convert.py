@@ -1,4 +1,5 @@
-"""``convert``: swap a model's nn.Linear layers for FP8Linear in place, quantizing their weights."""
+"""``convert``: swap a model's nn.Linear layers for FP8Linear in place, quantizing their weights (and,
+with ``fuse_gate_up``, its gated SiLU MLPs for FP8GatedMLP)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def aligned(linear: nn.Linear) -> bool:
     return linear.in_features % ALIGN == 0 and linear.out_features % ALIGN == 0
 
 
-def convert(model: nn.Module, recipe: str = "block", skip: Iterable[str] = DEFAULT_SKIP) -> nn.Module:
+def convert(model: nn.Module, recipe: str = "block", skip: Iterable[str] = DEFAULT_SKIP,
+            fuse_gate_up: bool = False) -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` (recursively, in place) with an
     :class:`FP8Linear` holding its quantized weight, and return the model.
 
@@ -42,11 +44,27 @@ def convert(model: nn.Module, recipe: str = "block", skip: Iterable[str] = DEFAU
     Subclasses of nn.Linear (LoRA wrappers, other quantized layers) are left alone; layers
     already FP8Linear are kept. The names of the converted layers are
     ``[n for n, m in model.named_modules() if isinstance(m, FP8Linear)]``.
+
+    fuse_gate_up: first replace every gated SiLU MLP (transformers' LlamaMLP, Qwen2MLP, Qwen3MLP,
+    MistralMLP, ...: ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, see
+    :func:`tmagemm.nn.mlp.gated_mlp_reason`) with an :class:`FP8GatedMLP`, whose gate/up
+    projection, SiLU-and-multiply and down-projection input quantization run as one kernel;
+    an MLP is fused only when none of its three projections is skipped (it is converted layer by
+    layer otherwise). "block" recipe only (ValueError otherwise). The state dict keeps the
+    unfused names (``mlp.gate_proj.weight``, ...), so checkpoints are the same either way.
     """
     check_recipe(recipe)
     if isinstance(skip, str):
         skip = (skip,)
     skip = tuple(skip)
+    if not isinstance(fuse_gate_up, bool):
+        raise TypeError(f"fuse_gate_up must be a bool, got {type(fuse_gate_up).__name__}")
+    if fuse_gate_up:
+        if recipe != "block":
+            raise ValueError(f"fuse_gate_up=True needs recipe='block' (the fused kernel is block-scaled), got {recipe!r}")
+        from .mlp import fuse_gated_mlps
+
+        model = fuse_gated_mlps(model, skip)
     if type(model) is nn.Linear:
         return FP8Linear.from_linear(model, recipe) if aligned(model) else model
     # remove_duplicate=False: a layer reachable under two names is replaced under both (by one

@@ -30,6 +30,32 @@ ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ALIGN = 16
 
 
+def check_input(x, in_features: int, what: str) -> None:
+    """The input checks of the FP8 layers' forward (shapes and dtypes only: static under
+    torch.compile): TypeError for a non-tensor or another dtype, ValueError for the last dimension."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what} expects a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in ACTIVATION_DTYPES:
+        raise TypeError(f"{what} takes bfloat16, float16 or float32 input, got {x.dtype}")
+    if x.dim() == 0 or x.shape[-1] != in_features:
+        raise ValueError(f"{what}: input has shape {tuple(x.shape)}; its last dimension must be "
+                         f"in_features = {in_features}")
+
+
+def keep_dtypes(fn, tensors):
+    """``fn`` of ``Module._apply`` that casts every floating tensor (``.half()``, ``.to(dtype)``)
+    except ``tensors`` (fp8 weights, fp32 scales), which only follow device moves."""
+    kept = {id(t) for t in tensors}
+
+    def apply(t):
+        moved = fn(t)
+        if id(t) in kept and moved.dtype != t.dtype:
+            moved = torch.empty_like(t, device=moved.device) if t.is_meta else t.to(moved.device)
+        return moved
+
+    return apply
+
+
 def check_features(in_features, out_features, what: str = "FP8Linear") -> None:
     for name, value in (("in_features", in_features), ("out_features", out_features)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -117,13 +143,7 @@ class FP8Linear(nn.Module):
 
     def check_input(self, x) -> None:
         """The checks of forward (shapes and dtypes only: static under torch.compile)."""
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{type(self).__name__} expects a torch.Tensor, got {type(x).__name__}")
-        if x.dtype not in ACTIVATION_DTYPES:
-            raise TypeError(f"{type(self).__name__} takes bfloat16, float16 or float32 input, got {x.dtype}")
-        if x.dim() == 0 or x.shape[-1] != self.in_features:
-            raise ValueError(f"{type(self).__name__}: input has shape {tuple(x.shape)}; its last dimension must be "
-                             f"in_features = {self.in_features}")
+        check_input(x, self.in_features, type(self).__name__)
 
     def quantized_mm(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x (..., K) quantized per the recipe, times the fp8 weight, plus ``bias``."""
@@ -132,11 +152,16 @@ class FP8Linear(nn.Module):
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         xq, xs = torch.ops.tmagemm_nn.quantize_activation(x2, self.recipe)
+        return self.quantized_input_mm(xq, xs, bias, x.dtype).reshape(*lead, self.out_features)
+
+    def quantized_input_mm(self, xq: torch.Tensor, xs: torch.Tensor, bias: torch.Tensor | None,
+                           out_dtype: torch.dtype) -> torch.Tensor:
+        """An input already quantized per the recipe (xq (M, K) e4m3 and its scale, e.g. the
+        fused gate/up kernel's output) times the fp8 weight, plus ``bias``: (M, N) of out_dtype."""
         recipe_a, recipe_b = SCALED_MM_RECIPES[self.recipe]
         ws = self.weight_scale_inv.reshape(-1) if self.recipe == "row" else self.weight_scale_inv
-        y = scaled_mm(xq, self.weight.t(), xs, ws, bias=bias, out_dtype=x.dtype,
-                      scale_recipe_a=recipe_a, scale_recipe_b=recipe_b)
-        return y.reshape(*lead, self.out_features)
+        return scaled_mm(xq, self.weight.t(), xs, ws, bias=bias, out_dtype=out_dtype,
+                         scale_recipe_a=recipe_a, scale_recipe_b=recipe_b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.check_input(x)
@@ -147,15 +172,7 @@ class FP8Linear(nn.Module):
     def _apply(self, fn, recurse=True):
         """Module.to(dtype), .half(), .bfloat16() cast every floating tensor, fp8 included: the
         fp8 weight and the fp32 scales keep their dtypes (device moves still apply)."""
-        kept = {id(self._buffers["weight"]), id(self._buffers["weight_scale_inv"])}
-
-        def apply(t):
-            moved = fn(t)
-            if id(t) in kept and moved.dtype != t.dtype:
-                moved = torch.empty_like(t, device=moved.device) if t.is_meta else t.to(moved.device)
-            return moved
-
-        return super()._apply(apply, recurse)
+        return super()._apply(keep_dtypes(fn, (self._buffers["weight"], self._buffers["weight_scale_inv"])), recurse)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
