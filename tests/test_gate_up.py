@@ -24,6 +24,7 @@ import triton.language as tl
 import tmagemm
 from tmagemm import envs, gate_up, plan
 from tmagemm.triton import gate_up as kernel
+from tmagemm.triton.common import HAS_GDC
 from tmagemm.triton.quantize import fp8_grid, quantize_1x128, quantize_row_groups
 
 FP8 = torch.float8_e4m3fn
@@ -372,6 +373,24 @@ def test_compiles_for_sm90a_without_spills(m):
                                workspace.Workspace(torch.empty(1), torch.zeros(1, dtype=torch.int32)))
     laid_out = parameter_plan(art.ptx, art.launch_metadata, call_.positional, call_.operand_slots, call_.unspecialized)
     assert not isinstance(laid_out, str), laid_out
+
+
+@pytest.mark.skipif(not HAS_GDC, reason="this Triton has no grid dependency control")
+def test_compiled_kernel_waits_for_the_previous_grid(monkeypatch):
+    """With PDL (launch.pdl) every program waits on the previous grid before its first load of
+    anything and lets the next kernel launch after its main loop; TMAGEMM_PDL=0 compiles neither."""
+    from tmagemm import inspection
+
+    monkeypatch.delenv("TMAGEMM_PDL", raising=False)
+    config = kernel.choose_config(16, 14336, 4096, 132)
+    body = inspection.compile_triton(kernel.aot_spec(config)).ptx
+    body = body[body.index(".entry"):]
+    wait = body.index("griddepcontrol.wait")
+    assert body.count("griddepcontrol.wait") == 1 and body.index("griddepcontrol.launch_dependents") > wait
+    for load in ("cp.async.bulk.tensor", "ld.global"):
+        assert body.index(load) > wait, f"{load} before griddepcontrol.wait"
+    monkeypatch.setenv("TMAGEMM_PDL", "0")
+    assert "griddepcontrol" not in inspection.compile_triton(kernel.aot_spec(config)).ptx
 
 
 # -------------------------------------------------------------------------------------- GPU

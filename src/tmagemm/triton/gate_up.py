@@ -29,6 +29,10 @@ partial tiles, bumps the tile's arrival counter (acq_rel, gpu scope, after a CTA
 last to arrive sums both in slice order (bitwise reproducible whatever the arrival order),
 re-arms the counter and runs the epilogue. One launch, no memset.
 
+**PDL.** Launched with programmatic dependent launch like the other Triton kernels
+(``launch.pdl``, ``TMAGEMM_PDL``): each program waits for the previous kernel after its setup
+(``common.wait_for_previous_kernel``) and lets the next one launch once its main loop is done.
+
 **Epilogue.** h = g / (1 + exp(-g)) * u in fp32, then ``quantize.quantize_row_groups``: the
 1x128 quantizer's arithmetic bit for bit (scale = max(div_rn(amax, 448), smallest normal),
 optionally a power of two; q = div_rn(h, scale) clamped and rounded to the e4m3 grid). hq rows
@@ -51,9 +55,10 @@ import triton.language as tl
 from .. import device, workspace
 from ..gate_up import GROUP, GateUpArgs
 from ..plan import Plan
-from .common import block_scaled_add
+from .common import block_scaled_add, let_next_kernel_launch, wait_for_previous_kernel
 from .host import descriptor
-from .launch import A, B, BIAS, COUNTERS, OUT, PARTIALS, SCALE_A, SCALE_B, KernelCall, aot_spec as _aot_spec, direct_launch
+from .launch import (A, B, BIAS, COUNTERS, OUT, PARTIALS, SCALE_A, SCALE_B, KernelCall, aot_spec as _aot_spec,
+                     direct_launch, pdl)
 from .quantize import fp8_grid, quantize_row_groups
 
 NAME = "triton.gate_up"
@@ -174,6 +179,7 @@ def gate_up_kernel(
     split_k, iters_per_split,
     BLOCK_M: tl.constexpr, SWAP_AB: tl.constexpr, POW2: tl.constexpr,
     FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, F32_TINY: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     GROUP_N: tl.constexpr = 128  # channels per program: one 1x128 group of h, one weight block row
     BK: tl.constexpr = 128  # one k-step: one 128-deep scale block
@@ -198,6 +204,9 @@ def gate_up_kernel(
     sx_ptrs = sx_ptr + offs_m * stride_sxm
     swg_ptrs = sw_ptr + group * stride_swn
     swu_ptrs = sw_ptr + (num_groups + group) * stride_swn
+    # PDL: xq (typically the quantizer's output) and everything else is read, and anything
+    # written, only after the previous kernel has finished.
+    wait_for_previous_kernel(PDL)
 
     # ---- main loop: per k-block one activation and two weight tiles through TMA, two fresh fp8
     # products (no accumulator in: each block's sum starts from zero), each promoted into its
@@ -222,6 +231,8 @@ def gate_up_kernel(
                                  False, GROUP_N, SWAP_AB)
         acc_u = block_scaled_add(acc_u, pu, sx_ptrs, swu_ptrs, stride_sxk, stride_swk, kb, row_ok, row_ok,
                                  False, GROUP_N, SWAP_AB)
+    # The weight is streamed: the next kernel (the down projection) may launch and do its setup.
+    let_next_kernel_launch(PDL)
 
     # ---- split-K reduction (matmul_splitk's protocol): park both partial tiles, bump the tile's
     # counter; the last slice to arrive sums them in slice order and runs the epilogue.
@@ -295,6 +306,7 @@ def kernel_call(args: GateUpArgs, config: GateUpConfig, ws: workspace.Workspace)
         stride_swn=sw.stride(0), stride_swk=sw.stride(1), stride_hsm=hs.stride(0), stride_hsg=hs.stride(1),
         split_k=split, iters_per_split=per_split,
         BLOCK_M=config.block_m, SWAP_AB=config.swap_ab, POW2=bool(args.pow2_scale), **fp8_grid(hq.dtype),
+        PDL=pdl(hq),
     )
     return KernelCall(gate_up_kernel, (tiles * split,), values,
                       dict(num_stages=config.num_stages, num_warps=config.num_warps), _OPERANDS)
