@@ -23,6 +23,8 @@ def _args(m, n, k, dtype=F8):
         (16, 4096, 14336, F8, "triton.splitk"),  # long K
         (16, 32768, 512, F8, "triton.tma"),  # short K, wide N: the tile kernel was ahead
         (32, 4096, 4096, F8, "triton.tma"),
+        (16, 3584, 3584, F8, "triton.splitk"),  # K >= 3072
+        (16, 4096, 2048, F8, "triton.tma"),
         (32, 4096, 14336, F8, "triton.splitk"),  # K > 8192
         (32, 57344, 8192, F8, "triton.splitk"),  # 470 MB weight
         (64, 4096, 4096, F8, "triton.tma"),

@@ -233,9 +233,11 @@ def test_block_config_invariants(m, n, k):
 
 HEURISTIC_TABLE = [
     # m, n, k, dtype, expected (block_m, block_n, split_k, swap_ab); from the H100 sweep
-    (1, 4096, 4096, F8, (16, 64, 2, True)),
+    (1, 4096, 4096, F8, (16, 64, 1, True)),  # fp8: unsplit once the tiles fill half the SMs
+    (1, 3584, 18944, F8, (16, 64, 2, True)),  # ... unless K is long
     (16, 4096, 4096, torch.bfloat16, (16, 64, 2, True)),
-    (128, 4096, 14336, F8, (128, 64, 2, True)),
+    (128, 4096, 14336, F8, (128, 64, 1, True)),
+    (128, 4096, 14336, torch.bfloat16, (128, 64, 2, True)),
     (64, 57344, 8192, torch.bfloat16, (64, 64, 1, True)),
     (8, 1000, 4000, F8, (16, 64, 8, True)),
     (100, 8192, 28672, torch.bfloat16, (128, 64, 1, True)),

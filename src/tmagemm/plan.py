@@ -225,8 +225,9 @@ MID_M = 256
 
 def _splitk_first(args: GemmArgs) -> bool:
     """Small M where split-K measured ahead of the tile kernel (H200, graph-timed vs cuBLAS fp8,
-    docs/small-m.md): fp8 at M <= 16 with K >= 4096 (N = K = 4096: 0.88-0.92x vs 0.82-0.87x;
-    long-K projections 0.97-1.04x vs 0.73-0.88x; with a short K, e.g. K = 512-1536 and N =
+    docs/small-m.md): fp8 at M <= 16 with K >= 3072 (N = K = 4096: 0.88-0.92x vs 0.82-0.87x;
+    long-K projections 0.97-1.04x vs 0.73-0.88x; Qwen2.5-7B's K = 3584 projections on an H100:
+    1-12% faster; with a short K, e.g. K = 512-1536 and N =
     24-32K, the tile kernel was ahead), fp8 at M <= 32 with K > 8192 (the tile kernel then walks
     a long K on few CTAs), any M <= 32 with >= 100 MB of weight (earlier H100 sweep), and bf16 /
     fp16 at M <= 32 with a K-major weight (``w.t()``; H100, 12 Llama-3 / Qwen2.5 projections:
@@ -236,7 +237,7 @@ def _splitk_first(args: GemmArgs) -> bool:
         return True
     if args.m <= 32 and not args.is_fp8 and tma.b_is_k_major(args.b):
         return True
-    return args.is_fp8 and ((args.m <= 16 and args.k >= 4096) or (args.m <= 32 and args.k > 8192))
+    return args.is_fp8 and ((args.m <= 16 and args.k >= 3072) or (args.m <= 32 and args.k > 8192))
 
 
 # Block-scaled fp8 at decode-sized M. The split-K kernel (swap-AB, 64 weight rows per tile) wins
