@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tmagemm import cli
-from tmagemm.bench import decode, graphed, report, results, shapes
+from tmagemm.bench import decode, graphed, mlp_fusion, report, results, shapes
 
 
 def _llm(label):
@@ -160,6 +160,76 @@ def test_save_writes_the_common_schema_and_report_prints_it(tmp_path, capsys):
     assert not (tmp_path / "plots").exists() or not list((tmp_path / "plots").glob("*.png"))
 
 
+# ----------------------------------------------------------------------------- mlp fusion
+
+
+def _mlp_records(unfused_us=50.0, fused_us=40.0):
+    model = decode.MODELS["llama3-8b"]
+    recs = []
+    for m in (1, 16):
+        unfused = mlp_fusion.new_record(model, m, 8, "mlp-unfused")
+        fused = mlp_fusion.new_record(model, m, 8, "mlp-fused")
+        unfused.update(status="ok", layer_us=unfused_us, max_rel_err=0.02)
+        if m == 16:
+            fused.update(status="wrong", layer_us=fused_us, max_rel_err=0.5, reason="max rel err 0.5 > 0.08")
+        else:
+            fused.update(status="ok", layer_us=fused_us, max_rel_err=0.019)
+        recs += [unfused, fused]
+    return recs
+
+
+def test_mlp_records_count_the_two_gemms():
+    rec = mlp_fusion.new_record(decode.MODELS["llama3-70b-tp4"], 16, 8, "mlp-fused")
+    gemms = [decode.gemm_bytes(16, 57344 // 4, 8192, "fp8-block"), decode.gemm_bytes(16, 8192, 28672 // 4, "fp8-block")]
+    assert rec["weight_bytes"] == sum(g["weight_bytes"] for g in gemms) and rec["recipe"] == "fp8-block"
+    assert set(rec) == set(decode.FIELDS) and rec["tolerance"] == mlp_fusion.TOLERANCE
+    assert mlp_fusion.mlp_projections(decode.MODELS["deepseek-v3"]) == (3, 4)
+    assert mlp_fusion.mlp_projections(decode.Model("x", (decode.Projection("qkv", 96, 64, "column"),))) is None
+
+
+def test_mlp_fusion_table_and_speedup():
+    """speedup = unfused / fused on the mlp-fused record (ok pairs only); the table has its own
+    rows and a geomean; the layer tables and geomeans keep to tmagemm vs cuBLAS."""
+    recs = decode.derive(_records() + _mlp_records(), 3000.0)
+    fused = [r for r in recs if r["provider"] == "mlp-fused"]
+    assert fused[0]["speedup"] == pytest.approx(1.25) and fused[1]["speedup"] is None
+    text = decode.tables(recs)
+    rows = text["mlp fusion"].splitlines()
+    assert rows[0].split()[:5] == ["model", "M", "MB/layer", "unfused", "us"] and len(rows) == 2 + 2 + 1
+    assert "1.250x" in rows[2] and "50.0" in rows[2] and "40.0" in rows[2]
+    assert rows[3].rstrip().endswith("mlp-fused wrong") and rows[-1] == "geomean speedup 1.250 over 1 of 2 pairs"
+    assert len(text["decode layers"].splitlines()) == 2 + 4 and "mlp" not in text["decode layers"]
+    assert decode.geomean_table(recs) == decode.geomean_table(decode.derive(_records(), 3000.0))
+    assert "max rel err 0.5" in text["decode not run / not correct"]
+    assert "gate_up_silu_quant" in text["decode notes"]
+    assert "mlp fusion" not in decode.tables(decode.derive(_records(), 3000.0))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter-sized chains; the GPU run covers real ones")
+def test_mlp_chains_under_the_interpreter(seeded):
+    """Both chains of a small MLP (2 layers, H = 256, I = 384) run on the CPU under the Triton
+    interpreter and land within the tolerance of the float64 reference (1.7-3.2% over 12 seeds),
+    and near each other (fused vs unfused: up to 4.7% of max|out|, h's fp8 rounding flips)."""
+    model = decode.Model("tiny", (decode.Projection("gate_up", 768, 256, "column"),
+                                  decode.Projection("down", 256, 384, "row")))
+    ops = decode._weights(model, 2, True, "cpu")
+    scales = [decode.weight_scales("fp8-block", p, "cpu") for p in model.layer()]
+    gate_up, down = [row[0] for row in ops.weights], [row[1] for row in ops.weights]
+    x = torch.randn(5, 256).to(torch.bfloat16)
+    ref = mlp_fusion.reference(x, gate_up[-1], down[-1], scales[0]["sb"], scales[1]["sb"])
+    outs = {}
+    for provider in mlp_fusion.PROVIDERS:
+        chain = mlp_fusion.build(provider, x, gate_up, down, scales[0]["sb"], scales[1]["sb"])
+        chain.run()
+        assert len(chain.outs) == 2 and chain.outs[0].shape == (5, 256)
+        err = mlp_fusion.max_rel_err(chain.outs[-1], ref)
+        assert 1e-3 < err <= mlp_fusion.TOLERANCE, (provider, err)
+        outs[provider] = chain.outs[-1].double()
+    assert mlp_fusion.max_rel_err(outs["mlp-fused"], outs["mlp-unfused"]) < mlp_fusion.TOLERANCE
+    with pytest.raises(ValueError, match="unknown MLP chain"):
+        mlp_fusion.build("mlp-other", x, gate_up, down, scales[0]["sb"], scales[1]["sb"])
+
+
 # -------------------------------------------------------------------------------- options
 
 
@@ -243,6 +313,8 @@ def test_tiny_decode_bench_on_gpu(tmp_path, capsys):
     assert code == 0, out
     payload = json.loads((tmp_path / "results.json").read_text())
     recs = payload["decode"]["records"]
+    mlp = [r for r in recs if r["provider"] in mlp_fusion.PROVIDERS]
+    recs = [r for r in recs if r["provider"] in decode.PROVIDERS]
     assert {(r["recipe"], r["m"]) for r in recs} == {(rc, m) for rc in decode.RECIPES for m in (1, 16)}
     assert len(recs) == 2 * len(decode.RECIPES) * 2
     copy = payload["metadata"]["ceilings"]["copy_gbs"]
@@ -261,4 +333,11 @@ def test_tiny_decode_bench_on_gpu(tmp_path, capsys):
         if r["speedup"] is not None:
             assert 0.2 < r["speedup"] < 5, r
             assert r["rel_diff_vs_peer"] < 0.05, r
-    assert "decode layers:" in out and "decode geomeans:" in out
+    assert "decode layers:" in out and "decode geomeans:" in out and "mlp fusion:" in out
+    # The MLP comparison: both chains ran correctly, the fused one with its speedup.
+    assert {(r["provider"], r["m"]) for r in mlp} == {(p, m) for p in mlp_fusion.PROVIDERS for m in (1, 16)}
+    for r in mlp:
+        assert r["status"] == "ok" and r["rel_diff_vs_peer"] < mlp_fusion.TOLERANCE, r
+        assert 0 < r["layer_us"] < 5000 and r["replays"] >= 8, r
+        if r["provider"] == "mlp-fused":
+            assert 0.2 < r["speedup"] < 5, r

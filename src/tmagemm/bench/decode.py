@@ -24,6 +24,10 @@ layout). A call the peer refuses is recorded as ``unsupported``; a tmagemm error
 Counted per layer (:func:`layer_bytes`): every weight byte, every scale byte, every activation
 byte read and every output byte written, once. ``%copy`` = those bytes / per-layer time as a
 percentage of the measured device-to-device copy rate (bytes read + bytes written / time).
+
+With the fp8-block recipe, each model's MLP also runs as two chains of its own, unfused and
+with the fused gate/up epilogue (``tmagemm.gate_up_silu_quant``): the "mlp fusion" table,
+``bench/mlp_fusion.py``.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, TextIO
 
-from . import graphed
+from . import graphed, mlp_fusion
 from .graphed import fmt, table
 from .results import FAILED, OK, UNSUPPORTED, WRONG, BenchResult, error_text, geomean
 from .shapes import LLM_LAYERS
@@ -219,7 +223,8 @@ def new_record(model: Model, recipe: str, m: int, layers: int, provider: str, fa
 
 def derive(records: list[dict[str, Any]], copy_gbs: float | None) -> list[dict[str, Any]]:
     """GB/s and %copy of every timed record, and speedup (cuBLAS time / tmagemm time) on the
-    tmagemm record of each (model, recipe, M) where both ran correctly."""
+    tmagemm record of each (model, recipe, M) where both ran correctly (and unfused / fused time
+    on the mlp-fused record of each MLP comparison)."""
     by_key: dict[tuple, dict[str, dict]] = {}
     for r in records:
         r["gbps"] = r["pct_copy"] = r["speedup"] = None
@@ -230,9 +235,9 @@ def derive(records: list[dict[str, Any]], copy_gbs: float | None) -> list[dict[s
                 r["pct_copy"] = 100 * r["gbps"] / copy_gbs
         by_key.setdefault((r["model"], r["recipe"], r["m"]), {})[r["provider"]] = r
     for pair in by_key.values():
-        ours, peer = pair.get("tmagemm"), pair.get("cublas")
-        if ours and peer and ours["status"] == OK and peer["status"] == OK and ours["layer_us"] and peer["layer_us"]:
-            ours["speedup"] = peer["layer_us"] / ours["layer_us"]
+        for ours, peer in ((pair.get("tmagemm"), pair.get("cublas")), (pair.get("mlp-fused"), pair.get("mlp-unfused"))):
+            if ours and peer and ours["status"] == OK and peer["status"] == OK and ours["layer_us"] and peer["layer_us"]:
+                ours["speedup"] = peer["layer_us"] / ours["layer_us"]
     return records
 
 
@@ -258,7 +263,8 @@ def layer_table(records: list[dict[str, Any]]) -> str:
     that did not run correctly shows "-" and its status in the note (the reason is listed below)."""
     pairs: dict[tuple, dict[str, dict]] = {}
     for r in records:
-        pairs.setdefault((r["model"], r["recipe"], r["m"]), {})[r["provider"]] = r
+        if r["provider"] in PROVIDERS:
+            pairs.setdefault((r["model"], r["recipe"], r["m"]), {})[r["provider"]] = r
     rows = []
     for (model, recipe, m), pair in pairs.items():
         ours, peer = pair.get("tmagemm") or {}, pair.get("cublas") or {}
@@ -298,10 +304,13 @@ def tables(records: list[dict[str, Any]]) -> dict[str, str]:
     """The printed report, as named text blocks (also stored in results.json's extras, so
     ``tmagemm report`` prints the same)."""
     out = {"decode layers": layer_table(records), "decode geomeans": geomean_table(records)}
+    fusion = mlp_fusion.table_text(records)
+    if fusion:
+        out["mlp fusion"] = fusion
     issues = graphed.issues_table(records, lambda r: f"{r['model']} {r['recipe']} M={r['m']}")
     if issues:
         out["decode not run / not correct"] = issues
-    out["decode notes"] = NOTES
+    out["decode notes"] = NOTES + (" " + mlp_fusion.NOTES if fusion else "")
     return out
 
 
@@ -558,7 +567,9 @@ def run(config: DecodeConfig, stream: TextIO | None = None) -> tuple[BenchResult
                       for name in config.models}  # fmt: skip
     meta["ceilings"] = ceilings = graphed.copy_ceilings(device)
     records: list[dict[str, Any]] = []
-    progress = Progress(len(config.models) * len(config.recipes) * len(config.m_values), stream or sys.stderr)
+    fused = [name for name in config.models if "fp8-block" in config.recipes and mlp_fusion.mlp_projections(MODELS[name])]
+    progress = Progress((len(config.models) * len(config.recipes) + len(fused)) * len(config.m_values),
+                        stream or sys.stderr)
     t0 = time.perf_counter()
     for name in config.models:
         model = MODELS[name]
@@ -575,6 +586,10 @@ def run(config: DecodeConfig, stream: TextIO | None = None) -> tuple[BenchResult
                             records.append({**new_record(model, recipe, m, config.layers, p, config.fast_accum), "status": FAILED,
                                             "reason": f"weights: {error_text(exc)}"})  # fmt: skip
                         progress.step(f"{name} {recipe} M={m}")
+                        if recipe == "fp8-block" and name in fused:
+                            records += [{**mlp_fusion.new_record(model, m, config.layers, p), "status": FAILED,
+                                         "reason": f"weights: {error_text(exc)}"} for p in mlp_fusion.PROVIDERS]
+                            progress.step(f"{name} mlp fusion M={m}")
                 continue
             for recipe in recipes:
                 ref_w: dict[int, Any] = {}  # float64 weights of the checked layer, shared by every M
@@ -587,6 +602,14 @@ def run(config: DecodeConfig, stream: TextIO | None = None) -> tuple[BenchResult
                             records.append({**new_record(model, recipe, m, config.layers, p, config.fast_accum), "status": FAILED,
                                             "reason": error_text(exc)})  # fmt: skip
                     progress.step(f"{name} {recipe} M={m}")
+                for m in config.m_values if recipe == "fp8-block" and name in fused else ():
+                    try:
+                        records += mlp_fusion.run_case(model, m, ops.weights, w_scales, config.layers,
+                                                       config.budget_ms, device)
+                    except Exception as exc:
+                        records += [{**mlp_fusion.new_record(model, m, config.layers, p), "status": FAILED,
+                                     "reason": error_text(exc)} for p in mlp_fusion.PROVIDERS]
+                    progress.step(f"{name} mlp fusion M={m}")
                 del ref_w
             del ops
             torch.cuda.empty_cache()
