@@ -18,6 +18,7 @@ extern "C" __global__ void all_helpers(const __grid_constant__ CUtensorMap m, in
   __shared__ unsigned long long bar;
   if (threadIdx.x == 0) { ptx::tma_prefetch_descriptor(&m); ptx::mbarrier_init(&bar, 1); ptx::fence_barrier_init(); }
   __syncthreads();
+  ptx::griddep_wait(); ptx::griddep_launch_dependents();
   if (threadIdx.x == 0) {
     ptx::mbarrier_arrive_expect_tx(&bar, 4096);
     ptx::tma_load_1d(buf, &m, &bar, 0); ptx::tma_load_2d(buf, &m, &bar, 0, 1); ptx::tma_load_3d(buf, &m, &bar, 0, 1, 2);
@@ -76,7 +77,8 @@ def test_ptx_header_compiles_and_emits_tma_instructions(cache_dir):
     module = jit.compile_string(PTX_ALL, name="ptx_all.cu")
     sass = jit.sass(module.cubin)
     for op in ("UTMALDG.1D", "UTMALDG.5D", "UTMALDG.2D.MULTICAST", "UTMASTG.2D", "UTMASTG.5D", "UTMAPF.L2.2D",
-               "UTMACCTL.PF", "SYNCS.ARRIVE.TRANS64", "SYNCS.PHASECHK.TRANS64.TRYWAIT", "ELECT", "UCGABAR_ARV"):
+               "UTMACCTL.PF", "SYNCS.ARRIVE.TRANS64", "SYNCS.PHASECHK.TRANS64.TRYWAIT", "ELECT", "UCGABAR_ARV",
+               "ACQBULK", "PREEXIT"):  # griddepcontrol.wait / .launch_dependents
         assert op in sass, op
     assert "'setmaxnreg' ignored" not in module.log
     usage = module.resource_usage("all_helpers")

@@ -20,6 +20,11 @@ Layouts: A (M, K) row-major; B (K, N) either N-major (row-major, the torch defau
 out (M, N) row-major in bf16/fp16/fp32. Every operand goes through a TMA tensor map, so ragged
 M/N/K are handled by TMA (zero fill on loads, clipping on stores); layouts TMA cannot describe
 are refused by ``supports`` and the dispatcher picks another backend.
+
+Every launch is a programmatic dependent launch unless ``TMAGEMM_PDL=0`` (:func:`use_pdl`): a
+kernel may start while the one before it in the stream drains, initialises its pipeline and
+prefetches its first weight tiles into L2, then waits for that kernel before it reads A, the
+scales, bias or C, or writes anything (gemm_sm90.cuh, docs/native-gemm.md).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import device as _device
-from .. import tma
+from .. import envs, tma
 from ..jit.runtime import stream_getter
 from ..plan import GemmArgs, Plan, Scaling, Variant, on_device
 from ..tma import MapsByAddress, params_for_tensor
@@ -220,6 +225,14 @@ def unsupported_reason(args: GemmArgs, config: NativeGemmConfig) -> str | None:
 # ------------------------------------------------------------------------------------ launch
 
 
+def use_pdl(device: torch.device) -> bool:
+    """Whether a native GEMM writing to ``device`` is launched with programmatic dependent launch
+    (decided once, when its launch is planned): CUDA, and ``TMAGEMM_PDL`` not 0. The kernels
+    always contain the grid dependency wait (a no-op without the launch attribute), so this only
+    decides whether they may start while the previous kernel in the stream drains."""
+    return device.type == "cuda" and envs.pdl_enabled()
+
+
 def _defines(config: NativeGemmConfig, ab_dtype: torch.dtype, out_dtype: torch.dtype, b_k_major: bool) -> dict[str, int]:
     """NVRTC -D flags of one build; launch-time fields (group_m, ctas, raster_n) are not among them."""
     defines = {
@@ -319,7 +332,8 @@ class _Launch:
             grid = cm * min(tiles, clusters)
         else:
             grid = tiles
-        self._launch = kernel.packed((grid, 1, 1), block, smem, self._pointers, cluster)
+        self.pdl = use_pdl(args.out.device)
+        self._launch = kernel.packed((grid, 1, 1), block, smem, self._pointers, cluster, pdl=self.pdl)
         self._stream = stream_getter()
         self._lock = threading.Lock()
 

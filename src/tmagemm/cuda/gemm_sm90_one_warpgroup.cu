@@ -34,9 +34,17 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   const int k_tiles = ceil_div(params.k, kBlockK);
   const bool producer = threadIdx.x == 0;
 
-  // ---- descriptor prefetch, barrier init + fence + sync ------------------------------------
-  if (producer) init_pipeline(full, empty, kThreads, &map_a, &map_b, &map_d);
+  // ---- descriptor prefetch, barrier init + fence, weight prefetch into L2, sync -------------
+  // (gemm_sm90.cuh, "Programmatic dependent launch": everything up to the wait may overlap the
+  // previous kernel, so it reads nothing from global memory but the L2 hint of the weight.)
+  if (producer) {
+    init_pipeline(full, empty, kThreads, &map_a, &map_b, &map_d);
+    prefetch_weight_l2(&map_b, min(kStages, k_tiles), tile.n0);
+  }
   __syncthreads();
+
+  // ---- grid dependency: before the first load of A, the scales, C, and the first store --------
+  wait_for_previous_kernel();
 
   // ---- prologue: fill the ring -------------------------------------------------------------
   if (producer) {

@@ -90,8 +90,14 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
   const int warpgroup = threadIdx.x / 128;
   auto tile_coord = [&](int i) { return tile_origin<kCluster>(cluster + i * clusters, params, rank); };
 
-  // ---- descriptor prefetch, barrier init + fence + sync ------------------------------------
-  if (threadIdx.x == 0) init_pipeline(full, empty, kStageReaders, &map_a, &map_b, &map_d);
+  // ---- descriptor prefetch, barrier init + fence, weight prefetch into L2, sync -------------
+  // (gemm_sm90.cuh, "Programmatic dependent launch": everything up to the wait may overlap the
+  // previous kernel, so it reads nothing from global memory but the L2 hint of the weight.) The
+  // producer prefetches the B boxes it loads first: its own multicast share on a cluster.
+  if (threadIdx.x == 0) {
+    init_pipeline(full, empty, kStageReaders, &map_a, &map_b, &map_d);
+    if (my_tiles > 0) prefetch_weight_l2<kCluster>(&map_b, min(kStages, k_tiles), tile_coord(0).n0, rank);
+  }
   if constexpr (kCluster > 1) {
     // The peer's barriers must be initialised before our multicasts and remote arrivals.
     ptx::cluster_arrive();
@@ -99,6 +105,12 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
   } else {
     __syncthreads();
   }
+
+  // ---- grid dependency: every thread, before the warpgroups part (the producer's idle warps
+  // exit right after) and whether or not this CTA has tiles, before the first load of A, the
+  // scales, bias or C and the first store. On a cluster the peer's multicasts into our shared
+  // memory come after the peer's own wait, and touch nothing the previous kernel writes.
+  wait_for_previous_kernel();
 
   if (warpgroup == 0) {
     // ---- producer: every k-block of every tile, in the order the consumers read them ----------

@@ -36,9 +36,18 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
   const int k_tiles = ceil_div(params.k, kBlockK);
   const int warpgroup = threadIdx.x / 128;
 
-  // ---- descriptor prefetch, barrier init + fence + sync ------------------------------------
-  if (threadIdx.x == 0) init_pipeline(full, empty, kConsumerWarpgroups, &map_a, &map_b, &map_d);
+  // ---- descriptor prefetch, barrier init + fence, weight prefetch into L2, sync -------------
+  // (gemm_sm90.cuh, "Programmatic dependent launch": everything up to the wait may overlap the
+  // previous kernel, so it reads nothing from global memory but the L2 hint of the weight.)
+  if (threadIdx.x == 0) {
+    init_pipeline(full, empty, kConsumerWarpgroups, &map_a, &map_b, &map_d);
+    prefetch_weight_l2(&map_b, min(kStages, k_tiles), tile.n0);
+  }
   __syncthreads();
+
+  // ---- grid dependency: every thread, before the warpgroups part (the producer's idle warps
+  // exit right after), before the first load of A, the scales, C, and the first store -----------
+  wait_for_previous_kernel();
 
   if (warpgroup == 0) {
     // ---- producer: register reallocation, then one thread streams the k-blocks ---------------

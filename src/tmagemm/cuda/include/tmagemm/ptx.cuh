@@ -1,5 +1,6 @@
 // PTX helpers shared by every native tmagemm kernel: mbarriers, TMA (cp.async.bulk.tensor)
-// loads/stores/prefetches, proxy fences, elect.sync, cluster helpers and register reallocation.
+// loads/stores/prefetches, proxy fences, grid dependency control (programmatic dependent launch),
+// elect.sync, cluster helpers and register reallocation.
 //
 // Written for NVRTC: no standard headers, only builtin integer types. Target sm_90a.
 // Conventions:
@@ -346,7 +347,10 @@ __device__ __forceinline__ void tma_store_wait_group_read() {
   asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
 }
 
-// L2 prefetch of a box (no shared memory, no barrier): warms L2 for a later load.
+// L2 prefetch of a box (no shared memory, no barrier): warms L2 for a later load. Only a hint:
+// it writes nothing this kernel reads back, and L2 is the GPU's point of coherence, so it may be
+// issued before griddepcontrol.wait even for data the previous kernel is still writing (the loads
+// that follow the wait read the fresh values through L2 whatever the prefetch brought in).
 __device__ __forceinline__ void tma_prefetch_2d(const CUtensorMap* map, int c0, int c1) {
   asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" ::"l"(map_addr(map)), "r"(c0),
                "r"(c1)
@@ -357,6 +361,31 @@ __device__ __forceinline__ void tma_prefetch_3d(const CUtensorMap* map, int c0, 
   asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];" ::"l"(map_addr(map)), "r"(c0),
                "r"(c1), "r"(c2)
                : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Programmatic dependent launch (grid dependency control, sm_90)
+// ---------------------------------------------------------------------------------------------
+// A kernel launched with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION may start while the
+// kernel before it in the stream (its prerequisite grid) still runs. Both instructions are no-ops
+// for a kernel launched without the attribute: its prerequisite has completed before it starts,
+// so the wait finds no grid in flight, and no dependent is designated to react to the trigger
+// (PTX ISA, "griddepcontrol"; Triton's gdc_* wrappers document the same). The device code can
+// therefore always contain them, whichever way the host launches it.
+
+// Block until every prerequisite grid has completed and its memory operations are performed and
+// visible to this grid. Every global read of data the previous kernel may write, and every
+// global write (the previous kernel may still read what we overwrite), comes after it. The
+// "memory" clobber keeps the compiler from moving this thread's memory accesses above it.
+__device__ __forceinline__ void griddep_wait() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
+// Let the dependent grid be scheduled once every CTA of this grid has issued this (or exited).
+// It orders nothing: the dependent still waits for this grid's completion with griddep_wait
+// before touching our output, so it may be issued as early as right after our own wait.
+__device__ __forceinline__ void griddep_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
 // ---------------------------------------------------------------------------------------------
