@@ -2,16 +2,16 @@
 "Programmatic dependent launch").
 
 CPU: every native build (each variant x dtype/layout family, and the promoting and block-scaled
-builds) holds griddepcontrol.wait / .launch_dependents and the TMA L2 prefetch of the weight, and
-in its SASS control-flow graph nothing that can run before the wait reads or writes global
-memory or exits, while the weight prefetch does run before it. The checker is itself checked on
+builds) holds griddepcontrol.wait / .launch_dependents, and in its SASS control-flow graph
+nothing that can run before the wait touches global memory (not even an L2 prefetch), exits or
+releases the dependents. The checker is itself checked on
 small kernels that break each rule. The launch asks for PDL per ``TMAGEMM_PDL``.
 
 GPU (Hopper): chains of 6 GEMMs where each consumes the previous one's output (bf16 with the
 weights' layouts alternating; fp8 row-wise and block-scaled fp8, each activation quantized by
 ``quantize_fp8`` from the previous GEMM's bf16 output), M = 256 and 4096, eager and replayed from a
 CUDA graph, with PDL on and off; every native kernel in a chain of its own; and the hazards of one
-kernel boundary: GEMM 2's weight is GEMM 1's output (its L2 prefetch runs before its wait), and
+kernel boundary: GEMM 2's weight is GEMM 1's output, and
 GEMM 2 writes a buffer GEMM 1 reads. Outputs are NaN-poisoned before every run and inputs change
 between runs, so a read from before the previous kernel finished shows up. Every GEMM is checked
 against float64 from the operands it actually read (gemm_ref.check_product).
@@ -38,8 +38,8 @@ _SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s*(.*?)\s*;")
 _INSTRUCTION = re.compile(r"(@!?U?P[T0-9]+\s+)?(\S+)\s*(.*)")
 # Opcodes that read or write global memory: loads, stores, atomics/reductions, TMA loads, stores
 # and reductions, bulk copies, LDGSTS (generic LD/ST may address global memory too).
-_GLOBAL_OPS = {"LDG", "STG", "LD", "ST", "ATOM", "ATOMG", "RED", "REDG", "UTMALDG", "UTMASTG", "UTMAREDG", "UBLKCP",
-               "UBLKRED", "LDGSTS"}
+_GLOBAL_OPS = {"LDG", "STG", "LD", "ST", "ATOM", "ATOMG", "RED", "REDG", "UTMALDG", "UTMAPF", "UTMASTG", "UTMAREDG",
+               "UBLKCP", "UBLKRED", "LDGSTS"}
 
 
 def _before_wait(sass: str) -> list[str]:
@@ -133,20 +133,17 @@ BUILDS = [(name, native.NATIVE_CONFIGS[name], family) for name in PLAIN for fami
 @needs_nvrtc
 @pytest.mark.parametrize("name,config,family", BUILDS, ids=[f"{n}-{_family_id(f)}" for n, _, f in BUILDS])
 def test_every_build_waits_before_touching_global_memory(name, config, family):
-    """Before griddepcontrol.wait a kernel only sets up (barrier init, descriptor prefetch) and
-    prefetches its first weight boxes into L2; no thread reads A, scales, bias or C, stores, or
-    exits; the dependents are released after it."""
+    """Before griddepcontrol.wait a kernel only sets up (barrier init, descriptor prefetch): no
+    thread reads A, B, scales, bias or C (not even into L2), stores, exits or releases the
+    dependents; the TMA loads come after the wait."""
     from tmagemm import jit
 
     module = native.compile_module(config, *family)
-    for instruction in ("griddepcontrol.wait;", "griddepcontrol.launch_dependents;",
-                        "cp.async.bulk.prefetch.tensor.2d.L2.global.tile"):
+    for instruction in ("griddepcontrol.wait;", "griddepcontrol.launch_dependents;"):
         assert instruction in module.ptx, instruction
     sass = jit.sass(module.cubin)
     assert _pdl_violations(sass) == []
-    before = _before_wait(sass)
-    assert "UTMAPF" in before, "the weight's L2 prefetch is issued before the wait"
-    assert "UTMALDG" in sass and "UTMALDG" not in before, "TMA loads (A and B into shared memory) after the wait"
+    assert "UTMALDG" in sass and "UTMALDG" not in _before_wait(sass), "TMA loads after the wait"
 
 
 def test_launch_asks_for_pdl_per_the_knob(monkeypatch):
@@ -359,9 +356,8 @@ _BIG = 4096  # GEMM 1 of the hazard tests: 4096^3 bf16, long enough for GEMM 2 t
 @pytest.mark.gpu
 @pytest.mark.parametrize("k_major", [False, True], ids=["n_major", "k_major"])
 def test_weight_written_by_the_previous_gemm(k_major, pdl_knob, seeded):
-    """GEMM 2's weight is GEMM 1's output: GEMM 2 prefetches it into L2 before its wait, while GEMM
-    1 may still be writing it. L2 is the point of coherence, so the loads after the wait must see
-    the final values."""
+    """GEMM 2's weight is GEMM 1's output: GEMM 2 may be resident while GEMM 1 still writes it,
+    and must read only the final values."""
     w1 = (torch.randn(_BIG, _BIG, device="cuda") / math.sqrt(_BIG)).bfloat16()
     a2 = torch.randn(256, _BIG, device="cuda", dtype=torch.bfloat16)
     y = torch.empty(_BIG, _BIG, device="cuda", dtype=torch.bfloat16)

@@ -34,13 +34,10 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   const int k_tiles = ceil_div(params.k, kBlockK);
   const bool producer = threadIdx.x == 0;
 
-  // ---- descriptor prefetch, barrier init + fence, weight prefetch into L2, sync -------------
+  // ---- descriptor prefetch, barrier init + fence + sync ------------------------------------
   // (gemm_sm90.cuh, "Programmatic dependent launch": everything up to the wait may overlap the
-  // previous kernel, so it reads nothing from global memory but the L2 hint of the weight.)
-  if (producer) {
-    init_pipeline(full, empty, kThreads, &map_a, &map_b, &map_d);
-    prefetch_weight_l2(&map_b, min(kStages, k_tiles), tile.n0);
-  }
+  // previous kernel, so it touches no global memory.)
+  if (producer) init_pipeline(full, empty, kThreads, &map_a, &map_b, &map_d);
   __syncthreads();
 
   // ---- grid dependency: before the first load of A, the scales, C, and the first store --------
@@ -94,6 +91,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   wgmma::wait_group<0>();
   wgmma::fence_operand(acc[0]);
   wgmma::fence_operand(acc[1]);
+  if (producer) let_next_kernel_launch();  // every load issued and consumed: the epilogue is left
 
   // ---- epilogue -------------------------------------------------------------------------------
   // All loads were consumed and all wgmma retired: the ring is free to stage the output.

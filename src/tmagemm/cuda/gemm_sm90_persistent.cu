@@ -90,14 +90,10 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
   const int warpgroup = threadIdx.x / 128;
   auto tile_coord = [&](int i) { return tile_origin<kCluster>(cluster + i * clusters, params, rank); };
 
-  // ---- descriptor prefetch, barrier init + fence, weight prefetch into L2, sync -------------
+  // ---- descriptor prefetch, barrier init + fence + sync ------------------------------------
   // (gemm_sm90.cuh, "Programmatic dependent launch": everything up to the wait may overlap the
-  // previous kernel, so it reads nothing from global memory but the L2 hint of the weight.) The
-  // producer prefetches the B boxes it loads first: its own multicast share on a cluster.
-  if (threadIdx.x == 0) {
-    init_pipeline(full, empty, kStageReaders, &map_a, &map_b, &map_d);
-    if (my_tiles > 0) prefetch_weight_l2<kCluster>(&map_b, min(kStages, k_tiles), tile_coord(0).n0, rank);
-  }
+  // previous kernel, so it touches no global memory.)
+  if (threadIdx.x == 0) init_pipeline(full, empty, kStageReaders, &map_a, &map_b, &map_d);
   if constexpr (kCluster > 1) {
     // The peer's barriers must be initialised before our multicasts and remote arrivals.
     ptx::cluster_arrive();
@@ -126,6 +122,7 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
           write.advance();
         }
       }
+      let_next_kernel_launch();  // this CTA's last loads are in flight: the next kernel may launch
       if constexpr (kCluster > 1) {
         // Producer tail: wait until every stage was released by both CTAs, i.e. no remote
         // arrival can still target this CTA's barriers, before it may exit.

@@ -36,13 +36,10 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
   const int k_tiles = ceil_div(params.k, kBlockK);
   const int warpgroup = threadIdx.x / 128;
 
-  // ---- descriptor prefetch, barrier init + fence, weight prefetch into L2, sync -------------
+  // ---- descriptor prefetch, barrier init + fence + sync ------------------------------------
   // (gemm_sm90.cuh, "Programmatic dependent launch": everything up to the wait may overlap the
-  // previous kernel, so it reads nothing from global memory but the L2 hint of the weight.)
-  if (threadIdx.x == 0) {
-    init_pipeline(full, empty, kConsumerWarpgroups, &map_a, &map_b, &map_d);
-    prefetch_weight_l2(&map_b, min(kStages, k_tiles), tile.n0);
-  }
+  // previous kernel, so it touches no global memory.)
+  if (threadIdx.x == 0) init_pipeline(full, empty, kConsumerWarpgroups, &map_a, &map_b, &map_d);
   __syncthreads();
 
   // ---- grid dependency: every thread, before the warpgroups part (the producer's idle warps
@@ -61,6 +58,7 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
         load_stage(smem + write.index * kStageBytes, &full[write.index], &map_a, &map_b, kt, tile.m0, tile.n0);
         write.advance();
       }
+      let_next_kernel_launch();  // the last loads are in flight: the next kernel may launch
     }
     return;
   }

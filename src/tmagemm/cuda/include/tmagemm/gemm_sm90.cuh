@@ -1,7 +1,8 @@
 // Pieces shared by the sm_90a GEMM kernels (gemm_sm90_one_warpgroup.cu, gemm_sm90_warp_specialized.cu,
 // gemm_sm90_persistent.cu): compile-time problem types, kernel parameters, the pipeline
 // stage/phase helper, grouped tile order, the TMA producer step, the programmatic-dependent-launch
-// steps (weight prefetch into L2, grid dependency wait), the wgmma consumer step and the epilogue (alpha/scales/bias/beta*C in registers -> swizzled smem -> TMA store).
+// steps (grid dependency wait, dependents' trigger), the wgmma consumer step and the epilogue
+// (alpha/scales/bias/beta*C in registers -> swizzled smem -> TMA store).
 //
 // Compile-time knobs (set by tmagemm/cuda/gemm.py through NVRTC -D flags):
 //   TMAGEMM_AB_TYPE   0 f16, 1 bf16, 2 e4m3          (A and B share one type)
@@ -228,41 +229,19 @@ __device__ __forceinline__ void load_stage(unsigned char* stage, u64* full, cons
 // Programmatic dependent launch. The host launches every GEMM so that it may start while the
 // kernel before it in the stream drains (gemm.py, TMAGEMM_PDL). A kernel then runs, in order:
 //   1. set-up that touches only shared memory and parameters: barrier init, descriptor prefetch;
-//   2. prefetch_weight_l2, by the producer thread: L2 prefetches of the B boxes its first tile's
-//      first stages load (B is usually a weight, which the previous kernel does not write);
-//   3. wait_for_previous_kernel, by every thread, before any global read of A, scales, bias or C
-//      and before any global write, and before any thread may exit (a kernel never completes
-//      ahead of the one it follows).
-// Only L2 is warmed before the wait, never shared memory: in training chains B may be the
-// previous kernel's output (a gradient), and a TMA load issued before the wait could read it
-// half-written. The prefetch is a hint that L2, the point of coherence, keeps correct.
+//   2. wait_for_previous_kernel, by every thread, before any global read of A, B, scales, bias
+//      or C and before any global write, and before any thread may exit (a kernel never
+//      completes ahead of the one it follows);
+//   3. let_next_kernel_launch, by the producer once it has issued its last load: the next
+//      kernel's launch and set-up overlap this one's last k-blocks and epilogue.
+// Measured on the Triton kernels (docs/small-m.md, "Programmatic dependent launch"): a trigger
+// right after the wait lets the next kernel's CTAs sit on SM resources while this one streams
+// (1.5-4% slower decode layers), and an L2 prefetch of the weight before the wait cost 1-2%.
 // ---------------------------------------------------------------------------------------------
 
-// The B boxes load_stage<kCluster> would load for k-blocks [0, stages), prefetched into L2.
-template <int kCluster = 1>
-__device__ __forceinline__ void prefetch_weight_l2(const CUtensorMap* map_b, int stages, int n0, int rank = 0) {
-  for (int k_tile = 0; k_tile < stages; ++k_tile) {
-    const int k0 = k_tile * kBlockK;
-    if constexpr (kBKMajor) {
-      // K-major B: one box of BLOCK_N (/ kCluster: this CTA's multicast share) rows of 128 bytes.
-      constexpr int kRows = kBlockN / kCluster;
-      ptx::tma_prefetch_2d(map_b, k0, n0 + rank * kRows);
-    } else {
-      // N-major B: this CTA's boxes of 64 N-columns x 64 K-rows.
-      constexpr int kBoxes = kBlockN / 64 / kCluster;
-#pragma unroll
-      for (int j = rank * kBoxes; j < (rank + 1) * kBoxes; ++j) ptx::tma_prefetch_2d(map_b, n0 + 64 * j, k0);
-    }
-  }
-}
+__device__ __forceinline__ void wait_for_previous_kernel() { ptx::griddep_wait(); }
 
-// Every thread: wait for the previous kernel (its writes are then visible), then let the next one
-// launch. The trigger can come this early because the next kernel waits the same way before it
-// touches anything this one writes; starting it early lets it do its own steps 1-2 meanwhile.
-__device__ __forceinline__ void wait_for_previous_kernel() {
-  ptx::griddep_wait();
-  ptx::griddep_launch_dependents();
-}
+__device__ __forceinline__ void let_next_kernel_launch() { ptx::griddep_launch_dependents(); }
 
 // ---------------------------------------------------------------------------------------------
 // Consumer step: acc(64 x kN) += A(64 rows at a_addr) * B(kN columns at b_addr) over one stage;
