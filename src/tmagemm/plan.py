@@ -353,7 +353,7 @@ def build(args: GemmArgs, backend: str = "auto", variant: str | None = None, con
 # shapes, strides, 16-byte alignment, flags) forms the call key; a key is stored only after a call
 # with it passed every check and was planned, so a hit skips both.
 
-_calls: dict[tuple, Callable] = {}  # dense (Call) and grouped (grouped._Call) entries alike
+_calls: dict[tuple, Callable] = {}  # dense (Call), grouped (grouped._Call) and gate/up (gate_up._Call) alike
 
 
 def tensor_key(t: torch.Tensor | None):
@@ -422,7 +422,7 @@ class Call:
 
 
 def cached(key):
-    """The cached call of ``key`` (a :class:`Call`, or a grouped one), or None."""
+    """The cached call of ``key`` (a :class:`Call`, or a grouped or gate/up one), or None."""
     return _calls.get(key)
 
 

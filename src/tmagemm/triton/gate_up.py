@@ -57,8 +57,8 @@ from ..gate_up import GROUP, GateUpArgs
 from ..plan import Plan
 from .common import block_scaled_add, let_next_kernel_launch, wait_for_previous_kernel
 from .host import descriptor
-from .launch import (A, B, BIAS, COUNTERS, OUT, PARTIALS, SCALE_A, SCALE_B, KernelCall, aot_spec as _aot_spec,
-                     direct_launch, pdl)
+from .launch import A, B, BIAS, COUNTERS, OUT, PARTIALS, SCALE_A, SCALE_B, KernelCall, direct_launch, pdl
+from .launch import aot_spec as _aot_spec
 from .quantize import fp8_grid, quantize_row_groups
 
 NAME = "triton.gate_up"
