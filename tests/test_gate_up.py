@@ -367,7 +367,6 @@ def test_compiles_for_sm90a_without_spills(m):
     assert s["sass UTMALDG"] > 0 and s["sass QGMMA"] > 0
     assert art.spills == 0, f"{config.label}: {art.spills} spills"
     assert kernel.ctas_per_sm(config.block_m) * (art.shared + 1024) <= 228 * 1024, (config.label, art.shared)
-    assert art.registers * 32 * config.num_warps * kernel.ctas_per_sm(config.block_m) <= 65536, art.registers
     call_ = kernel.kernel_call(gate_up.example_args(m), config,
                                workspace.Workspace(torch.empty(1), torch.zeros(1, dtype=torch.int32)))
     laid_out = parameter_plan(art.ptx, art.launch_metadata, call_.positional, call_.operand_slots, call_.unspecialized)

@@ -124,8 +124,10 @@ class GateUpConfig:
 
 
 def ctas_per_sm(block_m: int) -> int:
-    """CTAs of a config that fit one SM's 64K registers (sm_90a compile, Triton 3.9: 96 and 198
-    registers x 128 threads at block_m = 16 and 32; 213 (swap-AB) and 165 (tile) x 256 at 64)."""
+    """CTAs of a config one SM holds: two of the 4-warp configs (block_m <= 32) fit its 64K
+    registers at any count (<= 255 per thread; 96 and 198 on the sm_90a compile) and its shared
+    memory (:func:`stages_for`); the 8-warp configs at block_m = 64 take 213 (swap-AB) and 165
+    (tile) registers per thread (Triton 3.9), so one."""
     return 2 if block_m <= 32 else 1
 
 
