@@ -41,8 +41,8 @@ class GateUpArgs(NamedTuple):
     """Checked operands of one fused gate/up call (the problem a plan is built for).
 
     xq (M, H) e4m3, sx (M, KB) fp32, w (2I, H) e4m3, sw (2I/128, KB) fp32 (KB = ceil(H/128); scales
-    with any strides), hq (M, I) e4m3 and hs (M, I/128) fp32 the outputs (any row strides,
-    contiguous rows), pow2_scale: h's scales rounded up to powers of two.
+    with any strides); the outputs hq (M, I) e4m3 (contiguous rows, 16-byte row stride) and hs
+    (M, I/128) fp32 (any strides); pow2_scale: h's scales rounded up to powers of two.
     """
 
     xq: torch.Tensor

@@ -22,8 +22,9 @@ instructions) and the tokens, padded to a power of two >= 16, sit in its N slot,
 ``matmul_splitk`` does; the accumulators are [128, BLOCK_M] tiles of g^T and u^T, transposed once
 for the epilogue. **Larger M:** unswapped [64 tokens, 128 channels] tiles.
 
-**Split-K.** With the groups x token tiles below the SM count (Llama-3-8B: 112 groups at decode
-on 132 SMs) the K range is cut into slices, one program each, with ``matmul_splitk``'s
+**Split-K.** With the groups x token tiles below the CTA slots (two per SM at M <= 32, one
+above; Llama-3-8B: 112 groups at decode for 264 slots on 132 SMs) the K range is cut into
+slices, one program each, with ``matmul_splitk``'s
 deterministic protocol and workspace (``tmagemm.workspace``): every slice parks its two fp32
 partial tiles, bumps the tile's arrival counter (acq_rel, gpu scope, after a CTA barrier); the
 last to arrive sums both in slice order (bitwise reproducible whatever the arrival order),
@@ -115,7 +116,8 @@ class GateUpConfig:
 
     @property
     def label(self) -> str:
-        return f"{'swap' if self.swap_ab else 'tile'}{self.block_m}x{2 * GROUP}s{self.num_stages}w{self.num_warps}k{self.split_k}"
+        kind = "swap" if self.swap_ab else "tile"
+        return f"{kind}{self.block_m}x{2 * GROUP}s{self.num_stages}w{self.num_warps}k{self.split_k}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -331,7 +333,7 @@ def build(args: GateUpArgs, config: GateUpConfig | None = None) -> Plan:
     tiles, split, _ = _split(args, config)
     if split > 1 and tiles > workspace.COUNTERS:
         raise ValueError(f"{NAME}: {tiles} tiles split over K need more arrival counters than a workspace chunk "
-                         f"holds ({workspace.COUNTERS}); use split_k = 1 (the heuristic splits only below the SM count)")
+                         f"holds ({workspace.COUNTERS}); use split_k = 1 (the heuristic splits only below the CTA slots)")
     on_gpu = args.hq.is_cuda
     if on_gpu:
         workspace.top_up(args.hq.get_device())
@@ -354,8 +356,9 @@ def build(args: GateUpArgs, config: GateUpConfig | None = None) -> Plan:
 
 
 def aot_spec(config: GateUpConfig | None = None, m: int = 16, h: int = 4096, i: int = 14336):
-    """A compilable instance for ``tmagemm inspect``-style checks (Llama-3-8B's MLP, heuristic
-    config for ``m`` tokens on 132 SMs unless ``config`` is given)."""
+    """A compilable instance for ahead-of-time checks (``inspection.compile_triton``; not a
+    registered GEMM variant, so not in ``tmagemm inspect --list``): Llama-3-8B's MLP, the
+    heuristic config for ``m`` tokens on 132 SMs unless ``config`` is given."""
     from ..gate_up import example_args
 
     args = example_args(m, h, i)
