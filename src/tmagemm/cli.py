@@ -3,6 +3,7 @@
     tmagemm bench [--preset sweep|llm|square|tma] [--m ..] [--n ..] [--k ..] [--dtype fp8|bf16|fp16]
     tmagemm bench --preset decode [--models llama3-8b,..] [--layers 8] [--m 1,16] [--dtype fp8|bf16]
     tmagemm bench --preset moe [--models deepseek-v3,..] [--m 1,64,256] [--dtype fp8|bf16] [--routing balanced,zipf]
+    tmagemm bench --preset model [--models llama3-8b,qwen3-8b] [--m 1,2,4,8,16] [--variants ..] [--compile-check]
     tmagemm report results/<run>/results.json
     tmagemm inspect triton.tma --dtype fp8 [--config block_m=128,block_n=256] | --cu FILE.cu [-D N=V]
     tmagemm env
@@ -58,14 +59,18 @@ def build_parser() -> argparse.ArgumentParser:
                            "(or with --check) run the Triton kernels under the Triton interpreter on small "
                            "shapes (fp16 and fp8 unless --dtype names one) and check them against float64; "
                            "no timing, so --preset, --graph and --budget-ms are refused there.")  # fmt: skip
-    bench.add_argument("--preset", choices=("sweep", "llm", "square", "block", "tma", "decode", "moe"), default=None,
+    bench.add_argument("--preset", choices=("sweep", "llm", "square", "block", "tma", "decode", "moe", "model"),
+                       default=None,
                        help="GPU only. sweep: M=1..8192 at N=K=4096 (default); llm: model projections; "
                             "square: 1024..16384; block: block-scaled FP8 checkpoint shapes (DeepSeek-V3, Qwen3; "
                             "use with --dtype fp8-block); tma: TMA copy throughput and NVRTC compile times; "
                             "decode: each model's layer stack (qkv, o, gate_up, down) in one CUDA graph, "
                             "per-layer time vs cuBLAS, fp8 tensor/row/block and bf16, M=1..128; "
                             "moe: grouped expert GEMMs (DeepSeek-V3, Qwen3-MoE, Mixtral) vs torch's grouped ops "
-                            "and a per-expert loop, contiguous and masked, one call per CUDA graph")  # fmt: skip
+                            "and a per-expert loop, contiguous and masked, one call per CUDA graph; "
+                            "model: decode tokens/s of a whole random 8B-shaped model (transformers Llama-3-8B "
+                            "shape) in a CUDA graph, bf16 vs tmagemm.nn FP8 vs the same FP8 weights on torch's "
+                            "fp8 GEMMs, batch 1-16, with logits and greedy-token checks")  # fmt: skip
     bench.add_argument("--m", type=_int_list, help="M values (with --n/--k: custom shapes; alone: overrides the preset's M)")
     bench.add_argument("--n", type=_int_list, help="N values (custom shapes)")
     bench.add_argument("--k", type=_int_list, help="K values (custom shapes)")
@@ -90,11 +95,27 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--models", type=lambda s: [p for p in s.split(",") if p],
                        help="--preset decode: comma-separated models (default all: llama3-8b, llama3-70b-tp4, "
                             "qwen2.5-7b, deepseek-v3); --preset moe: deepseek-v3, deepseek-v3-ep4, qwen3-235b-a22b, "
-                            "mixtral-8x7b (default all)")  # fmt: skip
+                            "mixtral-8x7b (default all); --preset model: llama3-8b (default), qwen3-8b, "
+                            "tiny")  # fmt: skip
     bench.add_argument("--routing", type=lambda s: [p for p in s.split(",") if p],
                        help="--preset moe: comma-separated routings, balanced and/or zipf (default both)")
     bench.add_argument("--layers", type=int, default=None,
-                       help="--preset decode: layers per captured stack, each with its own weights (default 8)")
+                       help="--preset decode: layers per captured stack, each with its own weights (default 8); "
+                            "--preset model: the model's depth (default its own, 32 for llama3-8b)")
+    bench.add_argument("--variants", type=lambda s: [p for p in s.split(",") if p],
+                       help="--preset model: comma-separated variants (default all: bf16, fp8-tmagemm, "
+                            "fp8-tmagemm-fused where tmagemm.nn.convert has fuse_gate_up, fp8-torch-block, "
+                            "fp8-tmagemm-row, fp8-torch-row, no-proj)")  # fmt: skip
+    bench.add_argument("--context", type=int, default=None,
+                       help="--preset model: tokens in the KV cache when the timed step runs (default 512)")
+    bench.add_argument("--new-tokens", type=int, default=None,
+                       help="--preset model: greedy tokens compared between eager steps and graph replays (default 16)")
+    bench.add_argument("--compile-check", action="store_true",
+                       help="--preset model: also compare greedy tokens of torch.compile(mode='reduce-overhead') "
+                            "with eager for the fp8-tmagemm variants at the largest batch (compiling a 32-layer "
+                            "model takes minutes; the time is reported)")  # fmt: skip
+    bench.add_argument("--init-std", type=float, default=None,
+                       help="--preset model: std of the random weights (default transformers' initializer_range, 0.02)")
     bench.add_argument("--check", action="store_true",
                        help="accuracy check only, under the Triton interpreter on small shapes unless --m/--n/--k give "
                             "others (the default without a GPU)")  # fmt: skip
@@ -211,6 +232,9 @@ def _check_mode_plan(args: argparse.Namespace):
         if args.preset == "decode":
             raise ValueError("--preset decode needs a GPU: it times CUDA-graph replay of model layer stacks "
                              "(hundreds of MB of weights per layer) against cuBLAS")  # fmt: skip
+        if args.preset == "model":
+            raise ValueError("--preset model needs a GPU: it times CUDA-graph replay of a whole model's decode step "
+                             "(an 8B model: 16 GB of bf16 weights) against its FP8 conversions")  # fmt: skip
         largest = max(max(s.m, s.n, s.k) for s in shapes.preset_shapes(args.preset))
         raise ValueError(f"--preset {args.preset} needs a GPU: its shapes (sizes up to {largest}) are far too large "
                          "for the Triton interpreter. Without a GPU (or with --check) bench checks small shapes; "
@@ -306,8 +330,14 @@ def cmd_bench(args: argparse.Namespace, command: str) -> int:
     from .bench import envinfo
 
     _refuse_fp8_options_without_fp8(args)
-    if args.preset not in ("decode", "moe") and (args.models or args.layers is not None):
-        raise ValueError("--models and --layers apply to --preset decode only (--models also to --preset moe)")
+    if args.preset not in ("decode", "moe", "model") and (args.models or args.layers is not None):
+        raise ValueError("--models and --layers apply to --preset decode only, and to --preset model (--models also to "
+                         "--preset moe)")
+    model_only = [flag for flag, value in (("--variants", args.variants), ("--context", args.context is not None),
+                  ("--new-tokens", args.new_tokens is not None), ("--compile-check", args.compile_check),
+                  ("--init-std", args.init_std is not None)) if value]  # fmt: skip
+    if args.preset != "model" and model_only:
+        raise ValueError(f"{', '.join(model_only)} apply to --preset model only")
     if args.preset != "moe" and args.routing:
         raise ValueError("--routing applies to --preset moe only")
     if args.check or not torch.cuda.is_available():
@@ -323,6 +353,8 @@ def cmd_bench(args: argparse.Namespace, command: str) -> int:
         return _bench_decode(args, command)
     if args.preset == "moe":
         return _bench_moe(args, command)
+    if args.preset == "model":
+        return _bench_model(args, command)
     if args.preset == "tma":
         given = [flag for flag, value in (("--m", args.m), ("--n", args.n), ("--k", args.k), ("--dtype", args.dtype),
                  ("--providers", args.providers), ("--rowwise", args.rowwise), ("--exact-accum", args.exact_accum),
@@ -376,7 +408,7 @@ def _bench_decode(args: argparse.Namespace, command: str) -> int:
 
 
 def _run_graphed(preset, config, out_dir) -> int:
-    """Run a graph-timed preset module (decode, moe), print and save its tables; 1 if a row was wrong."""
+    """Run a graph-timed preset module (decode, moe, model), print and save its tables; 1 if a row was wrong."""
     from .bench import graphed
     from .bench.results import WRONG
 
@@ -410,6 +442,34 @@ def _bench_moe(args: argparse.Namespace, command: str) -> int:
     )
     out_dir = args.out or _default_out(f"moe-{args.dtype or 'fp8+bf16'}")
     return _run_graphed(moe, config, out_dir)
+
+
+def _bench_model(args: argparse.Namespace, command: str) -> int:
+    """``--preset model`` (bench/model.py): its own tables and records; ``tmagemm report`` prints them."""
+    from .bench import model
+
+    given = [flag for flag, value in (("--n", args.n), ("--k", args.k), ("--providers", args.providers),
+             ("--dtype", args.dtype), ("--rowwise", args.rowwise), ("--exact-accum", args.exact_accum),
+             ("--graph", args.graph), ("--no-host-loop", args.no_host_loop),
+             ("--configs", args.configs)) if value]  # fmt: skip
+    if given:
+        raise ValueError(f"--preset model times whole decode steps of fixed variants (bf16, tmagemm.nn FP8, torch "
+                         f"fp8), always as CUDA-graph replay; {', '.join(given)} do not apply (--variants picks the "
+                         "variants, --models the models, --m the batch sizes)")  # fmt: skip
+    config = model.ModelBenchConfig(
+        models=model.parse_models(args.models),
+        variants=model.parse_variants(args.variants),
+        batches=tuple(args.m or model.DEFAULT_BATCHES),
+        layers=args.layers,
+        context=model.DEFAULT_CONTEXT if args.context is None else args.context,
+        new_tokens=model.DEFAULT_NEW_TOKENS if args.new_tokens is None else args.new_tokens,
+        compile_check=args.compile_check,
+        init_std=args.init_std,
+        command=command,
+        **({} if args.budget_ms is None else {"budget_ms": args.budget_ms}),
+    )
+    out_dir = args.out or _default_out("model")
+    return _run_graphed(model, config, out_dir)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
