@@ -419,6 +419,22 @@ def test_gated_mlp_matches_emulation_and_unfused(bias, lead, seeded):
     assert rel_err(y, y_ref) < 0.1, rel_err(y, y_ref)
 
 
+def test_gated_mlp_past_decode_sizes_runs_unfused(seeded):
+    """Above FUSED_MAX_TOKENS tokens: the stacked gate/up GEMM, SiLU * up in x's dtype and a
+    quantizer, i.e. the unfused FP8Linear chain's arithmetic on the same fp8 weights."""
+    from tmagemm.nn import mlp
+
+    reference = GatedMLP(272, 384)
+    unfused = tnn.convert(copy.deepcopy(reference))
+    fused = tnn.FP8GatedMLP.from_mlp(reference)
+    x = torch.randn(mlp.FUSED_MAX_TOKENS + 6, 272, device=DEVICE, dtype=HALF)
+    with torch.no_grad():
+        y, y_unfused = fused(x), unfused(x)
+    assert rel_err(y, y_unfused) < 2e-3, rel_err(y, y_unfused)
+    assert rel_err(y, emulate_gated(fused, x)) < 3e-2
+    assert rel_err(y[:5], fused(x[:5])) < 3e-2  # the fused kernel on the first rows
+
+
 def test_gated_mlp_from_fp8_layers_float32_and_zero_tokens(seeded):
     """FP8Linear projections are copied bit for bit (down_proj reused as it is); float32 in ->
     float32 out; zero tokens give an empty output."""

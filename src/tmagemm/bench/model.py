@@ -50,9 +50,11 @@ DEFAULT_CONTEXT = 512
 DEFAULT_NEW_TOKENS = 16
 DEFAULT_BUDGET_MS = 300.0
 TMAGEMM_VARIANTS = ("fp8-tmagemm", "fp8-tmagemm-fused", "fp8-tmagemm-row")
-# Logits farther than this from the bf16 model's are wrong (independent logits give sqrt(2);
-# fp8 noise gives ~0.1 on random Llamas of 2-32 layers, float32 emulation and docs/nn.md).
-LOGITS_WRONG = 0.5
+# Logits farther than this from the bf16 model's are wrong (independent logits give sqrt(2)).
+# fp8 rounding grows through a random model's depth: on the 32-layer Llama-3-8B shape (init std
+# 0.02, H100) every fp8 variant, PyTorch's cuBLAS ones included, lands 0.58-0.67 from bf16; the
+# linears themselves are checked against float64 on layer 0.
+LOGITS_WRONG = 1.0
 # The bf16 decode step against transformers' forward pass: the same function, other kernels
 # (~0.01 on random bf16 Llamas of 2-32 layers on the CPU; a wrong rotary or mask gives O(1)).
 HF_WRONG = 0.1
