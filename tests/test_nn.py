@@ -697,14 +697,19 @@ def test_tensor_parallel_mlp(recipe, monkeypatch):
 def test_gpu_gated_mlp_against_unfused(m, seeded):
     """A 1024 -> 2816 -> 1024 MLP on the GPU: fused against the float64 emulation, the unfused
     FP8Linear chain and the bf16 MLP (decode and prefill token counts)."""
+    from tmagemm.nn import mlp
+
     reference = GatedMLP(1024, 2816, dtype=torch.bfloat16)
     unfused = tnn.convert(copy.deepcopy(reference))
     fused = tnn.FP8GatedMLP.from_mlp(reference)
     x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         y, y_unfused, y_ref = fused(x), unfused(x), reference(x)
-    assert rel_err(y, emulate_gated(fused, x)) < 1e-2
-    assert rel_err(y, y_unfused) < 3e-2
+    # Above FUSED_MAX_TOKENS the module rounds h to bf16 like the unfused chain; the emulation
+    # keeps the fused kernel's fp32 h.
+    fused_kernel = m <= mlp.FUSED_MAX_TOKENS
+    assert rel_err(y, emulate_gated(fused, x)) < (1e-2 if fused_kernel else 3e-2)
+    assert rel_err(y, y_unfused) < (3e-2 if fused_kernel else 1e-2)
     assert rel_err(y, y_ref) < 0.1
 
 

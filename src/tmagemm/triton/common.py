@@ -96,9 +96,13 @@ def scale_bias_epilogue(
 @triton.jit
 def mma(a, b, acc, FAST_ACCUM: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc += a @ b. Without fast accumulation, fp8 partial sums are promoted to the fp32
-    accumulator once per K tile instead of staying in wgmma's reduced-precision adder."""
+    accumulator every 128 K elements (once per K tile up to 128 deep) instead of staying in
+    wgmma's reduced-precision adder: cuBLAS's promotion interval. Promoting once per 256-deep
+    tile measured 1.66x cuBLAS's error (H100, fp32 out, K = 4112-14336)."""
     if FAST_ACCUM:
         acc = tl.dot(a, b, acc)
+    elif BLOCK_K > 128:
+        acc = tl.dot(a, b, acc, max_num_imprecise_acc=128)
     else:
         acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
     return acc
