@@ -7,7 +7,8 @@ case launches only the kernel its heuristic picks. The cases reach every kernel 
 dispatcher picks at small shapes: the native cooperative kernel (``backend="cuda"``, with the
 promoting fp8 mainloop of ``use_fast_accum=False``), and with ``backend="triton"`` split-K
 (M = 1, long K), the tile kernel (M = 17) and the persistent kernel (M = 300); 16-bit inputs with
-both B layouts. Shapes are off the tile sizes; the larger ones have more tiles than SMs, so
+both B layouts; the fused gate/up projection (split and unsplit) feeding a block GEMM. Every
+kernel is launched with programmatic dependent launch (the default). Shapes are off the tile sizes; the larger ones have more tiles than SMs, so
 persistent CTAs walk several tiles. (The ping-pong schedule needs fp8 M >= 4096 with N, K >= 8192,
 too large for the sanitizer.)
 Each output is checked against float64; exits 1 if any case fails or is off.
@@ -47,7 +48,10 @@ BLOCK_CASES = [
     ("triton", 5, 264, 700),
     ("triton", 3, 200, 4096),  # small M: split-K, 8 K slices
 ]
+# The fused gate/up projection (gate_up_silu_quant): (M, H, I); M = 3 splits K, M = 70 does not.
+GATE_UP_CASES = [(3, 1000, 256), (70, 576, 384)]
 TOL = 1e-2  # max|out - ref| / max|ref|; bf16 output rounding alone is ~4e-3
+GATE_UP_TOL = 8e-2  # h is e4m3 (3 mantissa bits): up to 2^-4 relative per element
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -87,18 +91,38 @@ def half_case(backend, dtype, m, n, k, k_major):
     return tmagemm.matmul(a, b, backend=backend), a.double() @ b.double()
 
 
+def gate_up_case(m, h, i):
+    """Fused gate/up + SiLU*mul + 1x128 quantization, then a chained block GEMM on its output
+    (PDL launches back to back); returns the dequantized h against float64."""
+    x = torch.randn(m, h, device="cuda")
+    xq, sx = tmagemm.quantize_fp8(x, "1x128")
+    w = torch.randn(2 * i, h, device="cuda") / h**0.5
+    wq, sw = tmagemm.quantize_fp8(w, "128x128")
+    hq, hs = tmagemm.gate_up_silu_quant(xq, sx, wq, sw)
+    down = torch.randn(64, i, device="cuda").to(FP8)
+    tmagemm.scaled_mm(hq, down.t(), hs, torch.ones(1, -(-i // 128), device="cuda"), scale_recipe_a="1x128",
+                      scale_recipe_b="128x128")
+    per_k, per_i = torch.arange(h, device="cuda") // 128, torch.arange(i, device="cuda") // 128
+    rows = torch.arange(2 * i, device="cuda") // 128
+    xd = xq.double() * sx.double()[:, per_k]
+    wd = wq.double() * sw.double()[rows][:, per_k]
+    g, u = (xd @ wd.t()).split(i, dim=1)
+    return hq.double() * hs.double()[:, per_i], g * torch.sigmoid(g) * u
+
+
 def main() -> int:
     torch.manual_seed(0)
     cases = [(f"scaled_mm {c[0]} {c[1]}x{c[2]}x{c[3]} fast={c[4]} rowwise={c[5]}", fp8_case, c) for c in FP8_CASES]
     cases += [(f"matmul {c[0]} {str(c[1])[6:]} {c[2]}x{c[3]}x{c[4]} k_major={c[5]}", half_case, c) for c in HALF_CASES]
     cases += [(f"scaled_mm block {c[0]} {c[1]}x{c[2]}x{c[3]}", block_case, c) for c in BLOCK_CASES]
+    cases += [(f"gate_up_silu_quant {c[0]}x{c[1]} I={c[2]}", gate_up_case, c) for c in GATE_UP_CASES]
     failed = 0
     for name, make, params in cases:
         try:
             out, ref = make(*params)
             torch.cuda.synchronize()
             err = rel_err(out, ref)
-            status = "ok" if err <= TOL else "OFF"
+            status = "ok" if err <= (GATE_UP_TOL if make is gate_up_case else TOL) else "OFF"
             print(f"{status:4s} {name}: rel err {err:.1e}", flush=True)
         except Exception as exc:  # report and go on: the sanitizer report covers the other cases
             status = "FAIL"
