@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .envs import interpret
+
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -24,7 +26,11 @@ def quantize_fp8(
     "1x128": one scale per row per 128 columns, shape (rows, ceil(cols/128)) (activations of
     block-scaled checkpoints). "128x128": one scale per 128 x 128 block, shape (ceil(rows/128),
     ceil(cols/128)) (their weights; an HF checkpoint's ``weight_scale_inv``). The block
-    granularities run one fused kernel that reads x once (``tmagemm.triton.quantize``).
+    granularities run one fused kernel that reads x once, "row" one that reads each row twice
+    (the second time from L2), on CUDA tensors and under the interpreter
+    (``tmagemm.triton.quantize``); "tensor", and "row" on other CPU tensors, run torch ops with
+    the same arithmetic. The kernels' fp8 output has its row stride padded to 16 bytes where K is
+    not a multiple of 16 (what the GEMMs' TMA loads need).
     For an activation x (M, K) the scale is ``scale_a``; for a weight w (N, K) pass ``w_fp8.t()``
     as ``b`` and ``w_scale.t()`` ((1, N), row) or ``w_scale`` itself (block) as ``scale_b``.
     An all-zero tensor (row, group) gets the smallest positive scale, so it quantizes to zeros.
@@ -53,6 +59,15 @@ def quantize_fp8(
         return block(x, dtype, pow2_scale=pow2_scale, check_finite=check_finite)
     if pow2_scale:
         raise ValueError("pow2_scale applies to the block granularities ('1x128', '128x128')")
+    if granularity == "row" and (x.is_cuda or interpret()):
+        from .triton.quantize import quantize_rows
+
+        if x.shape[1] > 1 and x.stride(1) != 1:
+            x = x.contiguous()
+        q, scale = quantize_rows(x, dtype)
+        if check_finite and not _capturing(x) and not bool(torch.isfinite(scale).all()):
+            raise ValueError(_non_finite_message(x.float(), scale, granularity))
+        return q, scale
     fp8_max = torch.finfo(dtype).max
     xf = x.float()
     if granularity == "tensor":

@@ -145,6 +145,64 @@ def _block_quantize_kernel(
         tl.store(s_ptr + pid_r * stride_s + kb, scale)
 
 
+@triton.jit
+def _row_quantize_kernel(
+    x_ptr, q_ptr, s_ptr,
+    R, K, stride_x, stride_q,
+    FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, F32_TINY: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):
+    """One program: BLOCK_R whole rows of x, one scale each (the row-wise recipe's activations).
+    A row is longer than a tile, so one pass finds the rows' amax and a second one (reading x
+    again, from L2) quantizes; the arithmetic is _block_quantize_kernel's, bit for bit."""
+    # PDL: x typically comes from the kernel before.
+    wait_for_previous_kernel(PDL)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_x
+
+    # ---- amax per row; NaN counts as +Inf (see _block_quantize_kernel)
+    amax = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_rows + cols[None, :], mask=row_ok[:, None] & (cols[None, :] < K), other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=1))
+    let_next_kernel_launch(PDL)  # what is left reads x from L2 and writes q
+    scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), F32_TINY)
+
+    # ---- quantize
+    q_rows = q_ptr + rows[:, None].to(tl.int64) * stride_q
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        mask = row_ok[:, None] & (cols[None, :] < K)
+        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FP8_MAX), FP8_MAX)
+        tl.store(q_rows + cols[None, :], _round_to_fp8_grid(q, MANT_BITS, MIN_EXP).to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + rows, scale, mask=row_ok)
+
+
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn):
+    """Quantize ``x`` (M, K) with one scale per row, in one kernel (``quantize_fp8(x, "row")``
+    on the GPU and under the interpreter). Returns ``(x_fp8, scale)``: x_fp8 (M, K) with its row
+    stride rounded up to 16 bytes (as :func:`quantize_1x128`'s), scale (M, 1) fp32 = max(amax /
+    fp8_max, smallest normal). A row holding Inf or NaN gets an infinite scale (the caller checks)."""
+    _check(x, dtype, "x", "quantize_fp8")
+    rows, k = x.shape
+    q = torch.empty(rows, -(-k // 16) * 16, dtype=dtype, device=x.device)[:, :k]
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return q, scale
+    # One row per program on the GPU (decode has a few rows; each program streams its row in
+    # 1024-wide steps); the interpreter runs each program as numpy calls: fewer, larger ones.
+    block_r = 1 if x.is_cuda else 16
+    use_pdl = pdl(q)
+    _row_quantize_kernel[(triton.cdiv(rows, block_r),)](
+        x, q, scale, rows, k, x.stride(0), q.stride(0), **fp8_grid(dtype), BLOCK_R=block_r, BLOCK_K=1024,
+        PDL=use_pdl, num_warps=4, **({"launch_pdl": True} if use_pdl else {}),
+    )
+    return q, scale
+
+
 def _check(x: torch.Tensor, dtype: torch.dtype, name: str, fn: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{fn} expects a torch.Tensor {name}, got {type(x).__name__}")
