@@ -126,3 +126,20 @@ def test_check_finite_false_skips_the_check():
     assert torch.isinf(scale[1, 0]) and torch.isfinite(scale[0]).all()
     _, scale = tmagemm.quantize_fp8(x, "row", check_finite=False)
     assert torch.isinf(scale[1, 0])
+
+
+@pytest.mark.parametrize("block_r", [1, 16])
+def test_row_kernel_compiles_for_sm90a(block_r):
+    """The row quantizer as the GPU runs it (one row per program, PDL), compiled ahead of time:
+    one griddepcontrol.wait before its loads and the trigger for dependents after them."""
+    from tmagemm import inspection
+    from tmagemm.triton import quantize
+
+    constexprs = {**quantize.fp8_grid(), "BLOCK_R": block_r, "BLOCK_K": 1024, "PDL": True}
+    signature = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "R": "i32", "K": "i32", "stride_x": "i32",
+                 "stride_q": "i32", **{c: "constexpr" for c in constexprs}}
+    art = inspection.compile_triton(
+        inspection.KernelSpec(quantize._row_quantize_kernel, signature, constexprs, 4, 3, "quantize_rows"))
+    body = art.ptx[art.ptx.index(".entry"):]
+    assert body.count("griddepcontrol.wait") == 1 and body.index("griddepcontrol.wait") < body.index("ld.global")
+    assert body.index("griddepcontrol.launch_dependents") > body.index("ld.global")
