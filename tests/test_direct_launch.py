@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gemm_ref import assert_close, fp8_operands, poisoned, reference
-from tmagemm import inspection
+from tmagemm import inspection, workspace
 from tmagemm.configs import TritonGemmConfig
 from tmagemm.triton import matmul_persistent, matmul_tma
 from tmagemm.triton.host import example_args, tma_layout
@@ -191,7 +191,7 @@ def test_splitk_direct_launch_equals_tritons(m, n, k, seeded):
     expected = poisoned((m, n), torch.bfloat16, "cuda")
     args = GemmArgs(a, b, expected, sa, sb)
     config = matmul_splitk.choose_config(m, n, k, 1, torch.cuda.get_device_properties(0).multi_processor_count)
-    matmul_splitk.kernel_call(args, config, matmul_splitk._scratch(expected, matmul_splitk.partials_needed(args, config))).launch()
+    matmul_splitk.kernel_call(args, config, workspace.for_launch(expected, matmul_splitk.partials_needed(args, config))).launch()
     assert_close(expected, reference(a, b, sa, sb), 1e-2, "split-K via Triton's launcher")
     launcher = matmul_splitk.build(args)
     assert launcher.direct

@@ -15,7 +15,6 @@ reads.
 from __future__ import annotations
 
 import ctypes
-import re
 import types
 
 import pytest
@@ -23,7 +22,7 @@ import torch
 from gemm_ref import FP8, check_product, poisoned
 
 import tmagemm
-from tmagemm import inspection, plan
+from tmagemm import inspection, plan, workspace
 from tmagemm.jit import runtime
 from tmagemm.triton import launch, matmul_grouped, matmul_splitk, matmul_tma
 from tmagemm.triton.common import HAS_GDC
@@ -82,7 +81,7 @@ def _splitk_spec(dtype, k_major):
     scales = (torch.ones(16, 1), torch.ones(1, 512)) if dtype == FP8 else (None, None)
     args = GemmArgs(a, b, out, *scales, None, True)
     config = matmul_splitk.choose_config(16, 512, 1024, a.element_size(), 132)
-    ws = matmul_splitk._scratch(out, matmul_splitk.partials_needed(args, config))
+    ws = workspace.for_launch(out, matmul_splitk.partials_needed(args, config))
     return launch.aot_spec(matmul_splitk.kernel_call(args, config, ws), "triton.splitk")
 
 
@@ -258,6 +257,6 @@ def test_plans_launch_with_pdl_unless_switched_off(pdl_mode):
     assert tile.direct and tile.launch.pdl is (pdl_mode == "pdl" and HAS_GDC)
     small = GemmArgs(a[:16], b, out[:16], None, None, None, True)
     config = matmul_splitk.choose_config(16, 512, 1024, 2, torch.cuda.get_device_properties(0).multi_processor_count)
-    ws = matmul_splitk._scratch(small.out, matmul_splitk.partials_needed(small, config))
+    ws = workspace.for_launch(small.out, matmul_splitk.partials_needed(small, config))
     direct = launch.direct_launch("triton.splitk", matmul_splitk.kernel_call(small, config, ws))
     assert direct is not None and direct.pdl is (pdl_mode == "pdl" and HAS_GDC)

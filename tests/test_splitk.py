@@ -141,7 +141,7 @@ def test_split_is_bitwise_deterministic_and_rearms_counters(seeded):
     out = torch.empty(m, n, device=DEV, dtype=torch.float32)
     args = GemmArgs(a, b, out)
     config = sk.SplitKConfig(16, 32, 32, 3, True, False, 2)
-    ws = sk._scratch(out, sk.partials_needed(args, config))
+    ws = workspace.for_launch(out, sk.partials_needed(args, config))
     sk.kernel_call(args, config, ws).launch()
     first = out.clone()
     for _ in range(2):
@@ -366,7 +366,7 @@ def test_kernel_follows_use_fast_accum(fast_accum):
     out = torch.empty(16, 128)
     args = GemmArgs(a, b, out, None, None, None, fast_accum)
     config = sk.choose_config(16, 128, 256, 1, 132)
-    call = sk.kernel_call(args, config, sk._scratch(out, sk.partials_needed(args, config)))
+    call = sk.kernel_call(args, config, workspace.for_launch(out, sk.partials_needed(args, config)))
     assert call.args["FAST_ACCUM"] is fast_accum
 
 

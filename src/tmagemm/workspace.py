@@ -154,6 +154,14 @@ def get(index: int, partials: int) -> Workspace:
     return getter(index, partials)()
 
 
+def for_launch(out: torch.Tensor, partials: int) -> Workspace:
+    """Scratch for one launch writing ``out``: :func:`get` on its GPU; under the interpreter
+    (CPU tensors) fresh partials and zeroed counters per call."""
+    if out.is_cuda:
+        return get(out.get_device(), partials)
+    return Workspace(torch.empty(max(partials, 1), dtype=torch.float32), torch.zeros(COUNTERS, dtype=torch.int32))
+
+
 def _for_capture(state: _DeviceState, index: int, stream: int, partials: int) -> Workspace:
     key = (_capture_id(stream), stream)
     counters = state.captures.get(key) if key[0] is not None else None

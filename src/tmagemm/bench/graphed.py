@@ -99,25 +99,34 @@ def capture(call: Callable[[], Any]):
     return graph
 
 
+def _per_run_ms(run: Callable[[], Any]) -> float:
+    """A first estimate of one run's GPU time (ms): two runs between events, after a warm one."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    run()
+    start.record()
+    run()
+    run()
+    end.record()
+    end.synchronize()
+    return max(start.elapsed_time(end) / 2, 1e-3)
+
+
+def _reps(budget_ms: float, rounds: int, per_run_ms: float) -> int:
+    return int(min(50, max(2, budget_ms / rounds / per_run_ms)))
+
+
 def time_graphs(graphs: dict[str, Any], budget_ms: float, flush=None, rounds: int = 4) -> dict[str, list[float]]:
     """Replay times (ms) of each graph, in alternating rounds so drift (clocks, power) hits every
     one alike; ``flush`` (a tensor or None) is zeroed before each replay, outside its events."""
     import torch
 
-    per_replay = {}
-    for name, g in graphs.items():  # estimate from 2 replays (the first is warm: eager ran already)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        g.replay()
-        start.record()
-        g.replay()
-        g.replay()
-        end.record()
-        end.synchronize()
-        per_replay[name] = max(start.elapsed_time(end) / 2, 1e-3)
+    per_replay = {name: _per_run_ms(g.replay) for name, g in graphs.items()}
     times: dict[str, list[float]] = {name: [] for name in graphs}
     for _ in range(rounds):
         for name, g in graphs.items():
-            reps = int(min(50, max(2, budget_ms / rounds / per_replay[name])))
+            reps = _reps(budget_ms, rounds, per_replay[name])
             events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
             for s, e in events:
                 if flush is not None:
@@ -127,4 +136,25 @@ def time_graphs(graphs: dict[str, Any], budget_ms: float, flush=None, rounds: in
                 e.record()
             torch.cuda.synchronize()
             times[name] += [s.elapsed_time(e) for s, e in events]
+    return times
+
+
+def time_calls(calls: dict[str, Callable[[], Any]], budget_ms: float, rounds: int = 4) -> dict[str, list[float]]:
+    """Per-call GPU time (ms) of host-launched calls (e.g. compiled steps), in alternating rounds
+    of back-to-back calls between two CUDA events (the host runs ahead, so its own time per call
+    hides behind the GPU's except on a round's first call)."""
+    import torch
+
+    per_call = {name: _per_run_ms(call) for name, call in calls.items()}
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            reps = _reps(budget_ms, rounds, per_call[name])
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                call()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) / reps)
     return times

@@ -565,7 +565,7 @@ def _compile_check(variants: dict[str, _Variant], spec_name: str, batch: int, co
             f"{', ' + row['error'] if row.get('error') else ''}")  # fmt: skip
         rows.append(row)
     if steps and config.cuda_graphs:
-        for name, ms in _time_calls(steps, config.budget_ms).items():
+        for name, ms in graphed.time_calls(steps, config.budget_ms).items():
             row = next(r for r in rows if r["variant"] == name)
             row["step_us"] = 1e3 * sorted(ms)[len(ms) // 2]
         bf16 = next((r.get("step_us") for r in rows if r["variant"] == "bf16"), None)
@@ -574,36 +574,6 @@ def _compile_check(variants: dict[str, _Variant], spec_name: str, batch: int, co
                 row["vs_bf16"] = bf16 / row["step_us"]
     torch.compiler.reset()
     return rows
-
-
-def _time_calls(calls: dict[str, Callable[[], Any]], budget_ms: float, rounds: int = 4) -> dict[str, list[float]]:
-    """Per-call GPU time (ms) of host-launched calls (compiled steps), in alternating rounds of
-    back-to-back calls between two CUDA events (the host runs ahead, so its own time per call
-    hides behind the GPU's except on a round's first call)."""
-    import torch
-
-    per_call = {}
-    for name, call in calls.items():
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        call()
-        start.record()
-        call()
-        call()
-        end.record()
-        end.synchronize()
-        per_call[name] = max(start.elapsed_time(end) / 2, 1e-3)
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, call in calls.items():
-            reps = int(min(50, max(2, budget_ms / rounds / per_call[name])))
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                call()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end) / reps)
-    return times
 
 
 def _run_model(spec_name: str, config: ModelBenchConfig, device, log: _Log, setups: list,

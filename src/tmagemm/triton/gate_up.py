@@ -316,14 +316,6 @@ def kernel_call(args: GateUpArgs, config: GateUpConfig, ws: workspace.Workspace)
                       dict(num_stages=config.num_stages, num_warps=config.num_warps), _OPERANDS)
 
 
-def _scratch(out: torch.Tensor, partials: int) -> workspace.Workspace:
-    if out.is_cuda:
-        return workspace.get(out.get_device(), partials)
-    # The interpreter: fresh, zeroed counters per call.
-    return workspace.Workspace(torch.empty(max(partials, 1), dtype=torch.float32),
-                               torch.zeros(workspace.COUNTERS, dtype=torch.int32))
-
-
 def build(args: GateUpArgs, config: GateUpConfig | None = None) -> Plan:
     """The plan of one call signature: the heuristic config (or ``config``), the kernel launched
     directly (``triton/launch.py``) with the workspace of the calling stream (or capture) per
@@ -338,7 +330,7 @@ def build(args: GateUpArgs, config: GateUpConfig | None = None) -> Plan:
     if on_gpu:
         workspace.top_up(args.hq.get_device())
     need = partials_needed(args, config)
-    fast = direct_launch(NAME, kernel_call(args, config, _scratch(args.hq, need))) if on_gpu else None
+    fast = direct_launch(NAME, kernel_call(args, config, workspace.for_launch(args.hq, need))) if on_gpu else None
     if fast is not None:
         scratch = workspace.getter(fast.device_index, need)
 
@@ -350,7 +342,7 @@ def build(args: GateUpArgs, config: GateUpConfig | None = None) -> Plan:
     pow2 = args.pow2_scale
 
     def launch(xq, w, hq, sx, sw, hs) -> None:
-        kernel_call(GateUpArgs(xq, sx, w, sw, hq, hs, pow2), config, _scratch(hq, need)).launch()
+        kernel_call(GateUpArgs(xq, sx, w, sw, hq, hs, pow2), config, workspace.for_launch(hq, need)).launch()
 
     return Plan(NAME, config, launch, args.hq.get_device())
 

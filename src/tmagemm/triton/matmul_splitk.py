@@ -28,7 +28,6 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-import torch
 import triton
 import triton.language as tl
 
@@ -378,14 +377,6 @@ def kernel_call(args: GemmArgs, config: SplitKConfig, ws: workspace.Workspace) -
                       dict(num_stages=config.num_stages, num_warps=config.num_warps), _OPERANDS)
 
 
-def _scratch(out: torch.Tensor, partials: int) -> workspace.Workspace:
-    if out.is_cuda:
-        return workspace.get(out.get_device(), partials)
-    # The interpreter: fresh, zeroed counters per call.
-    return workspace.Workspace(torch.empty(max(partials, 1), dtype=torch.float32),
-                               torch.zeros(workspace.COUNTERS, dtype=torch.int32))
-
-
 def build(args: GemmArgs, config: SplitKConfig | None = None) -> Plan:
     """The plan of one problem signature: heuristic config, the kernel launched directly
     (``triton/launch.py``) with the workspace of the calling stream (or capture) per call."""
@@ -406,7 +397,7 @@ def build(args: GemmArgs, config: SplitKConfig | None = None) -> Plan:
             raise ValueError(reason)
         workspace.top_up(args.out.get_device())
     need = partials_needed(args, config)
-    fast = direct_launch("triton.splitk", kernel_call(args, config, _scratch(args.out, need))) if on_gpu else None
+    fast = direct_launch("triton.splitk", kernel_call(args, config, workspace.for_launch(args.out, need))) if on_gpu else None
     if fast is not None:
         index = fast.device_index
         scratch = workspace.getter(index, need)
@@ -419,7 +410,7 @@ def build(args: GemmArgs, config: SplitKConfig | None = None) -> Plan:
 
     def launch(a, b, out, scale_a, scale_b, bias) -> None:
         problem = GemmArgs(a, b, out, scale_a, scale_b, bias, args.fast_accum, args.block_scaling)
-        kernel_call(problem, config, _scratch(out, need)).launch()
+        kernel_call(problem, config, workspace.for_launch(out, need)).launch()
 
     return Plan("triton.splitk", config, launch, args.out.get_device())
 
