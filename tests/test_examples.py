@@ -1,0 +1,30 @@
+"""The example scripts run as their docstrings say (CPU, under the Triton interpreter)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("flags", [[], ["--fuse-gate-up"]], ids=["linears", "fused-mlp"])
+def test_fp8_llama_example_runs_on_cpu(flags):
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "fp8_llama.py"), "--device", "cpu", "--tokens", "2",
+                           *flags], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "bit-exact round trip: True" in done.stdout, done.stdout
+    assert ("fused MLPs" in done.stdout) == bool(flags), done.stdout
+
+
+def test_fused_mlp_flag_needs_the_block_recipe():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "fp8_llama.py"), "--device", "cpu", "--recipe", "row",
+                           "--fuse-gate-up"], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2 and "--fuse-gate-up needs --recipe block" in done.stderr
