@@ -727,3 +727,34 @@ def test_gpu_compiled_fused_llama_matches_eager(seeded, monkeypatch):
             eager = model(ids, use_cache=False).logits
             assert torch.equal(compiled(ids, use_cache=False).logits.clone(), eager)
             ids = torch.cat([ids, eager[:, -1].argmax(-1, keepdim=True)], dim=1)
+
+
+# ------------------------------------------------------------------------ warm-up
+
+
+def test_warmup_runs_each_distinct_layer_per_token_count():
+    """A 2-layer Llama with fused MLPs: q/k/v/o share two signatures (128->128, 128->64) and
+    the two MLPs one; the fused MLPs' gate/up children are not run on their own. After warm-up
+    the same calls are planned already (the plan layer's cache holds them)."""
+    from tmagemm import plan
+
+    model = tnn.convert(tiny_llama(layers=2), fuse_gate_up=True)
+    plan.clear_plans()
+    summary = tnn.warmup(model, dtype=HALF, m_values=(1, 3), progress=False)
+    assert summary.calls == 3 * 2 and summary.seconds > 0 and len(summary.slowest) == 5
+    planned = len(plan.cached_calls())
+    assert planned > 0
+    with torch.no_grad():  # the other layer's MLP (the CPU caches gate/up plans too), and a linear
+        model.model.layers[1].mlp(torch.randn(3, 128, device=DEVICE, dtype=HALF))
+        model.model.layers[1].self_attn.k_proj(torch.randn(3, 128, device=DEVICE, dtype=HALF))
+    assert len(plan.cached_calls()) == planned, "a warmed signature was planned again"
+
+
+def test_warmup_errors():
+    with pytest.raises(ValueError, match="no FP8Linear or FP8GatedMLP"):
+        tnn.warmup(torch.nn.Linear(16, 16), progress=False)
+    layer = tnn.FP8Linear(128, 128, device=DEVICE, dtype=HALF)
+    with pytest.raises(TypeError, match="dtype must be bfloat16, float16 or float32"):
+        tnn.warmup(layer, dtype=torch.int32, progress=False)
+    with pytest.raises(ValueError, match="token counts must be positive"):
+        tnn.warmup(layer, m_values=(0, 4), progress=False)

@@ -1,8 +1,9 @@
 """FP8 linear layers for real models: ``FP8Linear`` (quantized weight, activations quantized on
 the fly, ``tmagemm.scaled_mm``), ``FP8GatedMLP`` (a gated SiLU MLP with its gate/up projection,
 SiLU-and-multiply and quantization fused), ``convert`` (swap a model's nn.Linear layers and,
-optionally, its MLPs), FP8 checkpoints in the Hugging Face layout, and tensor-parallel shards.
-docs/nn.md walks through them."""
+optionally, its MLPs), FP8 checkpoints in the Hugging Face layout, tensor-parallel shards, and
+``warmup`` (compile and plan a converted model's kernels at start-up). docs/nn.md walks through
+them."""
 
 from .checkpoint import (
     from_pretrained_fp8,
@@ -14,6 +15,7 @@ from .convert import convert
 from .linear import FP8Linear
 from .mlp import FP8GatedMLP
 from .parallel import ColumnParallelFP8Linear, RowParallelFP8Linear, parallelize_linear
+from .warmup import warmup
 
 __all__ = [
     "ColumnParallelFP8Linear",
@@ -26,4 +28,5 @@ __all__ = [
     "parallelize_linear",
     "quantization_config",
     "save_fp8_checkpoint",
+    "warmup",
 ]
