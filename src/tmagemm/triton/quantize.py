@@ -59,25 +59,46 @@ def _round_to_fp8_grid(q, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
 
 
 @triton.jit
-def quantize_row_groups(x, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
-                        F32_TINY: tl.constexpr, POW2: tl.constexpr):
-    """Quantize an fp32 tile whose rows are each one whole 1x128 group: returns ``(q, scale)``, q
-    fp32 on the fp8 grid (the cast to fp8 that follows is exact) and one dequantization scale
-    per row. The arithmetic of :func:`quantize_1x128`, bit for bit (a test holds it to that):
-    NaN counts as +Inf in the amax (a hardware max would drop it), scale = max(div_rn(amax,
-    FP8_MAX), F32_TINY), with POW2 rounded up to a power of two, and q = div_rn(x, scale) clamped
-    to +-FP8_MAX and rounded to nearest even on the grid. For kernels that produce an activation
-    and quantize it in their epilogue (``triton/gate_up.py``); a row of zeros gets the smallest
-    normal scale and zeros, rows that are padding should be masked at the store."""
-    mag = tl.where(x == x, tl.abs(x), float("inf"))
-    scale = tl.maximum(tl.math.div_rn(tl.max(mag, axis=1), FP8_MAX), F32_TINY)
+def _magnitude(x):
+    """|x| with NaN counted as +Inf: max.f32 (on the GPU and in the interpreter) returns the
+    non-NaN operand, which would hide a NaN; an infinite amax makes an infinite scale, which the
+    host reports."""
+    return tl.where(x == x, tl.abs(x), float("inf"))
+
+
+@triton.jit
+def _scale_of(amax, FP8_MAX: tl.constexpr, F32_TINY: tl.constexpr, POW2: tl.constexpr):
+    """amax / fp8_max correctly rounded (div_rn: Triton's "/" is approximate on the GPU), so it
+    matches torch bit for bit; never below the smallest normal (a zero group quantizes to zeros).
+    POW2: rounded up to a power of two exactly (any mantissa bit carries into the exponent, the
+    mantissa is cleared; +Inf stays +Inf)."""
+    scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), F32_TINY)
     if POW2:
         bits = scale.to(tl.int32, bitcast=True)
         bits = tl.where(bits < 0x7F800000, (bits + 0x7FFFFF) & 0x7F800000, bits)
         scale = bits.to(tl.float32, bitcast=True)
-    q = tl.math.div_rn(x, scale[:, None])
-    q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
-    return _round_to_fp8_grid(q, MANT_BITS, MIN_EXP), scale
+    return scale
+
+
+@triton.jit
+def _fp8_values(x, scale, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+    """x / scale (``scale`` broadcast by the caller), clamped to +-FP8_MAX (guarding the rounding
+    at amax) and rounded to nearest even on the fp8 grid: the cast that follows is exact."""
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
+    return _round_to_fp8_grid(q, MANT_BITS, MIN_EXP)
+
+
+@triton.jit
+def quantize_row_groups(x, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
+                        F32_TINY: tl.constexpr, POW2: tl.constexpr):
+    """Quantize an fp32 tile whose rows are each one whole 1x128 group: returns ``(q, scale)``, q
+    fp32 on the fp8 grid (the cast to fp8 that follows is exact) and one dequantization scale
+    per row, by the quantizers' own steps (:func:`_magnitude`, :func:`_scale_of`,
+    :func:`_fp8_values`). For kernels that produce an activation and quantize it in their
+    epilogue (``triton/gate_up.py``); a row of zeros (padding past M, say) gets zeros and the
+    smallest normal scale."""
+    scale = _scale_of(tl.max(_magnitude(x), axis=1), FP8_MAX, F32_TINY, POW2)
+    return _fp8_values(x, scale[:, None], FP8_MAX, MANT_BITS, MIN_EXP), scale
 
 
 def fp8_grid(dtype: torch.dtype = torch.float8_e4m3fn) -> dict:
@@ -112,32 +133,12 @@ def _block_quantize_kernel(
     x = x.to(tl.float32)
     let_next_kernel_launch(PDL)  # what is left is arithmetic and two stores
 
-    # ---- amax per group. NaN -> +Inf first: max.f32 on the GPU (and the interpreter) returns
-    # the non-NaN operand, which would hide a NaN; an infinite amax makes an infinite scale,
-    # which the host reports.
-    mag = tl.where(x == x, tl.abs(x), float("inf"))
+    # ---- amax, scale and fp8 values of each group, from the registers already holding x
     if PER_ROW:
-        amax = tl.max(mag, axis=1)  # [BLOCK_R]
+        q, scale = quantize_row_groups(x, FP8_MAX, MANT_BITS, MIN_EXP, F32_TINY, POW2)
     else:
-        amax = tl.max(tl.max(mag, axis=1), axis=0)  # scalar
-
-    # ---- scale: amax / fp8_max, correctly rounded (div_rn: Triton's "/" is approximate on the
-    # GPU) so it matches torch bit for bit; never below the smallest normal (zero groups -> 0).
-    scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), F32_TINY)
-    if POW2:
-        # Round up to a power of two exactly: carry any mantissa bit into the exponent and clear
-        # the mantissa (scale is a positive normal; +Inf stays +Inf).
-        bits = scale.to(tl.int32, bitcast=True)
-        bits = tl.where(bits < 0x7F800000, (bits + 0x7FFFFF) & 0x7F800000, bits)
-        scale = bits.to(tl.float32, bitcast=True)
-
-    # ---- quantize from the registers already holding x; clamp guards the rounding at amax.
-    if PER_ROW:
-        q = tl.math.div_rn(x, scale[:, None])
-    else:
-        q = tl.math.div_rn(x, scale)
-    q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
-    q = _round_to_fp8_grid(q, MANT_BITS, MIN_EXP)
+        scale = _scale_of(tl.max(tl.max(_magnitude(x), axis=1), axis=0), FP8_MAX, F32_TINY, POW2)
+        q = _fp8_values(x, scale, FP8_MAX, MANT_BITS, MIN_EXP)
     tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
     if PER_ROW:
         tl.store(s_ptr + rows * stride_s + kb, scale, mask=rows < R)
@@ -161,14 +162,14 @@ def _row_quantize_kernel(
     row_ok = rows < R
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_x
 
-    # ---- amax per row; NaN counts as +Inf (see _block_quantize_kernel)
+    # ---- amax per row
     amax = tl.zeros([BLOCK_R], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + cols[None, :], mask=row_ok[:, None] & (cols[None, :] < K), other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=1))
+        amax = tl.maximum(amax, tl.max(_magnitude(x), axis=1))
     let_next_kernel_launch(PDL)  # what is left reads x from L2 and writes q
-    scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), F32_TINY)
+    scale = _scale_of(amax, FP8_MAX, F32_TINY, False)
 
     # ---- quantize
     q_rows = q_ptr + rows[:, None].to(tl.int64) * stride_q
@@ -176,8 +177,8 @@ def _row_quantize_kernel(
         cols = k0 + tl.arange(0, BLOCK_K)
         mask = row_ok[:, None] & (cols[None, :] < K)
         x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FP8_MAX), FP8_MAX)
-        tl.store(q_rows + cols[None, :], _round_to_fp8_grid(q, MANT_BITS, MIN_EXP).to(q_ptr.dtype.element_ty), mask=mask)
+        q = _fp8_values(x, scale[:, None], FP8_MAX, MANT_BITS, MIN_EXP)
+        tl.store(q_rows + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + rows, scale, mask=row_ok)
 
 
@@ -236,9 +237,7 @@ def _quantize(x, dtype, pow2_scale, per_row: bool, fn: str, name: str, check_fin
     use_pdl = pdl(q)
     _block_quantize_kernel[grid](
         x, q, scale, rows, k, x.stride(0), q.stride(0), scale.stride(0),
-        FP8_MAX=float(torch.finfo(dtype).max), MANT_BITS=_FP8_GRID[dtype][0], MIN_EXP=_FP8_GRID[dtype][1],
-        F32_TINY=_F32_TINY,
-        BLOCK_R=block_r, BLOCK_K=SCALE_BLOCK, PER_ROW=per_row, POW2=bool(pow2_scale), PDL=use_pdl,
+        **fp8_grid(dtype), BLOCK_R=block_r, BLOCK_K=SCALE_BLOCK, PER_ROW=per_row, POW2=bool(pow2_scale), PDL=use_pdl,
         # 4 warps hold a 16x128 tile in 16 fp32 registers per thread; the 128x128 weight tile
         # is spread over 16 warps (32 per thread: 1.35-1.47 TB/s against 1.1-1.2 with 8).
         num_warps=4 if per_row else 16, **({"launch_pdl": True} if use_pdl else {}),
