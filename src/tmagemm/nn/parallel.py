@@ -41,6 +41,13 @@ def shard_size(size: int, world: int, recipe: str, name: str) -> int:
     return size // world
 
 
+def _empty_shard(cls, layer: FP8Linear, group, device):
+    """This rank's ``cls`` shard of ``layer``'s shape, recipe and bias dtype, not yet loaded."""
+    bias = layer.bias
+    return cls(layer.in_features, layer.out_features, bias is not None, layer.recipe,
+               bias.dtype if bias is not None else torch.bfloat16, device or layer.weight.device, group)
+
+
 class ColumnParallelFP8Linear(FP8Linear):
     """The output features of an FP8Linear split over the ranks of ``group``: this rank holds
     rows [r * N/world, (r+1) * N/world) of W (and of its scales and bias) and returns that slice
@@ -56,9 +63,7 @@ class ColumnParallelFP8Linear(FP8Linear):
     @classmethod
     def from_full(cls, layer: FP8Linear, group=None, device=None) -> ColumnParallelFP8Linear:
         """This rank's shard of a full (unsharded) FP8Linear, on ``device`` (default: the layer's)."""
-        bias = layer.bias
-        shard = cls(layer.in_features, layer.out_features, bias is not None, layer.recipe,
-                    bias.dtype if bias is not None else torch.bfloat16, device or layer.weight.device, group)
+        bias, shard = layer.bias, _empty_shard(cls, layer, group, device)
         rows = slice(shard.rank * shard.out_features, (shard.rank + 1) * shard.out_features)
         scale = layer.weight_scale_inv
         if layer.recipe == "block":
@@ -87,9 +92,7 @@ class RowParallelFP8Linear(FP8Linear):
     @classmethod
     def from_full(cls, layer: FP8Linear, group=None, device=None) -> RowParallelFP8Linear:
         """This rank's shard of a full (unsharded) FP8Linear, on ``device`` (default: the layer's)."""
-        bias = layer.bias
-        shard = cls(layer.in_features, layer.out_features, bias is not None, layer.recipe,
-                    bias.dtype if bias is not None else torch.bfloat16, device or layer.weight.device, group)
+        bias, shard = layer.bias, _empty_shard(cls, layer, group, device)
         cols = slice(shard.rank * shard.in_features, (shard.rank + 1) * shard.in_features)
         scale = layer.weight_scale_inv
         if layer.recipe == "block":
