@@ -140,19 +140,32 @@ def test_coop_config_choices():
 def test_coop_config_promotes_fp8_without_fast_accum(shape):
     m, n, k = shape
     config = native.coop_config(m, n, k, 1, True, 132, fast_accum=False)
-    assert config.promote and config.block_n == 128 and not config.pingpong, config
+    assert config.promote and not config.pingpong and config.fitted(4).is_valid(4), config
+    assert config == native.promote_config(m, n, 132)
     assert config.is_valid(2) and config.fitted(4).is_valid(4)
     assert not native.coop_config(m, n, k, 1, True, 132).promote
     assert native.coop_config(m, n, k, 2, False, 132, fast_accum=False) == native.coop_config(m, n, k, 2, False, 132)
 
 
-def test_promote_needs_cooperative_128_wide_tiles():
+def test_promote_config_choices():
+    wide = native.promote_config(4096, 4096, 132)  # 512 wide tiles: 4 waves of 66 clusters
+    assert (wide.block_n, wide.promote_depth, wide.cluster_m) == (256, 1, 2)
+    # 160 wide tiles take 2 waves, 320 narrow ones 3 waves of tiles half the size
+    narrow = native.promote_config(1024, 5120, 132)
+    assert (narrow.block_n, narrow.promote_depth, narrow.cluster_m) == (128, 2, 2)
+    assert native.promote_config(1024, 2112, 132).block_n == 256  # one wave either way: the faster tile
+    assert native.promote_config(128, 51200, 132).cluster_m == 1  # one row of tiles: nothing to pair
+    for m, n in ((1, 8), (17, 577), (300, 2112), (8192, 51200)):
+        assert native.promote_config(m, n, 132).fitted(4).is_valid(4)
+
+
+def test_promote_needs_the_cooperative_schedule():
     promote = native.NativeGemmConfig("persistent", block_n=128, stages=6, promote=True)
     assert promote.is_valid(2)
-    assert not replace(promote, block_n=256, stages=4, epi_passes=4, epi_buffers=2).is_valid(2)  # 3 x 128 regs
+    assert replace(promote, block_n=256, stages=4, epi_passes=4, epi_buffers=2).is_valid(2)  # promoted in halves
+    assert replace(promote, cluster_m=2).is_valid(2)
     assert not replace(promote, pingpong=True, stages=5).is_valid(2)
     assert not replace(promote, kernel="warp_specialized", stages=4).is_valid(2)
-    assert not replace(promote, cluster_m=2).is_valid(2)  # not built or tested on clusters
 
 
 @needs_nvrtc
@@ -239,16 +252,21 @@ def test_variant_builds_for_sm90a(name, family):
 
 @needs_nvrtc
 @pytest.mark.parametrize("out", [torch.bfloat16, torch.float32])
-def test_promoted_fp8_builds_for_sm90a(out):
-    """use_fast_accum=False: one wgmma batch per k-block into scratch registers, then 64 adds
-    into the fp32 accumulators, without spills or ptxas serializing the wgmmas."""
+@pytest.mark.parametrize("config", native.PROMOTE_CANDIDATES, ids=lambda c: c.label())
+def test_promoted_fp8_builds_for_sm90a(config, out):
+    """use_fast_accum=False: one wgmma batch per k-block and 128 columns into scratch registers,
+    then 64 adds into the fp32 accumulators, without spills or ptxas serializing the wgmmas."""
     from tmagemm import jit
 
-    config = native.coop_config(4096, 4096, 4096, 1, True, 132, fast_accum=False)
+    config = config.fitted(torch.empty((), dtype=out).element_size())
     module = native.compile_module(config, FP8, out, True)
     sass = jit.sass(module.cubin)
-    assert _count(sass, "QGMMA") == 4 and "QGMMA.64x128x32.F32.E4M3.E4M3" in sass
-    assert _count(sass, "FADD") >= 64, "the promotion adds"
+    parts = config.block_n // 128
+    # 4 wgmmas per k-block and 128 columns; depth 2 issues them at three sites (a step's two
+    # k-blocks, the odd last one).
+    assert _count(sass, "QGMMA") == (12 if config.promote_depth == 2 else 4 * parts)
+    assert "QGMMA.64x128x32.F32.E4M3.E4M3" in sass
+    assert _count(sass, "FADD") >= 64 * parts, "the promotion adds"
     assert _count(sass, "LDL") == 0 and _count(sass, "STL") == 0
     assert "are serialized" not in module.log, "ptxas serialized the wgmmas"
     assert jit.resource_usage(module.cubin, native.kernel_name(config)).registers == 168
@@ -503,15 +521,16 @@ def test_unaligned_stride_is_refused():
 
 
 @needs_nvrtc
-def test_block_scaled_builds_for_sm90a():
-    """The promoting mainloop with scales: the same four fp8 wgmmas per stage, no spills, and no
-    serialized wgmma (ptxas warns when the scale loads would force it)."""
+@pytest.mark.parametrize("config", [c for c in next(v for v in native.VARIANTS if v.name == "cuda.blockscaled").configs],
+                         ids=lambda c: c.label())
+def test_block_scaled_builds_for_sm90a(config):
+    """The promoting mainloop with scales: the same four fp8 wgmmas per stage and 128 columns, no
+    spills, and no serialized wgmma (ptxas warns when the scale loads would force it)."""
     from tmagemm import jit
 
-    config = native.NATIVE_CONFIGS["cuda.blockscaled"]
     module = native.compile_module(config, FP8, torch.bfloat16, True)
     sass = jit.sass(module.cubin)
-    assert _count(sass, "QGMMA") == 4
+    assert _count(sass, "QGMMA") == (12 if config.promote_depth == 2 else 4 * (config.block_n // 128))
     assert "64x128x32" in sass
     usage = jit.resource_usage(module.cubin, native.kernel_name(config))
     assert usage.local_bytes == 0 and usage.stack_bytes == 0, usage
@@ -536,10 +555,9 @@ def _block_reference(a, w, sa, sb):
     return (a.double() * sa.double()[:, kb]) @ (w.double() * sb.double()[rows][:, kb]).t()
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k", [(1, 2112, 576), (17, 520, 7168), (727, 2112, 576), (300, 1000, 1104)])
-@pytest.mark.parametrize("scale_layout", ["row-major", "outer-dim-major"])
-def test_block_scaled_matches_float64(m, n, k, scale_layout, seeded):
+def _block_scaled_check(m, n, k, scale_layout="row-major", config=None):
+    """The native block-scaled kernel (its heuristic config, or ``config``) on fresh operands with
+    a bf16 bias, fp32 out in a poisoned buffer, against the float64 block dequantization."""
     from tmagemm.plan import Scaling
 
     a, w, sa, sb = _block_operands(m, n, k)
@@ -550,7 +568,7 @@ def test_block_scaled_matches_float64(m, n, k, scale_layout, seeded):
     args = GemmArgs(a, w.t(), out, sa, sb, bias, True, (Scaling.BLOCK_1X128, Scaling.BLOCK_128X128))
     variant = next(v for v in native.VARIANTS if v.name == "cuda.blockscaled")
     assert variant.supports(args) is None, variant.supports(args)
-    variant.build(args)(args)
+    variant.build(args, config)(args)
     torch.cuda.synchronize()
     ref = _block_reference(a, w, sa, sb) + bias.double()
     # Each k-block's sum is exact products added by wgmma's reduced-precision fp8 adder (bounded
@@ -558,7 +576,36 @@ def test_block_scaled_matches_float64(m, n, k, scale_layout, seeded):
     # added in fp32.
     kb = torch.arange(k, device="cuda") // 128
     magnitude = (a.double().abs() * sa.double()[:, kb]) @ (w.double().abs() * sb.double()[torch.arange(n, device="cuda") // 128][:, kb]).t()
-    _assert_close(out, ref, rtol=1e-5, atol=2.0**-10 * magnitude + 1e-6, what=f"block-scaled {m}x{n}x{k}")
+    _assert_close(out, ref, rtol=1e-5, atol=2.0**-10 * magnitude + 1e-6, what=f"block-scaled {m}x{n}x{k} {config}")
+    _check_untouched(big, m, n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(1, 2112, 576), (17, 520, 7168), (727, 2112, 576), (300, 1000, 1104)])
+@pytest.mark.parametrize("scale_layout", ["row-major", "outer-dim-major"])
+def test_block_scaled_matches_float64(m, n, k, scale_layout, seeded):
+    _block_scaled_check(m, n, k, scale_layout)
+
+
+# Every promoting tile the candidates offer, on 4 CTAs so each walks several tiles (phases carry
+# across tiles); N = 584 and 2112 end inside a 256-wide tile's second 128-column half, whose
+# weight-block index is clamped to the last block.
+_PROMOTE_SHAPES = [(727, 2112, 1104), (300, 584, 4224), (1, 264, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [replace(c, ctas=4) for c in native.PROMOTE_CANDIDATES], ids=lambda c: c.label())
+@pytest.mark.parametrize("m,n,k", _PROMOTE_SHAPES)
+def test_block_scaled_every_promoting_tile(config, m, n, k, seeded):
+    _block_scaled_check(m, n, k, "outer-dim-major" if m % 2 else "row-major", replace(config, block_scaled=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [replace(c, ctas=4) for c in native.PROMOTE_CANDIDATES], ids=lambda c: c.label())
+@pytest.mark.parametrize("m,n,k", _PROMOTE_SHAPES)
+def test_promoted_fp8_every_promoting_tile(config, m, n, k, seeded):
+    big, out, ref, bound = _promoted_run(m, n, k, config)
+    _assert_close(out, ref, rtol=0.0, atol=bound, what=f"promoted fp8 {config.label()}")
     _check_untouched(big, m, n)
 
 

@@ -59,8 +59,10 @@ class NativeGemmConfig:
     output in ``epi_passes`` column slices through ``epi_buffers`` (1 or 2, alternating) slice
     buffers, so staging takes ``epi_buffers / epi_passes`` of the tile (2 passes x 1 buffer or 4 x
     2 leave room for a 4th ring stage); ``promote``: fp8 with fp32-promoted accumulation (each
-    k-block's wgmma sum is added into fp32 registers: the ``use_fast_accum=False`` semantics),
-    persistent cooperative 128x128 tiles without clusters only; ``block_scaled``: the promoting
+    k-block's wgmma sum is added into fp32 registers, 128 columns at a time: the
+    ``use_fast_accum=False`` semantics), persistent cooperative tiles only; ``promote_depth``: 2 =
+    two scratch fragments, so the next k-block's wgmmas run while one is added (128-wide tiles
+    only); ``block_scaled``: the promoting
     mainloop also multiplies each k-block's sum by its 1x128 activation and 128x128 weight scales
     (fp8 block-scaled checkpoints). Block M is always 128 and block K one 128-byte row."""
 
@@ -75,6 +77,7 @@ class NativeGemmConfig:
     epi_buffers: int = 1
     raster_n: bool = False
     promote: bool = False
+    promote_depth: int = 1
     block_scaled: bool = False
 
     @property
@@ -83,6 +86,16 @@ class NativeGemmConfig:
 
     def stage_bytes(self) -> int:
         return (128 + self.block_n) * _ROW_BYTES
+
+    def label(self) -> str:
+        """Short name, e.g. ``coop128x256s4c2p`` (schedule, tile, stages, cluster, promotion): how
+        ``tmagemm bench --configs`` names a config's provider."""
+        schedule = {"one_warpgroup": "wg1", "warp_specialized": "ws"}.get(
+            self.kernel, "pingpong" if self.pingpong else "coop")
+        extra = "".join((f"c{self.cluster_m}" if self.cluster_m > 1 else "", f"n{self.ctas}" if self.ctas else "",
+                         f"g{self.group_m}" if self.group_m != 8 else "", "r" if self.raster_n else "",
+                         ("p" if self.promote_depth == 1 else "p2") if self.promote else "", "b" if self.block_scaled else ""))
+        return f"{schedule}128x{self.block_n}s{self.stages}{extra}"
 
     def epilogue_bytes(self, out_itemsize: int) -> int:
         """Dedicated output staging (persistent only; the others reuse the idle ring): one
@@ -116,9 +129,9 @@ class NativeGemmConfig:
             and (self.block_n * out_itemsize // _ROW_BYTES) % self.epi_passes == 0  # whole 128-byte chunks
             and self.epi_buffers in (1, 2)
             and (self.epi_buffers == 1 or self.epi_passes >= 2)
-            # promotion's scratch fragments fit the registers beside 64 accumulators only
-            and (not self.promote or (self.kernel == "persistent" and not self.pingpong and self.block_n == 128
-                                      and self.cluster_m == 1))
+            # promotion: cooperative consumers hold the accumulators plus a 128-column scratch fragment
+            and (not self.promote or (self.kernel == "persistent" and not self.pingpong))
+            and (self.promote_depth == 1 or (self.promote_depth == 2 and self.promote and self.block_n == 128))
             and (not self.block_scaled or self.promote)  # scales ride on the promotion step
             and self.smem_bytes(out_itemsize) + 256 <= _device.SM90_SMEM_PER_BLOCK
         )
@@ -247,7 +260,7 @@ def _defines(config: NativeGemmConfig, ab_dtype: torch.dtype, out_dtype: torch.d
         defines["TMAGEMM_CLUSTER_M"] = config.cluster_m
         defines["TMAGEMM_EPI_PASSES"] = config.epi_passes
         defines["TMAGEMM_EPI_BUFFERS"] = config.epi_buffers
-        defines["TMAGEMM_PROMOTE"] = int(config.promote)
+        defines["TMAGEMM_PROMOTE"] = config.promote_depth if config.promote else 0
         defines["TMAGEMM_BLOCK_SCALED"] = int(config.block_scaled)
     return defines
 
@@ -391,8 +404,39 @@ _COOP_N128 = NativeGemmConfig("persistent", block_n=128, stages=6)
 # fp8 with use_fast_accum=False: the same tiles with per-k-block fp32 promotion (registers allow
 # it beside 128-wide tiles only).
 _COOP_PROMOTE = replace(_COOP_N128, promote=True)
+# The promoting tiles `tmagemm bench --configs` times side by side: 128 or 256 wide (promoted
+# 128 columns at a time), 128 wide with two scratch fragments, alone or as 2x1 clusters
+# multicasting B.
+_PROMOTE_N256 = replace(_COOP_PROMOTE, block_n=256, stages=4, epi_passes=4, epi_buffers=2)
+PROMOTE_CANDIDATES = tuple(replace(c, cluster_m=cm) for c in (_COOP_PROMOTE, _PROMOTE_N256) for cm in (1, 2)) + tuple(
+    replace(_COOP_PROMOTE, promote_depth=2, cluster_m=cm) for cm in (1, 2))
+# What the dispatcher runs (H100, the candidates side by side at M = 1024 / 4096 on the block
+# preset's ten shapes and at M = 4096 without fast accumulation; BENCHMARKS.md): 128x256 tiles
+# on clusters ran 1.05-1.25x the 128x128 tiles of before. 128x128 tiles with two scratch
+# fragments on clusters were the best narrow tile, at about 0.9x the wide tile's speed per output,
+# and won only where they fill the last wave of SMs much better (e.g. 1024 x 5120 x 2048: 160
+# wide tiles are 2 waves, 320 narrow ones 3 waves of half-size tiles).
+_PROMOTE_WIDE = replace(_PROMOTE_N256, cluster_m=2)
+_PROMOTE_NARROW = replace(_COOP_PROMOTE, promote_depth=2, cluster_m=2)
+_PROMOTE_NARROW_TILE_TIME = 0.56  # a narrow tile's time in wide-tile times (half the work at 0.9x)
+
+
+def promote_config(m: int, n: int, sms: int) -> NativeGemmConfig:
+    """The promoting config for one problem (fp8 without fast accumulation, and block scales):
+    wide tiles unless the narrow ones finish the waves of tiles sooner; clusters where there are
+    two rows of tiles to pair (a single row would leave every second CTA idle)."""
+    rows = -(-m // 128)
+    cluster = 2 if rows >= 2 else 1
+
+    def waves(block_n: int) -> int:
+        return -(-(-(-rows // cluster) * -(-n // block_n)) // (sms // cluster))
+
+    narrow = waves(_PROMOTE_NARROW.block_n) * _PROMOTE_NARROW_TILE_TIME < waves(_PROMOTE_WIDE.block_n)
+    return replace(_PROMOTE_NARROW if narrow else _PROMOTE_WIDE, cluster_m=cluster)
+
+
 # Block-scaled fp8: the promoting tiles, scaling each k-block's sum as it is added.
-NATIVE_CONFIGS["cuda.blockscaled"] = replace(_COOP_PROMOTE, block_scaled=True)
+NATIVE_CONFIGS["cuda.blockscaled"] = replace(_PROMOTE_WIDE, block_scaled=True)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -412,16 +456,16 @@ def coop_config(
     * 128x256 tiles for at most half the SMs, where 128x128 tiles are more: cooperative 128x128
       tiles (twice the CTAs at work).
     * otherwise the 4-stage cooperative default (1 CTA per SM).
-    * fp8 without ``fast_accum``: cooperative 128x128 tiles with fp32 promotion, with the same
-      balanced grid rule.
+    * fp8 without ``fast_accum``: cooperative tiles with fp32 promotion (:func:`promote_config`).
     """
-    promote = ab_itemsize == 1 and not fast_accum
+    if ab_itemsize == 1 and not fast_accum:
+        return promote_config(m, n, sms)
     min_m, min_n, min_k = _PINGPONG_FP8_MIN
-    if not promote and ab_itemsize == 1 and m >= min_m and n >= min_n and k >= min_k:
+    if ab_itemsize == 1 and m >= min_m and n >= min_n and k >= min_k:
         return NATIVE_CONFIGS["cuda.persistent_pingpong"]
-    config = _COOP_PROMOTE if promote else NATIVE_CONFIGS["cuda.persistent_coop"]
+    config = NATIVE_CONFIGS["cuda.persistent_coop"]
     tiles = -(-m // 128) * -(-n // config.block_n)
-    if not promote and 2 * tiles <= sms and -(-m // 128) * -(-n // _COOP_N128.block_n) > tiles:
+    if 2 * tiles <= sms and -(-m // 128) * -(-n // _COOP_N128.block_n) > tiles:
         return _COOP_N128
     waves = -(-tiles // sms)
     if 2 <= waves <= _BALANCE_MAX_WAVES and k * ab_itemsize <= _BALANCE_MAX_K_BYTES:
@@ -431,14 +475,14 @@ def coop_config(
     return config
 
 
-def _variant(name: str, description: str) -> Variant:
+def _variant(name: str, description: str, configs: tuple[NativeGemmConfig, ...] = ()) -> Variant:
     default = NATIVE_CONFIGS[name]
     # The dispatcher's choices get per-shape configs (grid balance, tile width, promotion).
     per_shape = name in ("cuda.persistent_coop", "cuda.blockscaled")
 
     def supports(args: GemmArgs) -> str | None:
         promoting = name == "cuda.persistent_coop" and args.is_fp8 and not args.fast_accum
-        return unsupported_reason(args, _COOP_PROMOTE if promoting else default)
+        return unsupported_reason(args, _PROMOTE_WIDE if promoting else default)
 
     def build(args: GemmArgs, config: NativeGemmConfig | None = None) -> Plan:
         if config is None:
@@ -450,7 +494,8 @@ def _variant(name: str, description: str) -> Variant:
                 config = replace(config, block_scaled=block)
         return _Launch(args, config).plan(name)
 
-    return Variant(name=name, backend="cuda", description=description, supports=supports, build=build)
+    return Variant(name=name, backend="cuda", description=description, supports=supports, build=build,
+                   configs=configs)
 
 
 # ------------------------------------------------------------------------------------ inspection
@@ -484,11 +529,13 @@ VARIANTS = [
     _variant(
         "cuda.persistent_coop",
         "native persistent WS, per-shape config (coop_config): cooperative 128x256 tiles, 4 stages, "
-        "balanced grid for short K; ping-pong for large fp8; 128x128 tiles with fp32 promotion for fp8 "
+        "balanced grid for short K; ping-pong for large fp8; promoting tiles (promote_config) for fp8 "
         "without fast accumulation",
+        PROMOTE_CANDIDATES,
     ),
     _variant("cuda.blockscaled", "native persistent WS, fp8 with 1x128 activation and 128x128 weight scales "
-             "applied as each k-block's sum is promoted into fp32 (cooperative 128x128 tiles)"),
+             "applied as each k-block's sum is promoted into fp32 (cooperative tiles, promote_config)",
+             tuple(replace(c, block_scaled=True) for c in PROMOTE_CANDIDATES)),
     _variant("cuda.warp_specialized", "native warp-specialized TMA + wgmma, 128x256 tiles, setmaxnreg"),
     _variant("cuda.persistent_pingpong", "native persistent WS, ping-pong consumers, 128x128 tiles"),
     _variant("cuda.one_warpgroup", "native TMA + wgmma, one warpgroup (thread 0 also issues TMA), 128x128 tiles, "

@@ -20,7 +20,7 @@
 
 #if !defined(TMAGEMM_PINGPONG) || !defined(TMAGEMM_CLUSTER_M) || !defined(TMAGEMM_EPI_PASSES) || \
     !defined(TMAGEMM_EPI_BUFFERS) || !defined(TMAGEMM_PROMOTE) || !defined(TMAGEMM_BLOCK_SCALED)
-#error "gemm_sm90_persistent.cu needs TMAGEMM_PINGPONG (0 cooperative, 1 ping-pong), TMAGEMM_CLUSTER_M (1, 2), TMAGEMM_EPI_PASSES, TMAGEMM_EPI_BUFFERS, TMAGEMM_PROMOTE (0, 1), TMAGEMM_BLOCK_SCALED (0, 1)"
+#error "gemm_sm90_persistent.cu needs TMAGEMM_PINGPONG (0 cooperative, 1 ping-pong), TMAGEMM_CLUSTER_M (1, 2), TMAGEMM_EPI_PASSES, TMAGEMM_EPI_BUFFERS, TMAGEMM_PROMOTE (0, 1, 2), TMAGEMM_BLOCK_SCALED (0, 1)"
 #endif
 
 using namespace tmagemm;
@@ -35,18 +35,25 @@ static_assert(kFrags * kAccRegs <= 128, "a consumer holds at most 128 fp32 accum
 // TMAGEMM_PROMOTE = 1 (fp8, use_fast_accum=False): wgmma's fp8 accumulator keeps fewer mantissa
 // bits than fp32, so each k-block's 128-deep products are summed by wgmma into a scratch fragment
 // (its first instruction overwrites it) and added into the fp32 accumulators once that group has
-// retired. 64 accumulators + 64 scratch registers fit the consumer budget beside 128-wide
-// cooperative tiles only.
+// retired. The scratch covers 128 columns (64 registers): a 256-wide tile is promoted in two
+// halves, 128 accumulators + 64 scratch registers, which still fit the consumer budget. Wider
+// tiles (and 2x1 clusters) halve the operand bytes each output needs from L2.
 constexpr bool kPromote = TMAGEMM_PROMOTE != 0;
-static_assert(!kPromote || (kAbType == wgmma::kE4M3 && !kPingPong && kAccRegs == 64),
-              "promotion: fp8, cooperative schedule, BLOCK_N = 128");
+// TMAGEMM_PROMOTE = 2: two scratch fragments, so a consumer's next k-block runs on the tensor
+// cores while it adds the last one (64 + 2 x 64 registers: 128-wide tiles only).
+constexpr int kPromoteDepth = TMAGEMM_PROMOTE;
+static_assert(kPromoteDepth <= 1 || (kPromoteDepth == 2 && kBlockN == 128), "two scratch fragments: BLOCK_N = 128");
+constexpr int kPromoteN = 128;  // columns per scratch fragment
+constexpr int kPromoteParts = kBlockN / kPromoteN;
+constexpr int kPartRegs = kPromoteN / 2;
+static_assert(!kPromote || (kAbType == wgmma::kE4M3 && !kPingPong && kBlockN % kPromoteN == 0),
+              "promotion: fp8, cooperative schedule, BLOCK_N = 128 or 256");
 // TMAGEMM_BLOCK_SCALED = 1 (fp8 with 1x128 activation scales and 128x128 weight scales): the
 // promotion step multiplies each k-block's sum by its scales as it adds it, acc += part * sa[row]
-// * sb[block]. A k-block is one scale block (128 e4m3 of K) and a tile's 128 columns one weight
-// block, so a thread needs three floats per k-block: its two rows' sa and the tile's sb.
+// * sb[block]. A k-block is one scale block (128 e4m3 of K) and a scratch fragment's 128 columns
+// one weight block, so a thread needs its two rows' sa and one sb per scratch fragment.
 constexpr bool kBlockScaled = TMAGEMM_BLOCK_SCALED != 0;
-static_assert(!kBlockScaled || (kPromote && kBlockN == 128 && kCluster == 1),
-              "block scaling rides on the promoting mainloop: BLOCK_N = 128, no clusters");
+static_assert(!kBlockScaled || kPromote, "block scaling rides on the promoting mainloop");
 // Cooperative: the output fragment is staged in TMAGEMM_EPI_PASSES column slices through
 // TMAGEMM_EPI_BUFFERS slice buffers. Staging less than the fragment buys a 4th ring stage for
 // 128x256 tiles; two buffers let a slice be written while the previous one is still being stored.
@@ -162,24 +169,28 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
     // the barrier, which parity waits require.
     if (kPingPong && i > 0) named_barrier_sync(consumer == 0 ? kBarTurnTo0 : kBarTurnTo1, 256);
 
-    float part[kAccRegs];  // promotion scratch: one k-block's wgmma sum (kPromote only)
+    float part[kPartRegs];  // promotion scratch: one k-block's wgmma sum over 128 columns (kPromote only)
     // Block scales: this thread's two accumulator rows (clamped: rows past M are computed, never
-    // stored) and the tile's weight block.
+    // stored) and the weight block of each 128 columns (clamped likewise past N).
     const float* sa_rows[2];
-    const float* sb_block = nullptr;
+    const float* sb_blocks[kPromoteParts];
     if constexpr (kBlockScaled) {
       const int t = threadIdx.x % 128;
       const int row = tile.m0 + 64 * consumer + (t / 32) * 16 + (t % 32) / 4;
 #pragma unroll
       for (int h = 0; h < 2; ++h) sa_rows[h] = params.block_scale_a + min(row + 8 * h, params.m - 1) * params.block_scale_a_m;
-      sb_block = params.block_scale_b + (tile.n0 / kBlockN) * params.block_scale_b_n;
+      const int last_block = ceil_div(params.n, kPromoteN) - 1;
+#pragma unroll
+      for (int p = 0; p < kPromoteParts; ++p)
+        sb_blocks[p] = params.block_scale_b + min(tile.n0 / kPromoteN + p, last_block) * params.block_scale_b_n;
     }
     // The scales of k-block kt + 1 are loaded while k-block kt runs: an L2 round trip takes
     // longer than one k-block's wgmmas, so loading them in the same iteration would stall the
     // promotion step on it. Raw values are kept and multiplied only when used.
-    float sa_next[2] = {1.0f, 1.0f}, sb_next = 1.0f;
+    float sa_next[2] = {1.0f, 1.0f}, sb_next[kPromoteParts];
     auto load_scales = [&](int k_block) {
-      sb_next = __ldg(sb_block + k_block * params.block_scale_b_k);
+#pragma unroll
+      for (int p = 0; p < kPromoteParts; ++p) sb_next[p] = __ldg(sb_blocks[p] + k_block * params.block_scale_b_k);
 #pragma unroll
       for (int h = 0; h < 2; ++h) sa_next[h] = __ldg(sa_rows[h] + k_block * params.block_scale_a_k);
     };
@@ -187,33 +198,89 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
       if (k_tiles > 0) load_scales(0);
     }
     PipelineState release = read;
-    for (int kt = 0; kt < k_tiles; ++kt) {
-      float s_row[2] = {1.0f, 1.0f};
+    if constexpr (kPromoteDepth == 2) {
+      // Two scratch fragments: k-block kt + 1's wgmmas are issued before k-block kt's sum is
+      // added, so the consumer keeps a batch on the tensor cores while it adds (with one scratch
+      // fragment they idle whenever both consumers add at once).
+      float part_odd[kPartRegs];
+      auto issue = [&](float(&dst)[kPartRegs]) {
+        ptx::mbarrier_wait(&full[read.index], read.phase);
+        const u32 a = ptx::smem_u32(smem + read.index * kStageBytes) + consumer * 64 * kRowBytes;
+        const u32 b = ptx::smem_u32(smem + read.index * kStageBytes + kStageBytesA);
+        wgmma::fence_operand(dst);  // the previous step's adds read it first
+        wgmma::fence();
+        mma_stage<kPromoteN, true>(dst, a, b);
+        wgmma::commit_group();
+        read.advance();
+      };
+      // k-block kt's group has retired: add its scaled sum, free its stage.
+      auto retire = [&](float(&src)[kPartRegs], int kt) {
+        wgmma::fence_operand(src);
+        if constexpr (kBlockScaled) {
+          float s_row[2];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) s_row[h] = sa_next[h] * sb_next[0];
+          if (kt + 1 < k_tiles) load_scales(kt + 1);
+#pragma unroll
+          for (int r = 0; r < kPartRegs; ++r) acc[0][r] += src[r] * s_row[(r >> 1) & 1];
+        } else {
+#pragma unroll
+          for (int r = 0; r < kPartRegs; ++r) acc[0][r] += src[r];
+        }
+        release_stage<kCluster>(&empty[release.index]);
+        release.advance();
+      };
+      // Two k-blocks per step, both issued before the first is added; every group retires
+      // within its step (ptxas serializes the wgmmas when a group stays in flight across the
+      // loop's back edge).
+      int kt = 0;
+      for (; kt + 1 < k_tiles; kt += 2) {
+        issue(part);
+        issue(part_odd);
+        wgmma::wait_group<1>();
+        retire(part, kt);
+        wgmma::wait_group<0>();
+        retire(part_odd, kt + 1);
+      }
+      if (kt < k_tiles) {  // odd k_tiles: the last k-block alone
+        issue(part);
+        wgmma::wait_group<0>();
+        retire(part, kt);
+      }
+    }
+    for (int kt = 0; kt < (kPromoteDepth == 2 ? 0 : k_tiles); ++kt) {
+      float s_row[kPromoteParts][2];  // sa[row + 8h] * sb[block of part p]
       if constexpr (kBlockScaled) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) s_row[h] = sa_next[h] * sb_next;
+        for (int p = 0; p < kPromoteParts; ++p)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) s_row[p][h] = sa_next[h] * sb_next[p];
         if (kt + 1 < k_tiles) load_scales(kt + 1);
       }
       ptx::mbarrier_wait(&full[read.index], read.phase);
       const u32 a = ptx::smem_u32(smem + read.index * kStageBytes) + (kPingPong ? 0 : consumer * 64 * kRowBytes);
       const u32 b = ptx::smem_u32(smem + read.index * kStageBytes + kStageBytesA);
       if constexpr (kPromote) {
-        wgmma::fence_operand(part);  // the adds of the previous k-block read it first
-        wgmma::fence();
-        mma_stage<kBlockN, true>(part, a, b);
-        wgmma::commit_group();
-        // The adds read the scratch registers, so its group must be complete (wait 0; a deeper
-        // wait would make ptxas serialize every wgmma). The other consumer's wgmmas keep the
-        // tensor core busy meanwhile.
-        wgmma::wait_group<0>();
-        wgmma::fence_operand(part);
-        if constexpr (kBlockScaled) {
-          // Register 4j + 2h + e holds row + 8h of the fragment (see epilogue_apply).
 #pragma unroll
-          for (int r = 0; r < kAccRegs; ++r) acc[0][r] += part[r] * s_row[(r >> 1) & 1];
-        } else {
+        for (int p = 0; p < kPromoteParts; ++p) {
+          wgmma::fence_operand(part);  // the adds of the previous part read it first
+          wgmma::fence();
+          mma_stage<kPromoteN, true>(part, a, b + p * kPromoteN * kRowBytes);
+          wgmma::commit_group();
+          // The adds read the scratch registers, so its group must be complete (wait 0; a deeper
+          // wait would make ptxas serialize every wgmma). The other consumer's wgmmas keep the
+          // tensor core busy meanwhile.
+          wgmma::wait_group<0>();
+          wgmma::fence_operand(part);
+          // Register 4j + 2h + e holds row + 8h of the fragment (see epilogue_apply); part p is
+          // columns [128p, 128p + 128) of the tile, accumulators [64p, 64p + 64).
+          if constexpr (kBlockScaled) {
 #pragma unroll
-          for (int r = 0; r < kAccRegs; ++r) acc[0][r] += part[r];
+            for (int r = 0; r < kPartRegs; ++r) acc[0][p * kPartRegs + r] += part[r] * s_row[p][(r >> 1) & 1];
+          } else {
+#pragma unroll
+            for (int r = 0; r < kPartRegs; ++r) acc[0][p * kPartRegs + r] += part[r];
+          }
         }
         release_stage<kCluster>(&empty[read.index]);
       } else {
