@@ -94,7 +94,9 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
   const int k_tiles = ceil_div(params.k, kBlockK);
   // Tiles this cluster runs: local tile i is cluster tile cluster + i * clusters.
   const int my_tiles = cluster < tiles ? (tiles - cluster + clusters - 1) / clusters : 0;
-  const int warpgroup = threadIdx.x / 128;
+  // Broadcast from lane 0 so the compiler knows it is warp-uniform: shared-memory descriptors
+  // built from it then stay in uniform registers instead of being moved there every k-block.
+  const int warpgroup = __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x / 128), 0);
   auto tile_coord = [&](int i) { return tile_origin<kCluster>(cluster + i * clusters, params, rank); };
 
   // ---- descriptor prefetch, barrier init + fence + sync ------------------------------------
@@ -171,31 +173,38 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
 
     float part[kPartRegs];  // promotion scratch: one k-block's wgmma sum over 128 columns (kPromote only)
     // Block scales: this thread's two accumulator rows (clamped: rows past M are computed, never
-    // stored) and the weight block of each 128 columns (clamped likewise past N).
-    const float* sa_rows[2];
-    const float* sb_blocks[kPromoteParts];
+    // stored) and the weight block of each 128 columns (clamped likewise past N). The pointers
+    // walk K one k-block per load: an add per pointer instead of 64-bit index arithmetic.
+    const float* sa_ptr[2];
+    const float* sb_ptr[kPromoteParts];
     if constexpr (kBlockScaled) {
       const int t = threadIdx.x % 128;
       const int row = tile.m0 + 64 * consumer + (t / 32) * 16 + (t % 32) / 4;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) sa_rows[h] = params.block_scale_a + min(row + 8 * h, params.m - 1) * params.block_scale_a_m;
+      for (int h = 0; h < 2; ++h) sa_ptr[h] = params.block_scale_a + min(row + 8 * h, params.m - 1) * params.block_scale_a_m;
       const int last_block = ceil_div(params.n, kPromoteN) - 1;
 #pragma unroll
       for (int p = 0; p < kPromoteParts; ++p)
-        sb_blocks[p] = params.block_scale_b + min(tile.n0 / kPromoteN + p, last_block) * params.block_scale_b_n;
+        sb_ptr[p] = params.block_scale_b + min(tile.n0 / kPromoteN + p, last_block) * params.block_scale_b_n;
     }
     // The scales of k-block kt + 1 are loaded while k-block kt runs: an L2 round trip takes
     // longer than one k-block's wgmmas, so loading them in the same iteration would stall the
     // promotion step on it. Raw values are kept and multiplied only when used.
     float sa_next[2] = {1.0f, 1.0f}, sb_next[kPromoteParts];
-    auto load_scales = [&](int k_block) {
+    auto load_next_scales = [&]() {
 #pragma unroll
-      for (int p = 0; p < kPromoteParts; ++p) sb_next[p] = __ldg(sb_blocks[p] + k_block * params.block_scale_b_k);
+      for (int p = 0; p < kPromoteParts; ++p) {
+        sb_next[p] = __ldg(sb_ptr[p]);
+        sb_ptr[p] += params.block_scale_b_k;
+      }
 #pragma unroll
-      for (int h = 0; h < 2; ++h) sa_next[h] = __ldg(sa_rows[h] + k_block * params.block_scale_a_k);
+      for (int h = 0; h < 2; ++h) {
+        sa_next[h] = __ldg(sa_ptr[h]);
+        sa_ptr[h] += params.block_scale_a_k;
+      }
     };
     if constexpr (kBlockScaled) {
-      if (k_tiles > 0) load_scales(0);
+      if (k_tiles > 0) load_next_scales();
     }
     PipelineState release = read;
     if constexpr (kPromoteDepth == 2) {
@@ -213,22 +222,22 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
         wgmma::commit_group();
         read.advance();
       };
-      // k-block kt's group has retired: add its scaled sum, free its stage.
+      // k-block kt's group has retired: free its stage, add its scaled sum.
       auto retire = [&](float(&src)[kPartRegs], int kt) {
         wgmma::fence_operand(src);
+        release_stage<kCluster>(&empty[release.index]);
+        release.advance();
         if constexpr (kBlockScaled) {
           float s_row[2];
 #pragma unroll
           for (int h = 0; h < 2; ++h) s_row[h] = sa_next[h] * sb_next[0];
-          if (kt + 1 < k_tiles) load_scales(kt + 1);
+          if (kt + 1 < k_tiles) load_next_scales();
 #pragma unroll
           for (int r = 0; r < kPartRegs; ++r) acc[0][r] += src[r] * s_row[(r >> 1) & 1];
         } else {
 #pragma unroll
           for (int r = 0; r < kPartRegs; ++r) acc[0][r] += src[r];
         }
-        release_stage<kCluster>(&empty[release.index]);
-        release.advance();
       };
       // Two k-blocks per step, both issued before the first is added; every group retires
       // within its step (ptxas serializes the wgmmas when a group stays in flight across the
@@ -255,7 +264,7 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
         for (int p = 0; p < kPromoteParts; ++p)
 #pragma unroll
           for (int h = 0; h < 2; ++h) s_row[p][h] = sa_next[h] * sb_next[p];
-        if (kt + 1 < k_tiles) load_scales(kt + 1);
+        if (kt + 1 < k_tiles) load_next_scales();
       }
       ptx::mbarrier_wait(&full[read.index], read.phase);
       const u32 a = ptx::smem_u32(smem + read.index * kStageBytes) + (kPingPong ? 0 : consumer * 64 * kRowBytes);
@@ -272,6 +281,8 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
           // tensor core busy meanwhile.
           wgmma::wait_group<0>();
           wgmma::fence_operand(part);
+          // The stage's last reads are done: free it before adding, so the producer refills sooner.
+          if (p == kPromoteParts - 1) release_stage<kCluster>(&empty[read.index]);
           // Register 4j + 2h + e holds row + 8h of the fragment (see epilogue_apply); part p is
           // columns [128p, 128p + 128) of the tile, accumulators [64p, 64p + 64).
           if constexpr (kBlockScaled) {
@@ -282,7 +293,6 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
             for (int r = 0; r < kPartRegs; ++r) acc[0][p * kPartRegs + r] += part[r];
           }
         }
-        release_stage<kCluster>(&empty[read.index]);
       } else {
 #pragma unroll
         for (int f = 0; f < kFrags; ++f) wgmma::fence_operand(acc[f]);

@@ -1,0 +1,143 @@
+"""Measurement-only peer: DeepGEMM's block-scaled FP8 GEMM against tmagemm and cuBLAS, one process.
+
+    bash scripts/peers/deepgemm/build.sh /path/to/DeepGEMM              # once, on the GPU machine
+    PYTHONPATH=src:/path/to/DeepGEMM python scripts/peers/deepgemm/deepgemm_peer.py OUT_DIR \
+        [--m 64,128,4096] [--budget-ms 25]
+
+Problems: the block preset's DeepSeek-V3 shapes (tmagemm.bench.shapes.BLOCK_LAYERS, DeepGEMM's
+own six) at each M. Operands: a (M, K) e4m3, w (N, K) e4m3, 1x128 scales of a (M, K/128) and
+128x128 scales of w (N/128, K/128), fp32, random in [0.5, 1.5); bf16 output. Providers:
+
+* ``tmagemm``: ``tmagemm.scaled_mm(a, w.t(), sa, sw)`` (the public API, its own dispatch);
+* ``deepgemm``: ``deep_gemm.fp8_gemm_nt((a, sa'), (w, sw), out)`` (DeepGEMM 2.x; 1.x names it
+  ``gemm_fp8_fp8_bf16_nt``), with sa' = sa in the MN-major, TMA-aligned layout DeepGEMM's SM90
+  kernel reads (converted once, outside timing: a caller would quantize straight into it), fp32
+  scales (no UE8M0 rounding);
+* ``cublas``: ``torch.nn.functional.scaled_mm`` with BlockWise1x128 / BlockWise128x128.
+
+Every output is checked against the float64 block dequantization (max |error| / max |ref| <=
+1e-2) in the same run. Times: tmagemm.bench.timing.Timer.graph (CUDA-graph replay, L2 flushed,
+median), in two alternating rounds. Writes OUT_DIR/deepgemm_peer.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import tempfile
+import sys
+from pathlib import Path
+
+import torch
+
+import tmagemm
+from tmagemm.bench import envinfo, providers
+from tmagemm.bench.shapes import BLOCK_LAYERS, Shape
+from tmagemm.bench.timing import Timer
+
+TOL = providers.TOLERANCE["fp8-block"]
+DEEPSEEK = [layer for layer in BLOCK_LAYERS if layer[0].startswith("deepseek-v3")]
+
+
+def log(*args) -> None:
+    print(*args, flush=True)
+
+
+def calls(case: providers.Case, deep_gemm) -> dict:
+    """name -> zero-argument call returning its output, for one case."""
+    found = {}
+    out = case.empty_out()
+    found["tmagemm"] = lambda: tmagemm.scaled_mm(case.a, case.b, case.scale_a, case.scale_b,
+                                                 out_dtype=torch.bfloat16, out=out)
+    if deep_gemm is not None:
+        w = case.b.t()  # (N, K) row-major
+        d = case.empty_out()
+        if hasattr(deep_gemm, "fp8_gemm_nt"):  # DeepGEMM 2.x (C++ extension)
+            sa = deep_gemm.get_mn_major_tma_aligned_tensor(case.scale_a)
+            found["deepgemm"] = lambda: (deep_gemm.fp8_gemm_nt((case.a, sa), (w, case.scale_b), d, recipe=(1, 128, 128),
+                                                               disable_ue8m0_cast=True), d)[1]
+        else:  # DeepGEMM 1.x (Python JIT): the same kernel family under its first name
+            sa = deep_gemm.get_col_major_tma_aligned_tensor(case.scale_a)
+            found["deepgemm"] = lambda: (deep_gemm.gemm_fp8_fp8_bf16_nt((case.a, sa), (w, case.scale_b), d), d)[1]
+    try:
+        found["cublas"] = providers._cublas_fp8_block(case).call
+    except providers.Unsupported:
+        pass
+    return found
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--m", default="64,128,4096", help="comma-separated M values")
+    parser.add_argument("--budget-ms", type=float, default=25.0)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda")
+    # DeepGEMM's JIT reads $HOME for its default cache even when DG_JIT_CACHE_DIR is set, and
+    # crashes without it (as on machines that run jobs with an empty environment).
+    os.environ.setdefault("DG_JIT_CACHE_DIR", str(Path(tempfile.gettempdir()) / "deep_gemm_cache"))
+    os.environ.setdefault("HOME", os.environ["DG_JIT_CACHE_DIR"])
+    try:
+        import deep_gemm
+    except ImportError as exc:  # say so and still time the others
+        log(f"deep_gemm not importable ({exc}); run build.sh and put the checkout on PYTHONPATH")
+        deep_gemm = None
+    timer = Timer(device, budget_ms=args.budget_ms)
+    records = []
+    for m in (int(v) for v in args.m.split(",")):
+        for label, n, k in DEEPSEEK:
+            case = providers.make_case(Shape(m, n, k, label), "fp8-block", device)
+            row = {"m": m, "n": n, "k": k, "label": label, "us": {}, "error": {}, "status": {}}
+            runs = calls(case, deep_gemm)
+            for name, fn in runs.items():
+                try:
+                    err = providers.relative_error(fn(), case)
+                    torch.cuda.synchronize()
+                    row["error"][name] = err
+                    row["status"][name] = "ok" if err <= TOL else "wrong"
+                except Exception as exc:  # a refusal (cuBLAS at M = 1) or a failed JIT build
+                    row["status"][name] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+            timed = {name: [] for name in runs if row["status"][name] == "ok"}
+            for _ in range(2):
+                for name in timed:
+                    timed[name].append(timer.graph(runs[name]).median_us)
+            row["us"] = {name: statistics.median(v) for name, v in timed.items()}
+            records.append(row)
+            cells = " ".join(f"{name}={row['us'].get(name, float('nan')):.1f}" for name in runs)
+            log(f"{m}x{n}x{k} {cells} {row['status']}")
+            del case
+    meta = envinfo.metadata(" ".join(sys.argv))
+    if deep_gemm is not None:
+        commit = Path(deep_gemm.__file__).resolve().parents[1] / "deep_gemm_commit.txt"
+        meta["deep_gemm"] = commit.read_text().strip() if commit.exists() else getattr(deep_gemm, "__version__", "?")
+    (args.out / "deepgemm_peer.json").write_text(json.dumps({"metadata": meta, "records": records}, indent=1))
+
+    log("\nM x N x K | tmagemm us | DeepGEMM us | cuBLAS us | TFLOP/s tmagemm / DeepGEMM | tmagemm vs DeepGEMM | vs cuBLAS")
+    ratios: dict[str, list[float]] = {"deepgemm": [], "cublas": []}
+    for r in records:
+        us = r["us"]
+        ours = us.get("tmagemm")
+        flops = 2 * r["m"] * r["n"] * r["k"]
+        cells = []
+        for peer in ("deepgemm", "cublas"):
+            if ours and us.get(peer):
+                ratios[peer].append(us[peer] / ours)
+                cells.append(f"{us[peer] / ours:.2f}x")
+            else:
+                cells.append(r["status"].get(peer, "-")[:30])
+        tf = " / ".join(f"{flops / us[p] / 1e6:.0f}" if us.get(p) else "-" for p in ("tmagemm", "deepgemm"))
+        log(f"{r['m']}x{r['n']}x{r['k']} | {ours or float('nan'):.1f} | {us.get('deepgemm', float('nan')):.1f} | "
+            f"{us.get('cublas', float('nan')):.1f} | {tf} | {cells[0]} | {cells[1]}")
+    for peer, values in ratios.items():
+        if values:
+            log(f"geomean tmagemm speed vs {peer}: {math.exp(sum(map(math.log, values)) / len(values)):.3f} "
+                f"({len(values)} cells)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
