@@ -148,8 +148,8 @@ def test_coop_config_promotes_fp8_without_fast_accum(shape):
 
 
 def test_promote_config_choices():
-    wide = native.promote_config(4096, 4096, 132)  # 512 wide tiles: 4 waves of 66 clusters
-    assert (wide.block_n, wide.promote_depth, wide.cluster_m) == (256, 1, 2)
+    wide = native.promote_config(4096, 4096, 132)  # 512 wide tiles: 256 pairs
+    assert (wide.block_n, wide.promote_depth, wide.cluster_m, wide.ctas) == (256, 1, 2, 128)  # 4 waves of 64 pairs
     # 160 wide tiles take 2 waves, 320 narrow ones 3 waves of tiles half the size
     narrow = native.promote_config(1024, 5120, 132)
     assert (narrow.block_n, narrow.promote_depth, narrow.cluster_m) == (128, 2, 2)

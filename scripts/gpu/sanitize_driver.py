@@ -28,7 +28,8 @@ FP8 = torch.float8_e4m3fn
 FP8_CASES = [
     ("cuda", 200, 264, 208, True, False),
     ("cuda", 1100, 4112, 208, True, False),  # 9 x 17 tiles of 128x256 > 132 SMs
-    ("cuda", 300, 520, 272, False, True),  # promoting mainloop, row-wise scales, bias
+    ("cuda", 300, 520, 272, False, True),  # promoting mainloop (128x128, two scratch), row-wise scales, bias
+    ("cuda", 1100, 2112, 272, False, True),  # promoting 128x256 tiles on clusters, N ends mid-tile
     ("triton", 1, 264, 4096, True, False),  # small M: split-K
     ("triton", 17, 520, 208, True, True),
     ("triton", 300, 264, 208, False, False),
@@ -43,7 +44,8 @@ HALF_CASES = [
 ]
 # Block-scaled fp8 (1x128 x 128x128): (backend, M, N, K); K = 700 has no tensor map (pointer loads).
 BLOCK_CASES = [
-    ("cuda", 300, 520, 576),
+    ("cuda", 300, 520, 576),  # 128x128 tiles with two scratch fragments
+    ("cuda", 1100, 2112, 576),  # 128x256 tiles on clusters; the last tile's second half is past N
     ("triton", 17, 264, 576),
     ("triton", 5, 264, 700),
     ("triton", 3, 200, 4096),  # small M: split-K, 8 K slices

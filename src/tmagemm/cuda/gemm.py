@@ -427,12 +427,20 @@ def promote_config(m: int, n: int, sms: int) -> NativeGemmConfig:
     two rows of tiles to pair (a single row would leave every second CTA idle)."""
     rows = -(-m // 128)
     cluster = 2 if rows >= 2 else 1
+    slots = sms // cluster  # clusters at work at once
+
+    def cluster_tiles(block_n: int) -> int:
+        return -(-rows // cluster) * -(-n // block_n)
 
     def waves(block_n: int) -> int:
-        return -(-(-(-rows // cluster) * -(-n // block_n)) // (sms // cluster))
+        return -(-cluster_tiles(block_n) // slots)
 
     narrow = waves(_PROMOTE_NARROW.block_n) * _PROMOTE_NARROW_TILE_TIME < waves(_PROMOTE_WIDE.block_n)
-    return replace(_PROMOTE_NARROW if narrow else _PROMOTE_WIDE, cluster_m=cluster)
+    config = replace(_PROMOTE_NARROW if narrow else _PROMOTE_WIDE, cluster_m=cluster)
+    # The fewest CTAs that keep the number of waves (e.g. 128 instead of 132 for 4 waves of 128
+    # CTAs): every CTA walks the same number of tiles, and idle SMs leave the others more power.
+    busy = -(-cluster_tiles(config.block_n) // waves(config.block_n))
+    return replace(config, ctas=busy * cluster) if busy < slots else config
 
 
 # Block-scaled fp8: the promoting tiles, scaling each k-block's sum as it is added.
