@@ -154,7 +154,8 @@ def test_promote_config_choices():
     narrow = native.promote_config(1024, 5120, 132)
     assert (narrow.block_n, narrow.promote_depth, narrow.cluster_m) == (128, 2, 2)
     assert native.promote_config(1024, 2112, 132).block_n == 256  # one wave either way: the faster tile
-    assert native.promote_config(128, 51200, 132).cluster_m == 1  # one row of tiles: nothing to pair
+    one_row = native.promote_config(128, 51200, 132)
+    assert one_row.cluster_m == 1 and one_row.ctas == 0  # nothing to pair; every SM streams the weight
     for m, n in ((1, 8), (17, 577), (300, 2112), (8192, 51200)):
         assert native.promote_config(m, n, 132).fitted(4).is_valid(4)
 
