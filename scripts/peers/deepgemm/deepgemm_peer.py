@@ -2,7 +2,7 @@
 
     bash scripts/peers/deepgemm/build.sh /path/to/DeepGEMM              # once, on the GPU machine
     PYTHONPATH=src:/path/to/DeepGEMM python scripts/peers/deepgemm/deepgemm_peer.py OUT_DIR \
-        [--m 64,128,4096] [--budget-ms 25]
+        [--m 64,128,4096] [--grouped] [--budget-ms 25]
 
 Problems: the block preset's DeepSeek-V3 shapes (tmagemm.bench.shapes.BLOCK_LAYERS, DeepGEMM's
 own six) at each M. Operands: a (M, K) e4m3, w (N, K) e4m3, 1x128 scales of a (M, K/128) and
@@ -14,6 +14,13 @@ own six) at each M. Operands: a (M, K) e4m3, w (N, K) e4m3, 1x128 scales of a (M
   kernel reads (converted once, outside timing: a caller would quantize straight into it), fp32
   scales (no UE8M0 rounding);
 * ``cublas``: ``torch.nn.functional.scaled_mm`` with BlockWise1x128 / BlockWise128x128.
+
+With ``--grouped``, DeepGEMM's grouped problems instead (the shapes of its published tables):
+contiguous, E groups of m rows ((E * m, K) activations, (E, N, K) weights; DeepGEMM's
+``m_grouped_gemm_fp8_fp8_bf16_nt_contiguous`` with per-row group indices, tmagemm's
+``grouped_scaled_mm(..., offs=...)``) and masked (E, max_m, K) with every row valid (DeepGEMM's
+``..._masked`` with expected_m = max_m, tmagemm's ``masked_m=``); both block-scaled. cuBLAS has
+no block-scaled grouped GEMM. Grouped outputs are checked on each group's first 128 rows.
 
 Every output is checked against the float64 block dequantization (max |error| / max |ref| <=
 1e-2) in the same run. Times: tmagemm.bench.timing.Timer.graph (CUDA-graph replay, L2 flushed,
@@ -39,6 +46,7 @@ from tmagemm.bench.shapes import BLOCK_LAYERS, Shape
 from tmagemm.bench.timing import Timer
 
 TOL = providers.TOLERANCE["fp8-block"]
+FP8 = torch.float8_e4m3fn
 DEEPSEEK = [layer for layer in BLOCK_LAYERS if layer[0].startswith("deepseek-v3")]
 
 
@@ -69,10 +77,74 @@ def calls(case: providers.Case, deep_gemm) -> dict:
     return found
 
 
+# DeepGEMM's grouped tables: (E, rows per group, N, K).
+GROUPED_CONTIGUOUS = [(4, 8192, 4096, 7168), (4, 8192, 7168, 2048), (8, 4096, 4096, 7168), (8, 4096, 7168, 2048)]
+GROUPED_MASKED = [(1, 1024, 4096, 7168), (1, 1024, 7168, 2048), (2, 512, 4096, 7168), (2, 512, 7168, 2048),
+                  (4, 256, 4096, 7168), (4, 256, 7168, 2048)]
+CHECKED_ROWS = 128
+
+
+def grouped_problem(layout: str, e: int, rows: int, n: int, k: int, deep_gemm, device) -> dict:
+    """Operands, calls and a check for one grouped problem (block-scaled, bf16 out)."""
+    kb, nb = -(-k // 128), -(-n // 128)
+    w = torch.randn(e, n, k, device=device).to(FP8)
+    sb = torch.rand(e, nb, kb, device=device) + 0.5
+    if layout == "contiguous":
+        a = torch.randn(e * rows, k, device=device).to(FP8)
+        sa = torch.rand(e * rows, kb, device=device) + 0.5
+        offs = torch.arange(1, e + 1, device=device, dtype=torch.int32) * rows
+        out_shape = (e * rows, n)
+    else:
+        a = torch.randn(e, rows, k, device=device).to(FP8)
+        sa = torch.rand(e, rows, kb, device=device) + 0.5
+        masked_m = torch.full((e,), rows, device=device, dtype=torch.int32)
+        out_shape = (e, rows, n)
+    ours = torch.empty(out_shape, device=device, dtype=torch.bfloat16)
+    calls = {}
+    if layout == "contiguous":
+        calls["tmagemm"] = lambda: tmagemm.grouped_scaled_mm(a, w.transpose(1, 2), sa, sb, offs=offs, out=ours)
+    else:
+        calls["tmagemm"] = lambda: tmagemm.grouped_scaled_mm(a, w.transpose(1, 2), sa, sb, masked_m=masked_m,
+                                                             out=ours)
+    if deep_gemm is not None:
+        theirs = torch.empty(out_shape, device=device, dtype=torch.bfloat16)
+        sa_dg = deep_gemm.get_col_major_tma_aligned_tensor(sa)
+        if layout == "contiguous":
+            m_indices = torch.arange(e, device=device, dtype=torch.int32).repeat_interleave(rows)
+            calls["deepgemm"] = lambda: (deep_gemm.m_grouped_gemm_fp8_fp8_bf16_nt_contiguous(
+                (a, sa_dg), (w, sb), theirs, m_indices), theirs)[1]
+        else:
+            calls["deepgemm"] = lambda: (deep_gemm.m_grouped_gemm_fp8_fp8_bf16_nt_masked(
+                (a, sa_dg), (w, sb), theirs, masked_m, rows), theirs)[1]
+
+    def check(out: torch.Tensor) -> float:
+        worst = 0.0
+        for g in range(e):
+            rows_g = slice(g * rows, g * rows + CHECKED_ROWS) if layout == "contiguous" else (g, slice(0, CHECKED_ROWS))
+            per_k = torch.arange(k, device=device) // 128
+            ref = (a[rows_g].double() * sa[rows_g].double()[:, per_k]) @ (
+                w[g].double() * sb[g].double()[torch.arange(n, device=device) // 128][:, per_k]).t()
+            got = out[rows_g].double()
+            if not torch.isfinite(got).all():
+                return float("inf")
+            worst = max(worst, ((got - ref).abs().max() / ref.abs().max()).item())
+        return worst
+
+    label = f"{layout} {e}x{rows}"
+    return {"label": label, "m": e * rows, "n": n, "k": k, "calls": calls, "check": check}
+
+
+def dense_problem(m: int, label: str, n: int, k: int, deep_gemm, device) -> dict:
+    case = providers.make_case(Shape(m, n, k, label), "fp8-block", device)
+    return {"label": label, "m": m, "n": n, "k": k, "calls": calls(case, deep_gemm),
+            "check": lambda out: providers.relative_error(out, case)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--m", default="64,128,4096", help="comma-separated M values")
+    parser.add_argument("--grouped", action="store_true", help="DeepGEMM's grouped problems instead of dense ones")
     parser.add_argument("--budget-ms", type=float, default=25.0)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -88,35 +160,40 @@ def main() -> int:
         deep_gemm = None
     timer = Timer(device, budget_ms=args.budget_ms)
     records = []
-    for m in (int(v) for v in args.m.split(",")):
-        for label, n, k in DEEPSEEK:
-            case = providers.make_case(Shape(m, n, k, label), "fp8-block", device)
-            row = {"m": m, "n": n, "k": k, "label": label, "us": {}, "error": {}, "status": {}}
-            runs = calls(case, deep_gemm)
-            for name, fn in runs.items():
-                try:
-                    err = providers.relative_error(fn(), case)
-                    torch.cuda.synchronize()
-                    row["error"][name] = err
-                    row["status"][name] = "ok" if err <= TOL else "wrong"
-                except Exception as exc:  # a refusal (cuBLAS at M = 1) or a failed JIT build
-                    row["status"][name] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
-            timed = {name: [] for name in runs if row["status"][name] == "ok"}
-            for _ in range(2):
-                for name in timed:
-                    timed[name].append(timer.graph(runs[name]).median_us)
-            row["us"] = {name: statistics.median(v) for name, v in timed.items()}
-            records.append(row)
-            cells = " ".join(f"{name}={row['us'].get(name, float('nan')):.1f}" for name in runs)
-            log(f"{m}x{n}x{k} {cells} {row['status']}")
-            del case
+    if args.grouped:
+        problems = ((grouped_problem, ("contiguous", *shape)) for shape in GROUPED_CONTIGUOUS)
+        problems = [*problems, *((grouped_problem, ("masked", *shape)) for shape in GROUPED_MASKED)]
+    else:
+        problems = [(dense_problem, (m, *layer)) for m in (int(v) for v in args.m.split(",")) for layer in DEEPSEEK]
+    for build, spec in problems:
+        problem = build(*spec, deep_gemm, device)
+        row = {key: problem[key] for key in ("label", "m", "n", "k")}
+        row.update(us={}, error={}, status={})
+        runs = problem["calls"]
+        for name, fn in runs.items():
+            try:
+                err = problem["check"](fn())
+                torch.cuda.synchronize()
+                row["error"][name] = err
+                row["status"][name] = "ok" if err <= TOL else "wrong"
+            except Exception as exc:  # a refusal (cuBLAS at M = 1) or a failed JIT build
+                row["status"][name] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+        timed = {name: [] for name in runs if row["status"][name] == "ok"}
+        for _ in range(2):
+            for name in timed:
+                timed[name].append(timer.graph(runs[name]).median_us)
+        row["us"] = {name: statistics.median(v) for name, v in timed.items()}
+        records.append(row)
+        cells = " ".join(f"{name}={row['us'].get(name, float('nan')):.1f}" for name in runs)
+        log(f"{row['label']} {row['m']}x{row['n']}x{row['k']} {cells} {row['status']}")
+        del problem, runs
     meta = envinfo.metadata(" ".join(sys.argv))
     if deep_gemm is not None:
         commit = Path(deep_gemm.__file__).resolve().parents[1] / "deep_gemm_commit.txt"
         meta["deep_gemm"] = commit.read_text().strip() if commit.exists() else getattr(deep_gemm, "__version__", "?")
     (args.out / "deepgemm_peer.json").write_text(json.dumps({"metadata": meta, "records": records}, indent=1))
 
-    log("\nM x N x K | tmagemm us | DeepGEMM us | cuBLAS us | TFLOP/s tmagemm / DeepGEMM | tmagemm vs DeepGEMM | vs cuBLAS")
+    log("\nproblem | M x N x K | tmagemm us | DeepGEMM us | cuBLAS us | TFLOP/s tmagemm / DeepGEMM | tmagemm vs DeepGEMM | vs cuBLAS")
     ratios: dict[str, list[float]] = {"deepgemm": [], "cublas": []}
     for r in records:
         us = r["us"]
@@ -130,7 +207,7 @@ def main() -> int:
             else:
                 cells.append(r["status"].get(peer, "-")[:30])
         tf = " / ".join(f"{flops / us[p] / 1e6:.0f}" if us.get(p) else "-" for p in ("tmagemm", "deepgemm"))
-        log(f"{r['m']}x{r['n']}x{r['k']} | {ours or float('nan'):.1f} | {us.get('deepgemm', float('nan')):.1f} | "
+        log(f"{r['label']} | {r['m']}x{r['n']}x{r['k']} | {ours or float('nan'):.1f} | {us.get('deepgemm', float('nan')):.1f} | "
             f"{us.get('cublas', float('nan')):.1f} | {tf} | {cells[0]} | {cells[1]}")
     for peer, values in ratios.items():
         if values:
