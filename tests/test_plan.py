@@ -45,6 +45,22 @@ def test_preference_table(m, n, k, dtype, first):
     assert order[-1] == "triton.ptr"  # the pointer kernel accepts anything: always the last resort
 
 
+@pytest.mark.parametrize(
+    "m, n, fast_accum, first",
+    [
+        (256, 8192, False, "cuda.persistent_coop"),  # 128 tiles of 128 x 128: the native promoting kernel
+        (256, 4096, False, "triton.tma"),  # 64 tiles: half the SMs
+        (128, 8192, False, "triton.tma"),  # M <= 128: the Triton tile kernel was ahead
+        (256, 8192, True, "triton.tma"),  # fast accumulation: unchanged
+    ],
+)
+def test_exact_fp8_above_m_128_prefers_native_tiles_that_fill_the_sms(m, n, fast_accum, first):
+    a = torch.empty(m, 4096, dtype=F8, device="meta")
+    w = torch.empty(n, 4096, dtype=F8, device="meta")
+    out = torch.empty(m, n, dtype=torch.bfloat16, device="meta")
+    assert plan.preference(GemmArgs(a, w.t(), out, fast_accum=fast_accum))[0] == first
+
+
 def test_16bit_split_k_first_only_for_k_major_weights():
     a = torch.empty(8, 4096, dtype=torch.bfloat16, device="meta")
     out = torch.empty(8, 4096, dtype=torch.bfloat16, device="meta")

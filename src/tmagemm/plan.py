@@ -273,7 +273,8 @@ def preference(args: GemmArgs) -> tuple[str, ...]:
       the weight.
     - M <= MID_M (256): the non-persistent Triton kernel with host-encoded tensor maps, launched
       directly (maps cached per address, so no per-call encode); its device-built-map twin
-      ``triton.tma_device`` costs ~2.5 us more GPU time and stays a fallback.
+      ``triton.tma_device`` costs ~2.5 us more GPU time and stays a fallback. fp8 without fast
+      accumulation above M = 128 takes the native kernel where :func:`_promoting_native_first`.
     - larger M: the native persistent cooperative kernel (per-shape config), then the Triton
       persistent one.
     - block-scaled fp8 (1x128 x 128x128): split-K where :func:`_block_splitk_first`, then the
@@ -288,9 +289,19 @@ def preference(args: GemmArgs) -> tuple[str, ...]:
     tma = ("triton.tma", "triton.tma_device")
     if _splitk_first(args):
         return ("triton.splitk", *tma, "triton.persistent", "triton.ptr")
-    if args.m <= MID_M:
+    if args.m <= MID_M and not _promoting_native_first(args):
         return (*tma, "triton.persistent", "cuda.persistent_coop", "triton.ptr")
     return ("cuda.persistent_coop", "triton.persistent", *tma, "triton.ptr")
+
+
+def _promoting_native_first(args: GemmArgs) -> bool:
+    """fp8 with use_fast_accum=False above M = 128 whose 128 x 128 tiles nearly fill the SMs: the
+    native promoting kernel (H100, graph-timed vs torch._scaled_mm(use_fast_accum=False); M =
+    256, N = 8192, K = 4096 / 8192: 0.97 / 1.00x where the Triton tile kernel ran 0.86 / 0.87x;
+    with half the SMs' worth of tiles, N = 4096, 0.83-0.84x against 0.85-0.87x)."""
+    if not args.is_fp8 or args.fast_accum or args.m <= 128:
+        return False
+    return 4 * (-(-args.m // 128) * -(-args.n // 128)) >= 3 * device.sms_of(args.out.device)
 
 
 def _env_backend() -> str:
