@@ -181,7 +181,8 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
       const int t = threadIdx.x % 128;
       const int row = tile.m0 + 64 * consumer + (t / 32) * 16 + (t % 32) / 4;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) sa_ptr[h] = params.block_scale_a + min(row + 8 * h, params.m - 1) * params.block_scale_a_m;
+      for (int h = 0; h < 2; ++h)
+        sa_ptr[h] = params.block_scale_a + min(row + 8 * h, params.m - 1) * params.block_scale_a_m;
       const int last_block = ceil_div(params.n, kPromoteN) - 1;
 #pragma unroll
       for (int p = 0; p < kPromoteParts; ++p)
@@ -256,60 +257,61 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
         wgmma::wait_group<0>();
         retire(part, kt);
       }
-    }
-    for (int kt = 0; kt < (kPromoteDepth == 2 ? 0 : k_tiles); ++kt) {
-      float s_row[kPromoteParts][2];  // sa[row + 8h] * sb[block of part p]
-      if constexpr (kBlockScaled) {
+    } else {
+      for (int kt = 0; kt < k_tiles; ++kt) {
+        float s_row[kPromoteParts][2];  // sa[row + 8h] * sb[block of part p]
+        if constexpr (kBlockScaled) {
 #pragma unroll
-        for (int p = 0; p < kPromoteParts; ++p)
+          for (int p = 0; p < kPromoteParts; ++p)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) s_row[p][h] = sa_next[h] * sb_next[p];
-        if (kt + 1 < k_tiles) load_next_scales();
-      }
-      ptx::mbarrier_wait(&full[read.index], read.phase);
-      const u32 a = ptx::smem_u32(smem + read.index * kStageBytes) + (kPingPong ? 0 : consumer * 64 * kRowBytes);
-      const u32 b = ptx::smem_u32(smem + read.index * kStageBytes + kStageBytesA);
-      if constexpr (kPromote) {
+            for (int h = 0; h < 2; ++h) s_row[p][h] = sa_next[h] * sb_next[p];
+          if (kt + 1 < k_tiles) load_next_scales();
+        }
+        ptx::mbarrier_wait(&full[read.index], read.phase);
+        const u32 a = ptx::smem_u32(smem + read.index * kStageBytes) + (kPingPong ? 0 : consumer * 64 * kRowBytes);
+        const u32 b = ptx::smem_u32(smem + read.index * kStageBytes + kStageBytesA);
+        if constexpr (kPromote) {
 #pragma unroll
-        for (int p = 0; p < kPromoteParts; ++p) {
-          wgmma::fence_operand(part);  // the adds of the previous part read it first
+          for (int p = 0; p < kPromoteParts; ++p) {
+            wgmma::fence_operand(part);  // the adds of the previous part read it first
+            wgmma::fence();
+            mma_stage<kPromoteN, true>(part, a, b + p * kPromoteN * kRowBytes);
+            wgmma::commit_group();
+            // The adds read the scratch registers, so its group must be complete (wait 0; a deeper
+            // wait would make ptxas serialize every wgmma). The other consumer's wgmmas keep the
+            // tensor core busy meanwhile.
+            wgmma::wait_group<0>();
+            wgmma::fence_operand(part);
+            // The stage's last reads are done: free it before adding, so the producer refills sooner.
+            if (p == kPromoteParts - 1) release_stage<kCluster>(&empty[read.index]);
+            // Register 4j + 2h + e holds row + 8h of the fragment (see epilogue_apply); part p is
+            // columns [128p, 128p + 128) of the tile, accumulators [64p, 64p + 64).
+            if constexpr (kBlockScaled) {
+#pragma unroll
+              for (int r = 0; r < kPartRegs; ++r) acc[0][p * kPartRegs + r] += part[r] * s_row[p][(r >> 1) & 1];
+            } else {
+#pragma unroll
+              for (int r = 0; r < kPartRegs; ++r) acc[0][p * kPartRegs + r] += part[r];
+            }
+          }
+        } else {
+#pragma unroll
+          for (int f = 0; f < kFrags; ++f) wgmma::fence_operand(acc[f]);
           wgmma::fence();
-          mma_stage<kPromoteN, true>(part, a, b + p * kPromoteN * kRowBytes);
+#pragma unroll
+          for (int f = 0; f < kFrags; ++f) mma_stage<kBlockN>(acc[f], a + f * 64 * kRowBytes, b);
           wgmma::commit_group();
-          // The adds read the scratch registers, so its group must be complete (wait 0; a deeper
-          // wait would make ptxas serialize every wgmma). The other consumer's wgmmas keep the
-          // tensor core busy meanwhile.
-          wgmma::wait_group<0>();
-          wgmma::fence_operand(part);
-          // The stage's last reads are done: free it before adding, so the producer refills sooner.
-          if (p == kPromoteParts - 1) release_stage<kCluster>(&empty[read.index]);
-          // Register 4j + 2h + e holds row + 8h of the fragment (see epilogue_apply); part p is
-          // columns [128p, 128p + 128) of the tile, accumulators [64p, 64p + 64).
-          if constexpr (kBlockScaled) {
+          wgmma::wait_group<1>();
 #pragma unroll
-            for (int r = 0; r < kPartRegs; ++r) acc[0][p * kPartRegs + r] += part[r] * s_row[p][(r >> 1) & 1];
-          } else {
-#pragma unroll
-            for (int r = 0; r < kPartRegs; ++r) acc[0][p * kPartRegs + r] += part[r];
+          for (int f = 0; f < kFrags; ++f) wgmma::fence_operand(acc[f]);
+          // One batch stays in flight; the one before it has retired and its stage goes back.
+          if (kt > 0) {
+            release_stage<kCluster>(&empty[release.index]);
+            release.advance();
           }
         }
-      } else {
-#pragma unroll
-        for (int f = 0; f < kFrags; ++f) wgmma::fence_operand(acc[f]);
-        wgmma::fence();
-#pragma unroll
-        for (int f = 0; f < kFrags; ++f) mma_stage<kBlockN>(acc[f], a + f * 64 * kRowBytes, b);
-        wgmma::commit_group();
-        wgmma::wait_group<1>();
-#pragma unroll
-        for (int f = 0; f < kFrags; ++f) wgmma::fence_operand(acc[f]);
-        // One batch stays in flight; the one before it has retired and its stage goes back.
-        if (kt > 0) {
-          release_stage<kCluster>(&empty[release.index]);
-          release.advance();
-        }
+        read.advance();
       }
-      read.advance();
     }
     if constexpr (!kPromote) {
       // Hand the tensor cores over as soon as the last batch is issued (if the other has a tile).
