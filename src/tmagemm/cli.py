@@ -89,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "without a GPU results/<date>-check-<shapes>-<dtypes>)")  # fmt: skip
     bench.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
     bench.add_argument("--configs", action="store_true",
-                       help="also run every candidate config of the Triton variants that have them, one provider "
-                            "each (named variant@config, e.g. 'triton.tma@64x128x128s4w4'; select with "
+                       help="also run every candidate config of the variants that have them (Triton tiles, the "
+                            "native promoting tiles), one provider each (named variant@config, e.g. "
+                            "'triton.tma@64x128x128s4w4', 'cuda.blockscaled@coop128x256s4c2pb'; select with "
                             "--providers)")
     bench.add_argument("--models", type=lambda s: [p for p in s.split(",") if p],
                        help="--preset decode: comma-separated models (default all: llama3-8b, llama3-70b-tp4, "
