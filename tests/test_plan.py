@@ -61,13 +61,16 @@ def test_exact_fp8_above_m_128_prefers_native_tiles_that_fill_the_sms(m, n, fast
     assert plan.preference(GemmArgs(a, w.t(), out, fast_accum=fast_accum))[0] == first
 
 
-def test_16bit_split_k_first_only_for_k_major_weights():
+def test_16bit_split_k_first_for_either_weight_layout():
     a = torch.empty(8, 4096, dtype=torch.bfloat16, device="meta")
     out = torch.empty(8, 4096, dtype=torch.bfloat16, device="meta")
     k_major = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta").t()
     n_major = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta")  # a row-major (K, N) matrix
     assert plan.preference(GemmArgs(a, k_major, out))[0] == "triton.splitk"
-    assert plan.preference(GemmArgs(a, n_major, out))[0] == "triton.tma"
+    assert plan.preference(GemmArgs(a, n_major, out))[0] == "triton.splitk"
+    a64 = torch.empty(64, 4096, dtype=torch.bfloat16, device="meta")
+    out64 = torch.empty(64, 4096, dtype=torch.bfloat16, device="meta")
+    assert plan.preference(GemmArgs(a64, n_major, out64))[0] == "triton.tma"  # M > 32: the tile kernel
 
 
 # ------------------------------------------------------------------------------ the Plan contract

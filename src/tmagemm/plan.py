@@ -230,12 +230,13 @@ def _splitk_first(args: GemmArgs) -> bool:
     1-12% faster; with a short K, e.g. K = 512-1536 and N =
     24-32K, the tile kernel was ahead), fp8 at M <= 32 with K > 8192 (the tile kernel then walks
     a long K on few CTAs), any M <= 32 with >= 100 MB of weight (earlier H100 sweep), and bf16 /
-    fp16 at M <= 32 with a K-major weight (``w.t()``; H100, 12 Llama-3 / Qwen2.5 projections:
-    split-K 0.92-1.03x cuBLAS where the tile kernel ran 0.69-0.99x; at M = 64 the tile kernel was
-    ahead; an N-major weight was not measured)."""
+    fp16 at M <= 32 (H100, 12 Llama-3 / Qwen2.5 projections with K-major weights, ``w.t()``:
+    split-K 0.92-1.03x cuBLAS where the tile kernel ran 0.69-0.99x, at M = 64 the tile kernel was
+    ahead; N-major weights, N = K = 4096, graph-timed: split-K 0.92-1.02x where the tile kernel
+    ran 0.81-0.90x at M = 1-32)."""
     if args.m <= 32 and args.n * args.k * args.b.element_size() >= 100e6:
         return True
-    if args.m <= 32 and not args.is_fp8 and tma.b_is_k_major(args.b):
+    if args.m <= 32 and not args.is_fp8:
         return True
     return args.is_fp8 and ((args.m <= 16 and args.k >= 3072) or (args.m <= 32 and args.k > 8192))
 
