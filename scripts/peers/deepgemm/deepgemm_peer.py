@@ -34,8 +34,8 @@ import json
 import math
 import os
 import statistics
-import tempfile
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -54,8 +54,8 @@ def log(*args) -> None:
     print(*args, flush=True)
 
 
-def calls(case: providers.Case, deep_gemm) -> dict:
-    """name -> zero-argument call returning its output, for one case."""
+def dense_calls(case: providers.Case, deep_gemm) -> dict:
+    """name -> zero-argument call returning its output, for one dense case."""
     found = {}
     out = case.empty_out()
     found["tmagemm"] = lambda: tmagemm.scaled_mm(case.a, case.b, case.scale_a, case.scale_b,
@@ -136,7 +136,7 @@ def grouped_problem(layout: str, e: int, rows: int, n: int, k: int, deep_gemm, d
 
 def dense_problem(m: int, label: str, n: int, k: int, deep_gemm, device) -> dict:
     case = providers.make_case(Shape(m, n, k, label), "fp8-block", device)
-    return {"label": label, "m": m, "n": n, "k": k, "calls": calls(case, deep_gemm),
+    return {"label": label, "m": m, "n": n, "k": k, "calls": dense_calls(case, deep_gemm),
             "check": lambda out: providers.relative_error(out, case)}
 
 
