@@ -24,7 +24,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from . import device, tma
+from . import device
 
 # Modules that define VARIANTS. One line per kernel family.
 FAMILY_MODULES = (

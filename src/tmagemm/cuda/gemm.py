@@ -92,9 +92,10 @@ class NativeGemmConfig:
         ``tmagemm bench --configs`` names a config's provider."""
         schedule = {"one_warpgroup": "wg1", "warp_specialized": "ws"}.get(
             self.kernel, "pingpong" if self.pingpong else "coop")
+        promotion = ("p" if self.promote_depth == 1 else "p2") if self.promote else ""
         extra = "".join((f"c{self.cluster_m}" if self.cluster_m > 1 else "", f"n{self.ctas}" if self.ctas else "",
                          f"g{self.group_m}" if self.group_m != 8 else "", "r" if self.raster_n else "",
-                         ("p" if self.promote_depth == 1 else "p2") if self.promote else "", "b" if self.block_scaled else ""))
+                         promotion, "b" if self.block_scaled else ""))
         return f"{schedule}128x{self.block_n}s{self.stages}{extra}"
 
     def epilogue_bytes(self, out_itemsize: int) -> int:
@@ -401,8 +402,8 @@ _PINGPONG_FP8_MIN = (4096, 8192, 8192)  # fp8 M, N, K from which ping-pong beat 
 # Cooperative 128x128 tiles (6 stages): for problems whose 128x256 tiles would leave at least half
 # of the SMs idle (fp8 512 x 4096 x 4096: 64 tiles -> 128; 0.99x cuBLAS instead of 0.66x, H200).
 _COOP_N128 = NativeGemmConfig("persistent", block_n=128, stages=6)
-# fp8 with use_fast_accum=False: the same tiles with per-k-block fp32 promotion (registers allow
-# it beside 128-wide tiles only).
+# fp8 with use_fast_accum=False: the same tiles with per-k-block fp32 promotion into one
+# 128-column scratch fragment (the base of the promoting candidates below).
 _COOP_PROMOTE = replace(_COOP_N128, promote=True)
 # The promoting tiles `tmagemm bench --configs` times side by side: 128 or 256 wide (promoted
 # 128 columns at a time), 128 wide with two scratch fragments, alone or as 2x1 clusters
