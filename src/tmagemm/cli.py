@@ -323,6 +323,13 @@ def _refuse_fp8_options_without_fp8(args: argparse.Namespace) -> None:
                 raise ValueError(f"{flag} applies to fp8 runs only, and --dtype {args.dtype} has no fp8 scales")
 
 
+def _given(args: argparse.Namespace, *flags: str) -> list[str]:
+    """The options among ``flags`` set on the command line: any value but the parser's None /
+    False (an empty list counts as unset, 0 as set)."""
+    values = {flag: getattr(args, flag.lstrip("-").replace("-", "_")) for flag in flags}
+    return [flag for flag, value in values.items() if value is not None and value is not False and value != []]
+
+
 def cmd_bench(args: argparse.Namespace, command: str) -> int:
     import torch
 
@@ -334,9 +341,7 @@ def cmd_bench(args: argparse.Namespace, command: str) -> int:
     if args.preset not in ("decode", "moe", "model") and (args.models or args.layers is not None):
         raise ValueError("--models and --layers apply to --preset decode only, and to --preset model (--models also to "
                          "--preset moe)")
-    model_only = [flag for flag, value in (("--variants", args.variants), ("--context", args.context is not None),
-                  ("--new-tokens", args.new_tokens is not None), ("--compile-check", args.compile_check),
-                  ("--init-std", args.init_std is not None)) if value]  # fmt: skip
+    model_only = _given(args, "--variants", "--context", "--new-tokens", "--compile-check", "--init-std")
     if args.preset != "model" and model_only:
         raise ValueError(f"{', '.join(model_only)} apply to --preset model only")
     if args.preset != "moe" and args.routing:
@@ -357,10 +362,8 @@ def cmd_bench(args: argparse.Namespace, command: str) -> int:
     if args.preset == "model":
         return _bench_model(args, command)
     if args.preset == "tma":
-        given = [flag for flag, value in (("--m", args.m), ("--n", args.n), ("--k", args.k), ("--dtype", args.dtype),
-                 ("--providers", args.providers), ("--rowwise", args.rowwise), ("--exact-accum", args.exact_accum),
-                 ("--graph", args.graph), ("--budget-ms", args.budget_ms is not None), ("--configs", args.configs))
-             if value]  # fmt: skip
+        given = _given(args, "--m", "--n", "--k", "--dtype", "--providers", "--rowwise", "--exact-accum", "--graph",
+                       "--budget-ms", "--configs")
         if given:
             raise ValueError(f"--preset tma measures TMA copies and NVRTC compiles; {', '.join(given)} do not apply")
         result = BenchResult(envinfo.metadata(command), extras=_tma_extras())
@@ -388,9 +391,7 @@ def _bench_decode(args: argparse.Namespace, command: str) -> int:
     """``--preset decode`` (bench/decode.py): its own tables and records; ``tmagemm report`` prints them."""
     from .bench import decode
 
-    given = [flag for flag, value in (("--n", args.n), ("--k", args.k), ("--providers", args.providers),
-             ("--rowwise", args.rowwise), ("--graph", args.graph), ("--no-host-loop", args.no_host_loop),
-             ("--configs", args.configs)) if value]  # fmt: skip
+    given = _given(args, "--n", "--k", "--providers", "--rowwise", "--graph", "--no-host-loop", "--configs")
     if given:
         raise ValueError(f"--preset decode times tmagemm vs cuBLAS on fp8 tensor/row/block and bf16 stacks, always "
                          f"as CUDA-graph replay; {', '.join(given)} do not apply (--dtype picks the recipes, "
@@ -424,9 +425,8 @@ def _bench_moe(args: argparse.Namespace, command: str) -> int:
     """``--preset moe`` (bench/moe.py): its own tables and records; ``tmagemm report`` prints them."""
     from .bench import moe
 
-    given = [flag for flag, value in (("--n", args.n), ("--k", args.k), ("--providers", args.providers),
-             ("--rowwise", args.rowwise), ("--graph", args.graph), ("--no-host-loop", args.no_host_loop),
-             ("--layers", args.layers is not None), ("--configs", args.configs)) if value]  # fmt: skip
+    given = _given(args, "--n", "--k", "--providers", "--rowwise", "--graph", "--no-host-loop", "--layers",
+                   "--configs")
     if given:
         raise ValueError(f"--preset moe times tmagemm vs torch's grouped ops and a per-expert loop on fp8 (row-wise) "
                          f"and bf16 expert GEMMs, always as CUDA-graph replay; {', '.join(given)} do not apply "
@@ -449,10 +449,8 @@ def _bench_model(args: argparse.Namespace, command: str) -> int:
     """``--preset model`` (bench/model.py): its own tables and records; ``tmagemm report`` prints them."""
     from .bench import model
 
-    given = [flag for flag, value in (("--n", args.n), ("--k", args.k), ("--providers", args.providers),
-             ("--dtype", args.dtype), ("--rowwise", args.rowwise), ("--exact-accum", args.exact_accum),
-             ("--graph", args.graph), ("--no-host-loop", args.no_host_loop),
-             ("--configs", args.configs)) if value]  # fmt: skip
+    given = _given(args, "--n", "--k", "--providers", "--dtype", "--rowwise", "--exact-accum", "--graph",
+                   "--no-host-loop", "--configs")
     if given:
         raise ValueError(f"--preset model times whole decode steps of fixed variants (bf16, tmagemm.nn FP8, torch "
                          f"fp8), always as CUDA-graph replay; {', '.join(given)} do not apply (--variants picks the "
