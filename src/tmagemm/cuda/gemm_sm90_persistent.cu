@@ -207,6 +207,29 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
     if constexpr (kBlockScaled) {
       if (k_tiles > 0) load_next_scales();
     }
+    // Block scales of k-block kt, sa[row + 8h] * sb[block of part p], taken before the next
+    // k-block's are loaded.
+    auto take_scales = [&](int kt, float(&s_row)[kPromoteParts][2]) {
+      if constexpr (kBlockScaled) {
+#pragma unroll
+        for (int p = 0; p < kPromoteParts; ++p)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) s_row[p][h] = sa_next[h] * sb_next[p];
+        if (kt + 1 < k_tiles) load_next_scales();
+      }
+    };
+    // Adds part p's retired scratch fragment (scaled, with block scales). Register 4j + 2h + e
+    // holds row + 8h of the fragment (see epilogue_apply); part p is columns [128p, 128p + 128)
+    // of the tile, accumulators [64p, 64p + 64).
+    auto add_part = [&](const float(&src)[kPartRegs], int p, const float(&s_row)[kPromoteParts][2]) {
+#pragma unroll
+      for (int r = 0; r < kPartRegs; ++r) {
+        if constexpr (kBlockScaled)
+          acc[0][p * kPartRegs + r] += src[r] * s_row[p][(r >> 1) & 1];
+        else
+          acc[0][p * kPartRegs + r] += src[r];
+      }
+    };
     PipelineState release = read;
     if constexpr (kPromoteDepth == 2) {
       // Two scratch fragments: k-block kt + 1's wgmmas are issued before k-block kt's sum is
@@ -228,17 +251,9 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
         wgmma::fence_operand(src);
         release_stage<kCluster>(&empty[release.index]);
         release.advance();
-        if constexpr (kBlockScaled) {
-          float s_row[2];
-#pragma unroll
-          for (int h = 0; h < 2; ++h) s_row[h] = sa_next[h] * sb_next[0];
-          if (kt + 1 < k_tiles) load_next_scales();
-#pragma unroll
-          for (int r = 0; r < kPartRegs; ++r) acc[0][r] += src[r] * s_row[(r >> 1) & 1];
-        } else {
-#pragma unroll
-          for (int r = 0; r < kPartRegs; ++r) acc[0][r] += src[r];
-        }
+        float s_row[kPromoteParts][2];
+        take_scales(kt, s_row);
+        add_part(src, 0, s_row);
       };
       // Two k-blocks per step, both issued before the first is added; every group retires
       // within its step (ptxas serializes the wgmmas when a group stays in flight across the
@@ -259,14 +274,8 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
       }
     } else {
       for (int kt = 0; kt < k_tiles; ++kt) {
-        float s_row[kPromoteParts][2];  // sa[row + 8h] * sb[block of part p]
-        if constexpr (kBlockScaled) {
-#pragma unroll
-          for (int p = 0; p < kPromoteParts; ++p)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) s_row[p][h] = sa_next[h] * sb_next[p];
-          if (kt + 1 < k_tiles) load_next_scales();
-        }
+        float s_row[kPromoteParts][2];
+        take_scales(kt, s_row);
         ptx::mbarrier_wait(&full[read.index], read.phase);
         const u32 a = ptx::smem_u32(smem + read.index * kStageBytes) + (kPingPong ? 0 : consumer * 64 * kRowBytes);
         const u32 b = ptx::smem_u32(smem + read.index * kStageBytes + kStageBytesA);
@@ -284,15 +293,7 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
             wgmma::fence_operand(part);
             // The stage's last reads are done: free it before adding, so the producer refills sooner.
             if (p == kPromoteParts - 1) release_stage<kCluster>(&empty[read.index]);
-            // Register 4j + 2h + e holds row + 8h of the fragment (see epilogue_apply); part p is
-            // columns [128p, 128p + 128) of the tile, accumulators [64p, 64p + 64).
-            if constexpr (kBlockScaled) {
-#pragma unroll
-              for (int r = 0; r < kPartRegs; ++r) acc[0][p * kPartRegs + r] += part[r] * s_row[p][(r >> 1) & 1];
-            } else {
-#pragma unroll
-              for (int r = 0; r < kPartRegs; ++r) acc[0][p * kPartRegs + r] += part[r];
-            }
+            add_part(part, p, s_row);
           }
         } else {
 #pragma unroll
