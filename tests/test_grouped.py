@@ -10,11 +10,16 @@ with torch's grouped GEMMs.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
+from test_native_gemm import needs_nvrtc
 
 from tmagemm import grouped, plan
 from tmagemm.configs import TritonGemmConfig
+from tmagemm.cuda import gemm as native_gemm
+from tmagemm.cuda import grouped as native
 from tmagemm.grouped import GroupLayout, grouped_mm, grouped_scaled_mm
 
 FP8 = torch.float8_e4m3fn
@@ -228,6 +233,12 @@ def test_fp8_tensorwise_per_expert_fast_accum(seeded):
     out = grouped.run(args, config=CFG8, num_sms=SMS)
     b_deq = b.double().cpu() * sb.double().cpu()[:, None, None]
     check(out, reference(a.double().cpu() * 0.5, b_deq, [13, 30], GroupLayout.CONTIGUOUS), REL8, "tensorwise")
+    # Masked layout with a 0-d scale_a (no row dimension to take an expert stride from).
+    a3, _ = fp8_operands((e, 9, k), e, k, n)
+    args = grouped.scaled_mm_args(a3, b, sa, sb, masked_m=counts_tensor([9, 4]), out_dtype=torch.float32,
+                                  out=poisoned((e, 9, n)), use_fast_accum=True)
+    out = grouped.run(args, config=CFG8, num_sms=SMS)
+    check(out, reference(a3.double().cpu() * 0.5, b_deq, [9, 4], GroupLayout.MASKED), REL8, "tensorwise masked")
 
 
 def _block_deq(a, b, sa, sb, per_channel=False):
@@ -494,3 +505,209 @@ def test_gpu_direct_launch_and_decode_config(seeded):
     ref = reference(a.double().cpu() * sa.double().cpu()[..., None], b.double().cpu() * sb.double().cpu()[:, None],
                     counts, GroupLayout.MASKED)
     check(torch.where(torch.isnan(ref).to(DEV), float("nan"), got.float()), ref, 1e-2, "decode")
+
+
+# ---------------------------------------------------------------------------------- native kernel
+# cuda/grouped.py: the persistent cooperative kernel built with TMAGEMM_GROUPED. GPU tests run it
+# with a few CTAs (each walks many tiles across group boundaries) on groups that end inside
+# tiles, empty groups, a one-row group (a 2x1 cluster's second tile lies wholly past it) and rows
+# no group covers; CPU tests check its builds and the rules that route problems to it.
+
+_COOP = native_gemm.NATIVE_CONFIGS["cuda.persistent_coop"]
+_PROMOTE = native_gemm._PROMOTE_WIDE  # promoting 128 x 256 tiles on 2x1 clusters
+
+
+def _native_config(base, e, **changes):
+    return replace(base, groups=e, **changes)
+
+
+SIZES = [0, 300, 1, 513, 129]  # contiguous group sizes; 37 rows after the last group stay untouched
+MASKED = [300, 0, 129, 1, 255]  # masked counts of max_m = 300
+
+
+def _native_operands(dtype, layout, k, n, k_major=True):
+    e = len(SIZES)
+    if layout == GroupLayout.CONTIGUOUS:
+        counts = torch.tensor(SIZES).cumsum(0).tolist()
+        shape_a, kw = (counts[-1] + 37, k), {"offs": counts_tensor(counts)}
+    else:
+        counts = MASKED
+        shape_a, kw = (e, 300, k), {"masked_m": counts_tensor(counts)}
+    if dtype == FP8:
+        a, b = fp8_operands(shape_a, e, k, n)
+    else:
+        a, b = torch.randn(*shape_a, device=DEV).to(dtype), weights(e, k, n, dtype, k_major)
+    return a, b, counts, kw
+
+
+@gpu
+@pytest.mark.parametrize("layout", [GroupLayout.CONTIGUOUS, GroupLayout.MASKED], ids=["contiguous", "masked"])
+@pytest.mark.parametrize("k_major, out_dtype", [(True, torch.bfloat16), (False, torch.float32)],
+                         ids=["b_k_major_bf16_out", "b_n_major_fp32_out"])
+def test_gpu_native_bf16(layout, k_major, out_dtype, seeded):
+    k, n = (200 if k_major else 192), 400  # N off the 256-column tile; K off the k-block (K-major)
+    a, b, counts, kw = _native_operands(torch.bfloat16, layout, k, n, k_major)
+    args = grouped.mm_args(a, b, out_dtype=out_dtype, out=poisoned((*a.shape[:-1], n), out_dtype), **kw)
+    assert native.unsupported_reason(args) is None
+    out = grouped.run(args, config=_native_config(_COOP, len(SIZES)), num_sms=6)
+    rel = 1e-4 if out_dtype == torch.float32 else 8e-3
+    check(out, reference(a.double().cpu(), b.double().cpu(), counts, layout), rel, f"native bf16 {layout.name}")
+
+
+@gpu
+@pytest.mark.parametrize("layout", [GroupLayout.CONTIGUOUS, GroupLayout.MASKED], ids=["contiguous", "masked"])
+@pytest.mark.parametrize("recipe", ["row_promote_c2", "row_promote_c1", "tensor_fast", "block_c2", "block_c1"])
+def test_gpu_native_fp8(layout, recipe, seeded):
+    e, k, n = len(SIZES), 400, 400  # K: a partial last k-block and scale block; N: a partial weight block
+    a, b, counts, kw = _native_operands(FP8, layout, k, n)
+    rows = a.shape[:-1]
+    bias = torch.randn(e, n, device=DEV).to(torch.bfloat16)
+    fast = recipe == "tensor_fast"
+    if recipe.startswith("block"):
+        kb, nb = -(-k // 128), -(-n // 128)
+        # 1x128 scales outer-dim-major for the contiguous layout (torch's), row-major for masked.
+        sa = ((torch.rand(kb, rows[0], device=DEV) + 0.5).t() if layout == GroupLayout.CONTIGUOUS
+              else torch.rand(*rows, kb, device=DEV) + 0.5)
+        sb = torch.rand(e, nb, kb, device=DEV) + 0.5
+        a_deq, b_deq = _block_deq(a, b, sa, sb)
+        config = _native_config(_PROMOTE, e, block_scaled=True)
+    elif fast:
+        sa, sb = torch.tensor(0.75, device=DEV), torch.rand(e, device=DEV) + 0.5  # tensor-wise, per expert
+        a_deq, b_deq = a.double().cpu() * 0.75, b.double().cpu() * sb.double().cpu()[:, None, None]
+        config = _native_config(_COOP, e)
+    else:
+        sa, sb = torch.rand(rows, device=DEV) + 0.5, torch.rand(e, n, device=DEV) + 0.5
+        a_deq = a.double().cpu() * sa.double().cpu()[..., None]
+        b_deq = b.double().cpu() * sb.double().cpu()[:, None, :]
+        config = _native_config(_PROMOTE, e)
+    if recipe.endswith("c1"):
+        config = replace(config, cluster_m=1)
+    args = grouped.scaled_mm_args(a, b, sa, sb, bias=bias, out_dtype=torch.float32, use_fast_accum=fast,
+                                  out=poisoned((*rows, n)), **kw)
+    assert native.unsupported_reason(args, config) is None
+    out = grouped.run(args, config=config, num_sms=6)
+    check(out, reference(a_deq, b_deq, counts, layout, bias.cpu()), REL8, f"native fp8 {recipe} {layout.name}")
+
+
+@gpu
+def test_gpu_native_batched_single_expert_and_bad_offsets(seeded):
+    k, n = 256, 256
+    a = torch.randn(3, 200, k, device=DEV).bfloat16()
+    b = weights(3, k, n, torch.bfloat16)
+    out = grouped.run(grouped.mm_args(a, b, out=poisoned((3, 200, n), torch.bfloat16)),
+                      config=_native_config(_COOP, 3), num_sms=4)
+    check(out, reference(a.double().cpu(), b.double().cpu(), None, GroupLayout.BATCHED), 8e-3, "native batched")
+    a1, b1 = a[0], b[:1]
+    out = grouped.run(grouped.mm_args(a1, b1, offs=counts_tensor([150]), out=poisoned((200, n), torch.bfloat16)),
+                      config=_native_config(_COOP, 1), num_sms=4)
+    check(out, reference(a1.double().cpu(), b1.double().cpu(), [150], GroupLayout.CONTIGUOUS), 8e-3, "native E=1")
+    m = 400
+    a4 = torch.randn(m, k, device=DEV).bfloat16()
+    b4 = weights(4, k, n, torch.bfloat16)
+    for offs in ([300, 100, 390, 200], [150, 900, 950, 1000], [-5, 129, 129, 7]):
+        out = grouped.run(grouped.mm_args(a4, b4, offs=counts_tensor(offs), out=poisoned((m, n), torch.bfloat16)),
+                          config=_native_config(_COOP, 4), num_sms=4)
+        check(out, reference(a4.double().cpu(), b4.double().cpu(), offs, GroupLayout.CONTIGUOUS), 8e-3,
+              f"native offs={offs}")
+
+
+@gpu
+def test_gpu_native_graph_replays_with_new_offsets(seeded):
+    """Contiguous groups whose sizes change between replays of one captured grouped call (the
+    public API's dispatch picks the native kernel for groups of this size)."""
+    plan.clear_plans()
+    e, m, k, n = 4, 1024, 512, 768
+    a = torch.randn(m, k, device=DEV).bfloat16()
+    b = weights(e, k, n, torch.bfloat16)
+    offs = counts_tensor([256, 512, 768, 1024])
+    out = poisoned((m, n), torch.bfloat16)
+    grouped_mm(a, b, offs=offs, out=out)
+    (p,) = grouped.cached_plans()
+    assert p.variant == native.NAME and p.direct
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grouped_mm(a, b, offs=offs, out=out)
+    for counts in ([1, 1, 1000, 1000], [0, 0, 0, 0], [700, 701, 701, 1024], [1024, 0, 3, 1]):
+        offs.copy_(counts_tensor(counts))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out, reference(a.double().cpu(), b.double().cpu(), counts, GroupLayout.CONTIGUOUS), 8e-3,
+              f"replay {counts}")
+
+
+def test_native_config_rule_is_pure():
+    e = 8
+    big = grouped.example_args(FP8, e=e, rows=512, n=512, k=256)
+    config = native.config_for(big)
+    assert config == native.config_for(big) and config.groups == e
+    assert config.promote and config.cluster_m == 2 and config.block_n == 256
+    small = grouped.example_args(FP8, e=e, rows=128, n=512, k=256)
+    assert native.config_for(small).cluster_m == 1  # a pair's second tile would lie past most groups
+    half = grouped.example_args(torch.bfloat16, e=e, rows=512, n=512, k=256)
+    assert not native.config_for(half).promote and native.config_for(half).groups == e
+    for args in (big, small, half):
+        config = native.config_for(args)
+        assert config.is_valid(args.out.element_size())
+    # The group table takes shared memory: many experts cost the ring a stage.
+    assert native.config_for(grouped.example_args(FP8, e=2048, rows=1, n=256, k=256)).stages < config.stages
+
+
+def test_native_dispatch_rule(monkeypatch):
+    """Which groups the dispatcher gives the native kernel: above one tile per group (block
+    scales: above decode size), and promoted fp8 only from K = 4096 (the measured rule)."""
+    monkeypatch.setattr(native._device, "is_hopper", lambda device: True)
+    ex = grouped.example_args
+    assert native.preferred(ex(torch.bfloat16, e=4, rows=129, n=256, k=256))
+    assert not native.preferred(ex(torch.bfloat16, e=4, rows=128, n=256, k=256))
+    assert not native.preferred(ex(FP8, e=4, rows=512, n=256, k=2048))  # row-wise, promoted, short K
+    assert native.preferred(ex(FP8, e=4, rows=512, n=256, k=4096))
+    args = ex(FP8, e=4, rows=512, n=256, k=2048)
+    assert native.preferred(args._replace(fast_accum=True))
+    kb = 2048 // 128
+    sa, sb = torch.ones(4 * 80, kb), torch.ones(4, 2, kb)
+    block = grouped.scaled_mm_args(args.a[:320], args.b, sa, sb, offs=torch.tensor([80, 160, 240, 320],
+                                                                                   dtype=torch.int32))
+    assert block.scaling == grouped.GroupScaling.BLOCK and native.preferred(block)
+    assert not native.preferred(block._replace(a=args.a[:256], out=block.out[:256]))  # 64 rows per group
+
+
+def test_native_refusals_name_the_reason(monkeypatch):
+    e, m, k, n = 2, 256, 256, 256
+    a = torch.empty(m, k, dtype=FP8)
+    b = torch.empty(e, n, k, dtype=FP8).transpose(1, 2)
+    offs = torch.tensor([100, 256], dtype=torch.int32)
+    sa, sb = torch.ones(m), torch.ones(e, n)
+    args = grouped.scaled_mm_args(a, b, sa, sb, offs=offs)
+    assert "Hopper" in native.unsupported_reason(args)
+    monkeypatch.setattr(native._device, "is_hopper", lambda device: True)
+    assert native.unsupported_reason(args) is None
+    # Experts that are not one stride apart (every other expert of a larger tensor).
+    b_gaps = torch.empty(2 * e, n, k, dtype=FP8)[::2].transpose(1, 2)
+    assert "stacked" in native.unsupported_reason(grouped.scaled_mm_args(a, b_gaps, sa, sb, offs=offs))
+    sb_chan = torch.ones(e, n, 2)
+    assert "per output channel" in native.unsupported_reason(grouped.scaled_mm_args(a, b, sa, sb_chan, offs=offs))
+    h = torch.empty(m, 96, dtype=torch.float16)
+    assert "N-major" in native.unsupported_reason(grouped.mm_args(h, torch.empty(e, 96, n, dtype=torch.float16),
+                                                                   offs=offs))
+    assert "zero-size" in native.unsupported_reason(grouped.scaled_mm_args(a[:, :0], b[:, :0], sa, sb, offs=offs))
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("config, ab, out", [
+    (_native_config(_PROMOTE, 256, block_scaled=True), FP8, torch.bfloat16),
+    (_native_config(_PROMOTE, 8, cluster_m=1), FP8, torch.float32),
+    (_native_config(_COOP, 8), FP8, torch.bfloat16),
+    (_native_config(_COOP, 8), torch.bfloat16, torch.bfloat16),
+], ids=["block_c2", "promote_c1_fp32", "fast_fp8", "bf16"])
+def test_native_builds_for_sm90a(config, ab, out):
+    """The grouped kernel keeps the dense mainloop's properties (no spills, wgmmas not
+    serialized) and has both stores: TMA for tiles inside a group, 16-byte stores at its end."""
+    from tmagemm import jit
+
+    module = native_gemm.compile_module(config, ab, out, True)
+    sass = jit.sass(module.cubin)
+    assert "LDL" not in sass and "STL" not in sass, "local memory (spills) in the kernel"
+    assert "are serialized" not in module.log
+    assert "UTMASTG" in sass and "STG.E.128" in sass
+    assert ("QGMMA" if ab == FP8 else "HGMMA") in sass

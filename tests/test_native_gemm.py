@@ -59,13 +59,17 @@ needs_nvrtc = pytest.mark.skipif(_nvrtc_reason() is not None, reason=str(_nvrtc_
 
 def test_params_struct_matches_device_layout():
     # gemm_sm90.cuh: 4 int + 2 float, 6 x 8-byte fields, 4 int, then the block scales' 2 pointers
-    # and 4 strides = 128 bytes, pointers 8-aligned.
-    assert ctypes.sizeof(native._Params) == 128
+    # and 4 strides = 128 bytes; the grouped fields: a pointer, 4 int, 3 strides, the output
+    # pointer and its stride = 64 bytes; pointers 8-aligned.
+    assert ctypes.sizeof(native._Params) == 192
     assert native._Params.c.offset == 24
     assert native._Params.bias.offset == 56
     assert native._Params.scale_a_rowwise.offset == 64
     assert native._Params.block_scale_a.offset == 80
     assert native._Params.block_scale_b_k.offset == 120
+    assert native._Params.group_counts.offset == 128
+    assert native._Params.scale_b_group.offset == 152
+    assert native._Params.d.offset == 176
 
 
 @pytest.mark.parametrize("name", sorted(native.NATIVE_CONFIGS))
@@ -95,6 +99,8 @@ def test_invalid_configs_are_refused():
     assert coop.epi_passes == 4 and coop.fitted(4).is_valid(4)  # fp32 out: 8 chunks, 3 stages
     assert not replace(coop, block_n=128, epi_passes=4).is_valid(2)  # 2 chunks
     assert not replace(coop, epi_buffers=3).is_valid(2)
+    assert not replace(native.NATIVE_CONFIGS["cuda.persistent_pingpong"], groups=8).is_valid(2)  # grouped: cooperative
+    assert not replace(coop, kernel="warp_specialized", groups=8).is_valid(2)
     sliced = native.NativeGemmConfig("warp_specialized", block_n=256, stages=3, epi_passes=2, epi_buffers=2)
     assert not sliced.is_valid(2)  # slices belong to the persistent epilogue
 

@@ -10,7 +10,7 @@ promoting fp8 mainloop of ``use_fast_accum=False``), and with ``backend="triton"
 both B layouts; the fused gate/up projection (split and unsplit) feeding a block GEMM. Every
 kernel is launched with programmatic dependent launch (the default). Shapes are off the tile sizes; the larger ones have more tiles than SMs, so
 persistent CTAs walk several tiles. (The ping-pong schedule needs fp8 M >= 4096 with N, K >= 8192,
-too large for the sanitizer.)
+too large for the sanitizer.) Grouped GEMMs run both grouped kernels with counts that need clamping.
 Each output is checked against float64; exits 1 if any case fails or is off.
 """
 
@@ -49,6 +49,16 @@ BLOCK_CASES = [
     ("triton", 17, 264, 576),
     ("triton", 5, 264, 700),
     ("triton", 3, 200, 4096),  # small M: split-K, 8 K slices
+]
+# Grouped GEMMs through the public API: (scaling, layout, E, rows of A (M_total or max_m), N, K,
+# counts). The counts include decreasing offsets, offsets past M_total, counts past max_m and
+# negative ones (clamped by the kernels, never read or written out of bounds).
+GROUPED_CASES = [
+    ("bf16", "contiguous", 3, 700, 264, 208, [300, 100, 900]),  # native kernel (234 rows per group)
+    ("block", "contiguous", 3, 800, 520, 576, [0, 350, 640]),  # native, 2x1 clusters, a pair past a group's end
+    ("block", "masked", 4, 200, 264, 576, [200, 0, 500, -3]),  # native, masked
+    ("row", "contiguous", 4, 64, 264, 208, [10, 20, 20, 64]),  # Triton kernel (16 rows per group)
+    ("row", "masked", 4, 32, 264, 208, [32, 1, 0, 40]),  # Triton, decode tiles
 ]
 # The fused gate/up projection (gate_up_silu_quant): (M, H, I); M = 3 splits K, M = 70 does not.
 GATE_UP_CASES = [(3, 1000, 256), (70, 576, 384)]
@@ -93,6 +103,45 @@ def half_case(backend, dtype, m, n, k, k_major):
     return tmagemm.matmul(a, b, backend=backend), a.double() @ b.double()
 
 
+def grouped_case(scaling, layout, e, rows, n, k, counts):
+    """One grouped call; returns the rows its groups cover (stacked) against float64."""
+    contiguous = layout == "contiguous"
+    shape_a = (rows, k) if contiguous else (e, rows, k)
+    w = torch.randn(e, n, k, device="cuda")
+    if scaling == "bf16":
+        a = torch.randn(*shape_a, device="cuda", dtype=torch.bfloat16)
+        b = w.bfloat16().transpose(1, 2)
+        a_deq, b_deq = a.double(), b.double()
+    else:
+        a, b = torch.randn(*shape_a, device="cuda").to(FP8), w.to(FP8).transpose(1, 2)
+        kb, nb = -(-k // 128), -(-n // 128)
+        per_k = torch.arange(k, device="cuda") // 128
+        if scaling == "block":
+            sa, sb = torch.rand(*shape_a[:-1], kb, device="cuda") + 0.5, torch.rand(e, nb, kb, device="cuda") + 0.5
+            a_deq = a.double() * sa.double()[..., per_k]
+            cols = torch.arange(n, device="cuda") // 128
+            b_deq = b.double() * sb.double()[:, cols][:, :, per_k].transpose(1, 2)
+        else:
+            sa, sb = torch.rand(*shape_a[:-1], device="cuda") + 0.5, torch.rand(e, n, device="cuda") + 0.5
+            a_deq, b_deq = a.double() * sa.double()[..., None], b.double() * sb.double()[:, None, :]
+    kw = {"offs" if contiguous else "masked_m": torch.tensor(counts, dtype=torch.int32, device="cuda")}
+    if scaling == "bf16":
+        out = tmagemm.grouped_mm(a, b, **kw)
+    else:
+        out = tmagemm.grouped_scaled_mm(a, b, sa, sb, **kw)
+    got, ref, end = [], [], 0
+    for g, c in enumerate(counts):  # the documented row rule
+        if contiguous:
+            start, end = end, max(end, min(max(c, 0), rows))
+            got.append(out[start:end])
+            ref.append(a_deq[start:end] @ b_deq[g])
+        else:
+            t = min(max(c, 0), rows)
+            got.append(out[g, :t])
+            ref.append(a_deq[g, :t] @ b_deq[g])
+    return torch.cat(got), torch.cat(ref)
+
+
 def gate_up_case(m, h, i):
     """Fused gate/up + SiLU*mul + 1x128 quantization, then a chained block GEMM on its output
     (PDL launches back to back); returns the dequantized h against float64."""
@@ -117,6 +166,8 @@ def main() -> int:
     cases = [(f"scaled_mm {c[0]} {c[1]}x{c[2]}x{c[3]} fast={c[4]} rowwise={c[5]}", fp8_case, c) for c in FP8_CASES]
     cases += [(f"matmul {c[0]} {str(c[1])[6:]} {c[2]}x{c[3]}x{c[4]} k_major={c[5]}", half_case, c) for c in HALF_CASES]
     cases += [(f"scaled_mm block {c[0]} {c[1]}x{c[2]}x{c[3]}", block_case, c) for c in BLOCK_CASES]
+    cases += [(f"grouped {c[0]} {c[1]} E={c[2]} rows={c[3]} {c[4]}x{c[5]} counts={c[6]}", grouped_case, c)
+              for c in GROUPED_CASES]
     cases += [(f"gate_up_silu_quant {c[0]}x{c[1]} I={c[2]}", gate_up_case, c) for c in GATE_UP_CASES]
     failed = 0
     for name, make, params in cases:

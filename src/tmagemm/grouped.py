@@ -248,10 +248,10 @@ def scale_strides(scale_a, scale_b, layout: GroupLayout, e: int, m: int, n: int,
                     lambda: {"tensor": f"({e},), ({e}, 1) or one element", "row": f"({e}, {n}) or ({e}, 1, {n})",
                              "128x128": f"({e}, {nb}, {kb})", "1x128": f"({e}, {n}, {kb})"})
     st_a, st_b = scale_a.stride(), scale_b.stride()
-    per_expert = 0 if layout == GroupLayout.CONTIGUOUS else st_a[0]
     if a == "tensor":
         a_strides = (0, 0, 0)
     else:
+        per_expert = 0 if layout == GroupLayout.CONTIGUOUS else st_a[0]
         lead = len(rows) - 1  # the row dimension of the scale
         a_strides = (per_expert, st_a[lead], st_a[lead + 1] if a == "1x128" else 0)
     if b == "tensor":
@@ -317,18 +317,25 @@ class _Call:
 
 def run(args: GroupedArgs, config=None, key=None, num_sms: int | None = None) -> torch.Tensor:
     """Write the checked grouped GEMM into ``args.out`` and return it, planning once per ``key``
-    (None: do not remember). ``config`` / ``num_sms`` override the heuristic and the persistent
-    width (tests, benchmarks). E, M or N of zero return without a kernel; K of zero runs the
+    (None: do not remember). The native kernel (cuda/grouped.py) runs what it supports with
+    groups above decode size, the Triton kernel the rest. ``config`` (a TritonGemmConfig or a
+    NativeGemmConfig, which also picks the kernel) / ``num_sms`` override the heuristic and the
+    persistent width (tests, benchmarks). E, M or N of zero return without a kernel; K of zero runs the
     kernel's epilogue alone (zeros plus each group's bias row), since which rows to write is on
     the device. Plans made during CUDA-graph capture are not kept (they use Triton's launcher)."""
     if args.a.device.type != "meta":
         check_runtime_device(args.a.device, args.a.dtype)
     if args.e == 0 or args.m == 0 or args.n == 0 or args.a.device.type == "meta":
         return args.out
+    from .cuda import gemm as native_gemm
+    from .cuda import grouped as native
     from .triton import matmul_grouped
 
     with on_device(args.out.device):
-        plan = matmul_grouped.build(args, config, num_sms)
+        if isinstance(config, native_gemm.NativeGemmConfig) or (config is None and native.preferred(args)):
+            plan = native.build(args, config, num_sms)
+        else:
+            plan = matmul_grouped.build(args, config, num_sms)
     plan.run(*args.operands)
     if key is not None and not (args.out.is_cuda and torch.cuda.is_current_stream_capturing()):
         remember(key, _Call(plan, args))

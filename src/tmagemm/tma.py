@@ -465,6 +465,16 @@ def map_reason(t: torch.Tensor, name: str, dims: Sequence[int]) -> str | None:
     return None
 
 
+def stacked_rows(t: torch.Tensor) -> torch.Tensor | None:
+    """3-D ``t`` (E, R, C) as the 2-D (E * R, C) matrix of its rows, expert after expert, without
+    a copy (grouped kernels read every expert through one 2-D map), or None when the experts do
+    not follow each other at R rows' stride."""
+    e, r, c = t.shape
+    if e > 1 and t.stride(0) != r * t.stride(1):
+        return None
+    return t.as_strided((e * r, c), (t.stride(1), t.stride(2)))
+
+
 def operand_view(t: torch.Tensor, row_major: bool) -> torch.Tensor:
     """``t`` as the row-major matrix a tensor map describes: itself, or its transpose when
     column-major (the kernel then reads the tile transposed)."""

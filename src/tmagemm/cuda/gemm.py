@@ -64,7 +64,9 @@ class NativeGemmConfig:
     two scratch fragments, so the next k-block's wgmmas run while one is added (128-wide tiles
     only); ``block_scaled``: the promoting
     mainloop also multiplies each k-block's sum by its 1x128 activation and 128x128 weight scales
-    (fp8 block-scaled checkpoints). Block M is always 128 and block K one 128-byte row."""
+    (fp8 block-scaled checkpoints); ``groups``: 0 for one GEMM, E for the grouped kernel over E
+    experts (cuda/grouped.py; persistent cooperative only), whose table of group sizes takes
+    shared memory. Block M is always 128 and block K one 128-byte row."""
 
     kernel: str
     block_n: int
@@ -79,6 +81,7 @@ class NativeGemmConfig:
     promote: bool = False
     promote_depth: int = 1
     block_scaled: bool = False
+    groups: int = 0
 
     @property
     def threads(self) -> int:
@@ -95,7 +98,7 @@ class NativeGemmConfig:
         promotion = ("p" if self.promote_depth == 1 else "p2") if self.promote else ""
         extra = "".join((f"c{self.cluster_m}" if self.cluster_m > 1 else "", f"n{self.ctas}" if self.ctas else "",
                          f"g{self.group_m}" if self.group_m != 8 else "", "r" if self.raster_n else "",
-                         promotion, "b" if self.block_scaled else ""))
+                         promotion, "b" if self.block_scaled else "", f"e{self.groups}" if self.groups else ""))
         return f"{schedule}128x{self.block_n}s{self.stages}{extra}"
 
     def epilogue_bytes(self, out_itemsize: int) -> int:
@@ -105,9 +108,13 @@ class NativeGemmConfig:
             return 0
         return (2 if self.pingpong else 1) * 128 * self.block_n * out_itemsize * self.epi_buffers // self.epi_passes
 
+    def group_table_bytes(self) -> int:
+        """The grouped kernel's table in shared memory: the tile count and each group's rows."""
+        return 4 * (self.groups + 1) if self.groups else 0
+
     def smem_bytes(self, out_itemsize: int) -> int:
         ring = self.stages * self.stage_bytes()
-        return ring + self.epilogue_bytes(out_itemsize) + 1024  # + alignment slack
+        return ring + self.epilogue_bytes(out_itemsize) + self.group_table_bytes() + 1024  # + alignment slack
 
     def is_valid(self, out_itemsize: int) -> bool:
         """The one rule the launcher, defaults and tests use to accept a config."""
@@ -134,6 +141,7 @@ class NativeGemmConfig:
             and (not self.promote or (self.kernel == "persistent" and not self.pingpong))
             and (self.promote_depth == 1 or (self.promote_depth == 2 and self.promote and self.block_n == 128))
             and (not self.block_scaled or self.promote)  # scales ride on the promotion step
+            and (self.groups == 0 or (self.kernel == "persistent" and not self.pingpong and self.groups > 0))
             and self.smem_bytes(out_itemsize) + 256 <= _device.SM90_SMEM_PER_BLOCK
         )
 
@@ -188,6 +196,16 @@ class _Params(ctypes.Structure):
         ("block_scale_a_k", ctypes.c_int64),
         ("block_scale_b_n", ctypes.c_int64),
         ("block_scale_b_k", ctypes.c_int64),
+        ("group_counts", ctypes.c_void_p),
+        ("groups", ctypes.c_int32),
+        ("group_layout", ctypes.c_int32),
+        ("group_rows", ctypes.c_int32),
+        ("b_group_rows", ctypes.c_int32),
+        ("scale_b_group", ctypes.c_int64),
+        ("bias_group", ctypes.c_int64),
+        ("block_scale_b_group", ctypes.c_int64),
+        ("d", ctypes.c_void_p),
+        ("ldd", ctypes.c_int64),
     ]
 
 
@@ -263,6 +281,7 @@ def _defines(config: NativeGemmConfig, ab_dtype: torch.dtype, out_dtype: torch.d
         defines["TMAGEMM_EPI_BUFFERS"] = config.epi_buffers
         defines["TMAGEMM_PROMOTE"] = config.promote_depth if config.promote else 0
         defines["TMAGEMM_BLOCK_SCALED"] = int(config.block_scaled)
+        defines["TMAGEMM_GROUPED"] = int(config.groups > 0)
     return defines
 
 

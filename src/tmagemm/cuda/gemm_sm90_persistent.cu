@@ -16,11 +16,20 @@
 // warpgroup that reads it releases it in both CTAs, and a producer only exits once every
 // arrival, local or remote, has landed on its barriers. Both CTAs walk the same local tile
 // sequence, so in ping-pong the same consumer of each CTA reads a given stage.
+//
+// TMAGEMM_GROUPED = 1 (cooperative only): one launch over the tiles of every expert of a grouped
+// GEMM (tmagemm.grouped, docs/grouped.md). The group sizes stay on the device: after the grid
+// dependency wait one warp turns them into a table of rows per group in shared memory, and
+// each thread maps its tile ids to (group, tile) with a cursor that only moves forward. A tile
+// that starts inside group g may run past the group's last row: those rows (the next group's,
+// or padding) only feed output rows that are never stored, since the epilogue clips the tile's
+// stores at the group's end.
 #include "tmagemm/gemm_sm90.cuh"
 
 #if !defined(TMAGEMM_PINGPONG) || !defined(TMAGEMM_CLUSTER_M) || !defined(TMAGEMM_EPI_PASSES) || \
-    !defined(TMAGEMM_EPI_BUFFERS) || !defined(TMAGEMM_PROMOTE) || !defined(TMAGEMM_BLOCK_SCALED)
-#error "gemm_sm90_persistent.cu needs TMAGEMM_PINGPONG (0 cooperative, 1 ping-pong), TMAGEMM_CLUSTER_M (1, 2), TMAGEMM_EPI_PASSES, TMAGEMM_EPI_BUFFERS, TMAGEMM_PROMOTE (0, 1, 2), TMAGEMM_BLOCK_SCALED (0, 1)"
+    !defined(TMAGEMM_EPI_BUFFERS) || !defined(TMAGEMM_PROMOTE) || !defined(TMAGEMM_BLOCK_SCALED) || \
+    !defined(TMAGEMM_GROUPED)
+#error "gemm_sm90_persistent.cu needs TMAGEMM_PINGPONG (0 cooperative, 1 ping-pong), TMAGEMM_CLUSTER_M (1, 2), TMAGEMM_EPI_PASSES, TMAGEMM_EPI_BUFFERS, TMAGEMM_PROMOTE (0, 1, 2), TMAGEMM_BLOCK_SCALED (0, 1), TMAGEMM_GROUPED (0, 1)"
 #endif
 
 using namespace tmagemm;
@@ -72,6 +81,89 @@ constexpr int kStageReaders = kCluster * kReadersPerCta;
 constexpr int kBarConsumer0 = 1;
 constexpr int kBarTurnTo1 = 3;
 constexpr int kBarTurnTo0 = 4;
+
+constexpr bool kGrouped = TMAGEMM_GROUPED != 0;
+static_assert(!kGrouped || !kPingPong, "grouped GEMMs: cooperative schedule (its epilogue clips rows per fragment)");
+constexpr int kClusterRows = kBlockM * kCluster;  // rows of A per cluster tile
+
+// Grouped: rows of every group into table[1 + g] and the cluster tiles of all groups into
+// table[0], by one warp. Contiguous groups end at the running maximum of offs clamped to [0, M]
+// and start where the previous one ended (decreasing offsets give empty groups); masked counts
+// clamp to [0, max_m]. Each lane takes a run of groups: its own maximum, then a warp scan.
+__device__ __forceinline__ void build_group_table(int* table, const Params& p, int tiles_n) {
+  const int lane = threadIdx.x % 32;
+  const int per_lane = ceil_div(p.groups, 32);
+  const int first = min(lane * per_lane, p.groups), last = min(first + per_lane, p.groups);
+  const bool contiguous = p.group_layout == 0;
+  const int limit = contiguous ? p.m : p.group_rows;
+  auto count = [&](int g) { return p.group_counts ? min(max(p.group_counts[g], 0), limit) : limit; };
+  int end = 0;  // contiguous: the end of the group before this lane's first
+  if (contiguous) {
+    int lane_max = 0;
+    for (int g = first; g < last; ++g) lane_max = max(lane_max, count(g));
+#pragma unroll
+    for (int offset = 1; offset < 32; offset *= 2) {
+      const int other = __shfl_up_sync(0xffffffff, lane_max, offset);
+      if (lane >= offset) lane_max = max(lane_max, other);
+    }
+    end = __shfl_up_sync(0xffffffff, lane_max, 1);
+    if (lane == 0) end = 0;
+  }
+  int tiles = 0;
+  for (int g = first; g < last; ++g) {
+    int rows = count(g);
+    if (contiguous) {
+      const int group_end = max(end, rows);
+      rows = group_end - end;
+      end = group_end;
+    }
+    table[1 + g] = rows;
+    tiles += ceil_div(rows, kClusterRows) * tiles_n;
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) tiles += __shfl_xor_sync(0xffffffff, tiles, offset);
+  if (lane == 0) table[0] = tiles;
+}
+
+// Grouped: where a thread is in the walk over the groups' tiles (ids only increase, so the
+// cursor moves forward over each group once per thread).
+struct GroupCursor {
+  int group, first_tile, first_row, rows, tiles;  // the group, its first tile id, row, rows and tiles
+};
+
+__device__ __forceinline__ GroupCursor first_group(const int* table, int tiles_n) {
+  const int rows = table[1];
+  return GroupCursor{0, 0, 0, rows, ceil_div(rows, kClusterRows) * tiles_n};
+}
+
+// Origin of cluster tile `tile` (CTA `rank`'s row of it), its group and the group's row end.
+// Within a group, tiles go in the grouped (L2-friendly) order of the dense kernel.
+__device__ __forceinline__ TileCoord group_tile_origin(GroupCursor& c, const int* table, int tile, const Params& p,
+                                                       int tiles_n, int rank) {
+  while (tile >= c.first_tile + c.tiles) {
+    c.first_tile += c.tiles;
+    c.first_row = p.group_layout == 0 ? c.first_row + c.rows : c.first_row + p.group_rows;
+    c.rows = table[1 + ++c.group];
+    c.tiles = ceil_div(c.rows, kClusterRows) * tiles_n;
+  }
+  const TileIndex index =
+      grouped_tile(tile - c.first_tile, ceil_div(c.rows, kClusterRows), tiles_n, p.group_m, p.raster_n);
+  return TileCoord{c.first_row + (index.m * kCluster + rank) * kBlockM, index.n * kBlockN, c.group,
+                   c.first_row + c.rows};
+}
+
+// Grouped: the parameters of one tile's epilogue, pointed at its expert's scales and bias, with
+// M the group's row end (the clamp of every row index).
+__device__ __forceinline__ Params group_params(const Params& p, const TileCoord& tile) {
+  Params q = p;
+  q.m = tile.row_end;
+  if (p.scale_b) q.scale_b = p.scale_b + tile.group * p.scale_b_group;
+  if (p.bias) {
+    const int bytes = p.bias_type == wgmma::kOutF32 ? 4 : 2;
+    q.bias = static_cast<const unsigned char*>(p.bias) + static_cast<i64>(tile.group) * p.bias_group * bytes;
+  }
+  return q;
+}
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
@@ -81,6 +173,8 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = aligned_smem(smem_raw);
   unsigned char* epi = smem + kStages * kStageBytes;
+  // Grouped: 1 + E ints after the epilogue buffers (the host sizes the window for them).
+  int* group_table = reinterpret_cast<int*>(epi + kConsumerWarpgroups * kEpiBytesPerConsumer);
   __shared__ alignas(8) u64 full[kStages];
   __shared__ alignas(8) u64 empty[kStages];
 
@@ -90,14 +184,11 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
   const int rank = kCluster > 1 ? static_cast<int>(ptx::cluster_ctarank()) : 0;
   const int cluster = blockIdx.x / kCluster;
   const int clusters = gridDim.x / kCluster;
-  const int tiles = ceil_div(params.m, kBlockM * kCluster) * ceil_div(params.n, kBlockN);
+  const int tiles_n = ceil_div(params.n, kBlockN);
   const int k_tiles = ceil_div(params.k, kBlockK);
-  // Tiles this cluster runs: local tile i is cluster tile cluster + i * clusters.
-  const int my_tiles = cluster < tiles ? (tiles - cluster + clusters - 1) / clusters : 0;
   // Broadcast from lane 0 so the compiler knows it is warp-uniform: shared-memory descriptors
   // built from it then stay in uniform registers instead of being moved there every k-block.
   const int warpgroup = __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x / 128), 0);
-  auto tile_coord = [&](int i) { return tile_origin<kCluster>(cluster + i * clusters, params, rank); };
 
   // ---- descriptor prefetch, barrier init + fence + sync ------------------------------------
   // (gemm_sm90.cuh, "Programmatic dependent launch": everything up to the wait may overlap the
@@ -117,6 +208,26 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
   // memory come after the peer's own wait, and touch nothing the previous kernel writes.
   wait_for_previous_kernel();
 
+  // Tiles of the problem (grouped: known once the group sizes, maybe written by the previous
+  // kernel, are read); local tile i of this cluster is cluster tile cluster + i * clusters.
+  int tiles;
+  if constexpr (kGrouped) {
+    if (threadIdx.x < 32) build_group_table(group_table, params, tiles_n);
+    __syncthreads();
+    tiles = group_table[0];
+  } else {
+    tiles = ceil_div(params.m, kClusterRows) * tiles_n;
+  }
+  const int my_tiles = cluster < tiles ? (tiles - cluster + clusters - 1) / clusters : 0;
+  GroupCursor cursor;  // grouped: this thread's place in the walk
+  if constexpr (kGrouped) cursor = first_group(group_table, tiles_n);
+  auto tile_coord = [&](int i) {
+    if constexpr (kGrouped)
+      return group_tile_origin(cursor, group_table, cluster + i * clusters, params, tiles_n, rank);
+    else
+      return tile_origin<kCluster>(cluster + i * clusters, params, rank);
+  };
+
   if (warpgroup == 0) {
     // ---- producer: every k-block of every tile, in the order the consumers read them ----------
     ptx::warpgroup_reg_dealloc<kProducerRegs>();
@@ -127,7 +238,7 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
         for (int kt = 0; kt < k_tiles; ++kt) {
           ptx::mbarrier_wait(&empty[write.index], write.phase ^ 1);
           load_stage<kCluster>(smem + write.index * kStageBytes, &full[write.index], &map_a, &map_b, kt, tile.m0,
-                               tile.n0, rank);
+                               tile.n0, rank, tile.group * params.b_group_rows);
           write.advance();
         }
       }
@@ -149,7 +260,8 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
   const int consumer = warpgroup - 1;
   const bool leader = threadIdx.x % 128 == 0;
   unsigned char* my_epi = epi + consumer * kEpiBytesPerConsumer;
-  const EpilogueOp op = epilogue_op(params);
+  // What the epilogue does to every tile (grouped: to each tile, whose expert's scales differ).
+  const EpilogueOp kernel_op = kGrouped ? EpilogueOp{} : epilogue_op(params);
   float acc[kFrags][kAccRegs];
 
   PipelineState read;
@@ -180,13 +292,15 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
     if constexpr (kBlockScaled) {
       const int t = threadIdx.x % 128;
       const int row = tile.m0 + 64 * consumer + (t / 32) * 16 + (t % 32) / 4;
+      const int row_end = kGrouped ? tile.row_end : params.m;
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        sa_ptr[h] = params.block_scale_a + min(row + 8 * h, params.m - 1) * params.block_scale_a_m;
+        sa_ptr[h] = params.block_scale_a + min(row + 8 * h, row_end - 1) * params.block_scale_a_m;
       const int last_block = ceil_div(params.n, kPromoteN) - 1;
+      const float* sb = params.block_scale_b + (kGrouped ? tile.group * params.block_scale_b_group : 0);
 #pragma unroll
       for (int p = 0; p < kPromoteParts; ++p)
-        sb_ptr[p] = params.block_scale_b + min(tile.n0 / kPromoteN + p, last_block) * params.block_scale_b_n;
+        sb_ptr[p] = sb + min(tile.n0 / kPromoteN + p, last_block) * params.block_scale_b_n;
     }
     // The scales of k-block kt + 1 are loaded while k-block kt runs: an L2 round trip takes
     // longer than one k-block's wgmmas, so loading them in the same iteration would stall the
@@ -328,7 +442,13 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
     }
 
     // ---- epilogue (overlaps the producer's loads and, in ping-pong, the other's mainloop) ------
-    if constexpr (kPingPong) {
+    if constexpr (kGrouped) {
+      const Params tile_params = group_params(params, tile);
+      epilogue_fragment<kBlockN, kEpiPasses, kEpiBuffers, true>(acc[0], my_epi, &map_d, tile.m0 + 64 * consumer,
+                                                                tile.n0, tile_params, epilogue_op(tile_params),
+                                                                kBarConsumer0 + consumer, leader, tile.row_end);
+    } else if constexpr (kPingPong) {
+      const EpilogueOp op = kernel_op;
 #pragma unroll
       for (int f = 0; f < kFrags; ++f) epilogue_apply<kBlockN>(acc[f], tile.m0 + 64 * f, tile.n0, params, op);
       if (leader) ptx::tma_store_wait_group_read<0>();
@@ -343,8 +463,8 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
           epilogue_issue_store<kBlockN>(&map_d, my_epi + f * kFragBytes, tile.m0 + 64 * f, tile.n0);
       }
     } else {
-      epilogue_fragment<kBlockN, kEpiPasses, kEpiBuffers>(acc[0], my_epi, &map_d, tile.m0 + 64 * consumer, tile.n0, params, op,
-                                 kBarConsumer0 + consumer, leader);
+      epilogue_fragment<kBlockN, kEpiPasses, kEpiBuffers>(acc[0], my_epi, &map_d, tile.m0 + 64 * consumer, tile.n0, params,
+                                                          kernel_op, kBarConsumer0 + consumer, leader);
     }
   }
   if (leader) ptx::tma_store_wait_group<0>();

@@ -91,6 +91,18 @@ struct Params {
   const float* block_scale_b;
   i64 block_scale_a_m, block_scale_a_k;
   i64 block_scale_b_n, block_scale_b_k;
+  // Grouped GEMMs (TMAGEMM_GROUPED, gemm_sm90_persistent.cu): A, B and D are the experts'
+  // operands stacked into 2-D maps (A and D by rows, B by rows of its (E * N, K) or (E * K, N)
+  // view). Group g's rows are [start_g, start_g + rows_g) of A and D, rows_g read on the device
+  // from group_counts (contiguous: offs, cumulative ends; masked: masked_m, null: all).
+  const int* group_counts;
+  int groups;             // E
+  int group_layout;       // 0 contiguous (groups follow each other), 1 masked (group g starts at g * group_rows)
+  int group_rows;         // masked: rows of A per expert (max_m)
+  int b_group_rows;       // rows of B's 2-D map per expert: N (K-major) or K (N-major)
+  i64 scale_b_group, bias_group, block_scale_b_group;  // element strides from one expert to the next
+  void* d;                // the output, for stores clipped at a group's last row
+  i64 ldd;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -126,7 +138,9 @@ struct TileIndex {
 };
 
 struct TileCoord {
-  int m0, n0;  // first output row and column of a tile
+  int m0, n0;       // first output row and column of a tile
+  int group = 0;    // grouped GEMMs: the tile's expert,
+  int row_end = 0;  // and one past its group's last row (rows from here on are never stored)
 };
 
 __device__ __forceinline__ TileIndex grouped_tile(int tile, int tiles_m, int tiles_n, int group, bool raster_n) {
@@ -193,34 +207,41 @@ __device__ __forceinline__ void release_stage(u64* empty) {
 // they need the same B tile. CTA `rank` loads its 1/kCluster share of B once from L2 and
 // multicasts it to the same offset (and the same full barrier) in every CTA of the cluster;
 // each CTA still expects the whole stage, because the shares of its peers land on it too.
+//
+// b_row0: rows of B's map before the tile's operand (grouped GEMMs stack the experts' weights:
+// g * N rows of a K-major map, g * K of an N-major one; 0 otherwise).
 // ---------------------------------------------------------------------------------------------
 template <int kCluster = 1>
 __device__ __forceinline__ void load_stage(unsigned char* stage, u64* full, const CUtensorMap* map_a,
-                                           const CUtensorMap* map_b, int k_tile, int m0, int n0, int rank = 0) {
+                                           const CUtensorMap* map_b, int k_tile, int m0, int n0, int rank = 0,
+                                           int b_row0 = 0) {
   const int k0 = k_tile * kBlockK;
   ptx::mbarrier_arrive_expect_tx(full, kStageBytes);
   ptx::tma_load_2d(stage, map_a, full, k0, m0);
+  // K-major B's rows are columns of the output, N-major B's are K.
+  const int bn0 = kBKMajor ? n0 + b_row0 : n0;
+  const int bk0 = kBKMajor ? k0 : k0 + b_row0;
   unsigned char* b = stage + kStageBytesA;
   if constexpr (kCluster == 1) {
     if constexpr (kBKMajor) {
-      ptx::tma_load_2d(b, map_b, full, k0, n0);
+      ptx::tma_load_2d(b, map_b, full, bk0, bn0);
     } else {
       // Row-major (K, N) B: a box is 64 N-columns (128 B) by 64 K-rows; boxes sit 8 KB apart,
       // the layout desc_mn_major describes.
 #pragma unroll
-      for (int j = 0; j < kBlockN / 64; ++j) ptx::tma_load_2d(b + j * 8192, map_b, full, n0 + 64 * j, k0);
+      for (int j = 0; j < kBlockN / 64; ++j) ptx::tma_load_2d(b + j * 8192, map_b, full, bn0 + 64 * j, bk0);
     }
   } else {
     constexpr unsigned short kMask = (1u << kCluster) - 1;
     if constexpr (kBKMajor) {
       // The host encodes this map with a box of BLOCK_N / kCluster rows.
       constexpr int kRows = kBlockN / kCluster;
-      ptx::tma_load_2d_multicast(b + rank * kRows * kRowBytes, map_b, full, k0, n0 + rank * kRows, kMask);
+      ptx::tma_load_2d_multicast(b + rank * kRows * kRowBytes, map_b, full, bk0, bn0 + rank * kRows, kMask);
     } else {
       constexpr int kBoxes = kBlockN / 64 / kCluster;
 #pragma unroll
       for (int j = rank * kBoxes; j < (rank + 1) * kBoxes; ++j)
-        ptx::tma_load_2d_multicast(b + j * 8192, map_b, full, n0 + 64 * j, k0, kMask);
+        ptx::tma_load_2d_multicast(b + j * 8192, map_b, full, bn0 + 64 * j, bk0, kMask);
     }
   }
 }
@@ -386,42 +407,76 @@ __device__ __forceinline__ void epilogue_issue_store(const CUtensorMap* map_d, c
   ptx::tma_store_commit_group();
 }
 
+// All 128 threads of a warpgroup copy staged chunks [kFirst, kFirst + kCount) of a fragment to
+// p.d, 16 bytes at a time, skipping rows from row_limit on and columns past N: the store of a
+// tile that ends inside a group (grouped GEMMs), where a TMA box would write the next group's rows.
+// The host makes rows whole 16-byte units (as for TMA stores), so a unit is in or past N.
+template <int kFirst, int kCount>
+__device__ __forceinline__ void epilogue_store_clipped(const unsigned char* smem, const Params& p, int row0, int col0,
+                                                       int row_limit) {
+  constexpr int kElems = 16 / kOutBytes;  // outputs per 16-byte unit; 8 units per staged row
+  const int t = threadIdx.x % 128;
+#pragma unroll 4
+  for (int u = t; u < kCount * 64 * 8; u += 128) {
+    const int q = u / (64 * 8), row = (u / 8) % 64, unit = u % 8;
+    const int r = row0 + row;
+    const int col = col0 + (kFirst + q) * kEpiCols + unit * kElems;
+    if (r >= row_limit || col >= p.n) continue;
+    // The staging layout of epilogue_to_smem: 16-byte unit index XOR row % 8.
+    const uint4 v = *reinterpret_cast<const uint4*>(smem + q * kEpiChunkBytes + row * kRowBytes + ((unit ^ (row % 8)) << 4));
+    unsigned char* dst = static_cast<unsigned char*>(p.d) + (static_cast<i64>(r) * p.ldd + col) * kOutBytes;
+    *reinterpret_cast<uint4*>(dst) = v;
+  }
+}
+
 // Stage and store column slice kPass of kPasses, then the following ones. Slices alternate over
-// kBuffers staging buffers of one slice each.
-template <int kN, int kPasses, int kBuffers, int kPass = 0>
+// kBuffers staging buffers of one slice each. kClipRows (grouped GEMMs): a fragment reaching
+// row_limit is stored by epilogue_store_clipped instead of TMA.
+template <int kN, int kPasses, int kBuffers, bool kClipRows, int kPass = 0>
 __device__ __forceinline__ void epilogue_passes(const float (&acc)[kN / 2], unsigned char* smem,
-                                                const CUtensorMap* map_d, int row0, int col0, int bar_id,
-                                                bool leader) {
+                                                const CUtensorMap* map_d, int row0, int col0, const Params& p,
+                                                int row_limit, int bar_id, bool leader) {
   if constexpr (kPass < kPasses) {
     constexpr int kCount = kN / kEpiCols / kPasses;
     unsigned char* buffer = smem + (kPass % kBuffers) * kCount * kEpiChunkBytes;
+    const bool clipped = kClipRows && row0 + 64 > row_limit;
     // The buffer may still be read by the store issued kBuffers slices ago (in persistent
     // kernels, maybe by the previous tile): the leader waits until at most the kBuffers - 1
     // newer stores are reading, the barrier tells everyone. With two buffers that store was
-    // issued a whole slice earlier, so the wait rarely stalls.
-    if (leader) ptx::tma_store_wait_group_read<kBuffers - 1>();
+    // issued a whole slice earlier, so the wait rarely stalls. A clipped slice commits no TMA
+    // store, so it waits for all of them: the count stays right for the slices after it.
+    if (leader) {
+      if (clipped)
+        ptx::tma_store_wait_group_read<0>();
+      else
+        ptx::tma_store_wait_group_read<kBuffers - 1>();
+    }
     named_barrier_sync(bar_id, 128);
     epilogue_to_smem<kN, kPass * kCount, kCount>(acc, ptx::smem_u32(buffer));
     // Generic-proxy writes must be ordered before the async-proxy (TMA) read of the same bytes.
     ptx::fence_proxy_async_shared();
     named_barrier_sync(bar_id, 128);
-    if (leader) epilogue_issue_store<kN, kPass * kCount, kCount>(map_d, buffer, row0, col0);
-    epilogue_passes<kN, kPasses, kBuffers, kPass + 1>(acc, smem, map_d, row0, col0, bar_id, leader);
+    if (clipped)
+      epilogue_store_clipped<kPass * kCount, kCount>(buffer, p, row0, col0, row_limit);
+    else if (leader)
+      epilogue_issue_store<kN, kPass * kCount, kCount>(map_d, buffer, row0, col0);
+    epilogue_passes<kN, kPasses, kBuffers, kClipRows, kPass + 1>(acc, smem, map_d, row0, col0, p, row_limit, bar_id,
+                                                                 leader);
   }
 }
 
 // The whole epilogue of one warpgroup fragment, staged in kPasses column slices so the staging
 // memory (kBuffers slices of 64 x kN / kPasses outputs) can be smaller than the fragment.
 // `bar_id` is a named barrier private to the warpgroup; `leader` is one of its threads, the only
-// one that issues (and waits on) stores.
-template <int kN, int kPasses = 1, int kBuffers = 1>
+// one that issues (and waits on) stores. kClipRows: rows from row_limit on are not stored.
+template <int kN, int kPasses = 1, int kBuffers = 1, bool kClipRows = false>
 __device__ __forceinline__ void epilogue_fragment(float (&acc)[kN / 2], unsigned char* smem, const CUtensorMap* map_d,
                                                   int row0, int col0, const Params& p, EpilogueOp op, int bar_id,
-                                                  bool leader) {
+                                                  bool leader, int row_limit = 0) {
   static_assert((kN / kEpiCols) % kPasses == 0, "epilogue passes must split the chunks evenly");
   static_assert(kBuffers == 1 || (kBuffers == 2 && kPasses >= 2), "one buffer, or two alternating slices");
   epilogue_apply<kN>(acc, row0, col0, p, op);
-  epilogue_passes<kN, kPasses, kBuffers>(acc, smem, map_d, row0, col0, bar_id, leader);
+  epilogue_passes<kN, kPasses, kBuffers, kClipRows>(acc, smem, map_d, row0, col0, p, row_limit, bar_id, leader);
 }
 
 // Dynamic shared memory rounded up to 1 KB: 128-byte swizzled TMA boxes and wgmma atoms need

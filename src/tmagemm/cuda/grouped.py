@@ -1,0 +1,208 @@
+"""The native grouped GEMM: the persistent cooperative kernel over every expert's tiles.
+
+``gemm_sm90_persistent.cu`` built with ``TMAGEMM_GROUPED`` (a :class:`NativeGemmConfig` with
+``groups`` = E) runs one launch over all groups of a :class:`~tmagemm.grouped.GroupedArgs`
+problem, with the mainloops of the dense kernel: 128 x 256 tiles, fp32-promoted fp8 (the
+``use_fast_accum=False`` default and the 1x128 / 128x128 block scales) on 2x1 clusters where the
+groups have rows for pairs of tiles. A, B and the output are read and written through 2-D tensor
+maps over the experts stacked row after row (:func:`tmagemm.tma.stacked_rows`); group sizes stay
+on the device and become a table in shared memory (docs/grouped.md, "The native kernel").
+
+The Triton kernel (``triton/matmul_grouped.py``) stays the path for what this one refuses
+(:func:`unsupported_reason`), for decode-sized groups, where its 64-row tiles waste less, and
+where it measured faster (:func:`preferred`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import replace
+
+from .. import device as _device
+from .. import tma
+from ..grouped import GroupedArgs, GroupLayout, GroupScaling
+from ..jit.runtime import stream_getter
+from ..plan import Plan
+from ..tma import MapsByAddress, params_for_tensor
+from .gemm import _OUT_TYPES, _PROMOTE_WIDE, _ROW_BYTES, NATIVE_CONFIGS, NativeGemmConfig, _kernel, _Params, use_pdl
+
+NAME = "cuda.grouped"
+# Where this kernel runs instead of the Triton one: the groups' expected rows (the mean for
+# contiguous, max_m for masked) and K from which it was ahead, measured side by side on the
+# expert projections of DeepSeek-V3, Qwen3-MoE and Mixtral (H100, contiguous balanced groups of
+# 128-2048 rows, graph-timed; BENCHMARKS.md). Block-scaled fp8 from above decode size: the
+# Triton kernel's fresh product per k-block ran at 0.6-0.7x DeepGEMM there. Otherwise from
+# above one 128-row tile per group (at 128 rows the Triton kernel was 0-25% ahead); fp8 with
+# promoted accumulation only from K = 4096 (with 12-16 k-blocks per tile its epilogue, which
+# no mainloop hides in the cooperative schedule, took it to 0.77-0.82x of the Triton kernel).
+BLOCK_MIN_ROWS = 65
+MIN_ROWS = 129
+PROMOTED_MIN_K = 4096
+
+
+def rows_per_group(args: GroupedArgs) -> int:
+    """The expected rows of a group from shapes alone: the mean (contiguous) or max_m."""
+    if args.layout == GroupLayout.CONTIGUOUS:
+        return -(-args.m // max(args.e, 1))
+    return args.m
+
+
+def config_for(args: GroupedArgs) -> NativeGemmConfig:
+    """The grouped config for a problem (pure; nothing timed). fp8 that promotes (block scales,
+    or ``use_fast_accum=False``): the dense kernel's promoting 128 x 256 tiles, as 2x1 clusters
+    when groups hold two rows of tiles (a pair's second tile past a short group's end would
+    compute rows it never stores). Otherwise the dense cooperative 128 x 256 tiles."""
+    promote = args.is_fp8 and (args.scaling == GroupScaling.BLOCK or not args.fast_accum)
+    if promote:
+        config = replace(_PROMOTE_WIDE, cluster_m=2 if rows_per_group(args) >= 256 else 1,
+                         block_scaled=args.scaling == GroupScaling.BLOCK)
+    else:
+        config = NATIVE_CONFIGS["cuda.persistent_coop"]
+    return replace(config, groups=args.e).fitted(args.out.element_size())
+
+
+def _operand_views(args: GroupedArgs):
+    """(a, b, out) as the 2-D maps the kernel reads, or a reason string when they cannot be."""
+    a = args.a if args.layout == GroupLayout.CONTIGUOUS else tma.stacked_rows(args.a)
+    out = args.out if args.layout == GroupLayout.CONTIGUOUS else tma.stacked_rows(args.out)
+    b = tma.stacked_rows(args.b.transpose(1, 2) if args.b_k_major else args.b)
+    for view, name in ((a, "a"), (b, "b"), (out, "out")):
+        if view is None:
+            return f"{name}'s experts are not stacked at one stride (a strided view of a larger tensor)"
+    return a, b, out
+
+
+def preferred(args: GroupedArgs) -> bool:
+    """Whether the dispatcher runs ``args`` here (see MIN_ROWS) rather than on the Triton kernel."""
+    rows = rows_per_group(args)
+    if args.scaling == GroupScaling.BLOCK:
+        ahead = rows >= BLOCK_MIN_ROWS
+    else:
+        promoted = args.is_fp8 and not args.fast_accum
+        ahead = rows >= MIN_ROWS and (not promoted or args.k >= PROMOTED_MIN_K)
+    return ahead and unsupported_reason(args) is None
+
+
+def unsupported_reason(args: GroupedArgs, config: NativeGemmConfig | None = None) -> str | None:
+    """None when the native grouped kernel computes ``args`` (with ``config``, default
+    :func:`config_for`), else why not."""
+    if not _device.is_hopper(args.a.device):
+        return f"native kernels need CUDA tensors on a Hopper GPU (sm_90), got {args.a.device}"
+    if args.k == 0 or args.m == 0 or args.n == 0 or args.e == 0:
+        return "zero-size problems take the Triton kernel (its epilogue writes the bias rows of K = 0)"
+    if args.scaling == GroupScaling.BLOCK and args.b_per_channel:
+        return "block scales per output channel (1x128 scale_b) are applied by the Triton kernel only"
+    if not args.b_k_major and args.k % (_ROW_BYTES // args.b.element_size()):
+        return "an N-major b needs K a multiple of the k-block (a box would read the next expert's rows)"
+    views = _operand_views(args)
+    if isinstance(views, str):
+        return views
+    a, b, out = views
+    if max(a.shape[0], b.shape[0], args.k, args.n) >= 2**31:
+        return "stacked rows and dimensions must fit in int32"
+    reason = (tma.operand_reason(a, "a", True) or tma.operand_reason(b, "b", True) or tma.store_reason(out))
+    if reason:
+        return reason
+    sa_e, sa_m, _ = args.scale_a_strides
+    sb_e, sb_n, _ = args.scale_b_strides
+    if args.scaling != GroupScaling.NONE:
+        stacked = args.layout == GroupLayout.CONTIGUOUS or args.e == 1 or sa_e == sa_m * args.m
+        if not stacked:
+            return "scale_a's experts are not stacked at one stride"
+        if args.scaling == GroupScaling.EPILOGUE and (sa_m not in (0, 1) or sb_n not in (0, 1)):
+            return "row-wise scales must be contiguous along their rows / columns"
+    if args.bias is not None and args.n > 1 and args.bias.stride(1) != 1:
+        return f"bias must be contiguous along N, got stride {tuple(args.bias.stride())}"
+    config = config or config_for(args)
+    if not (config.groups >= args.e and config.fitted(args.out.element_size()).is_valid(args.out.element_size())):
+        return f"config {config.label()} does not fit {args.e} groups in shared memory"
+    if args.is_fp8 and not args.fast_accum and not config.promote and args.scaling != GroupScaling.BLOCK:
+        return "use_fast_accum=False needs a promoting config"
+    if config.block_scaled != (args.scaling == GroupScaling.BLOCK):
+        return "block scales need a block-scaled config, and a block-scaled config block scales"
+    return None
+
+
+def tile_bound(args: GroupedArgs, config: NativeGemmConfig) -> int:
+    """An upper bound of the cluster tiles any counts can give, from shapes alone (the grid)."""
+    rows = 128 * config.cluster_m
+    tiles_n = -(-args.n // config.block_n)
+    if args.layout == GroupLayout.CONTIGUOUS:
+        # Each non-empty group adds at most one partial cluster tile to ceil(M_total / rows).
+        return (-(-args.m // rows) + min(args.e, args.m)) * tiles_n
+    return args.e * -(-args.m // rows) * tiles_n
+
+
+class _GroupedLaunch:
+    """What a grouped plan resolves once: config, kernel, grid, tensor-map layouts and the fixed
+    parameters; a call points them at the operands and launches."""
+
+    def __init__(self, args: GroupedArgs, config: NativeGemmConfig, num_sms: int | None = None):
+        reason = unsupported_reason(args, config)
+        if reason is not None:
+            raise ValueError(f"{NAME} {config.label()}: {reason}")
+        out_size = args.out.element_size()
+        config = self.config = config.fitted(out_size)
+        a, b, out = _operand_views(args)
+        block_k = _ROW_BYTES // args.a.element_size()
+        b_box = (config.block_n // config.cluster_m, block_k) if args.b_k_major else (block_k, 64)
+        self._maps = (MapsByAddress(params_for_tensor(a, (128, block_k))), MapsByAddress(params_for_tensor(b, b_box)),
+                      MapsByAddress(params_for_tensor(out, (64, _ROW_BYTES // out_size))))
+        p = self._params = _Params()
+        p.m, p.n, p.k, p.group_m = a.shape[0], args.n, args.k, config.group_m
+        p.alpha, p.beta = 1.0, 0.0
+        p.groups, p.group_layout = args.e, int(args.layout != GroupLayout.CONTIGUOUS)
+        p.group_rows = args.m
+        p.b_group_rows = args.n if args.b_k_major else args.k
+        p.ldd = out.stride(0)
+        sa_e, sa_m, sa_k = args.scale_a_strides
+        sb_e, sb_n, sb_k = args.scale_b_strides
+        self._scaled = args.scaling != GroupScaling.NONE
+        self._block = args.scaling == GroupScaling.BLOCK
+        if self._block:  # the mainloop reads both block scales through their strides
+            p.block_scale_a_m, p.block_scale_a_k = sa_m, sa_k
+            p.block_scale_b_n, p.block_scale_b_k, p.block_scale_b_group = sb_n, sb_k, sb_e
+        elif self._scaled:
+            p.scale_a_rowwise, p.scale_b_colwise, p.scale_b_group = int(sa_m != 0), int(sb_n != 0), sb_e
+        if args.bias is not None:
+            p.bias_type, p.bias_group = _OUT_TYPES[args.bias.dtype], args.bias.stride(0)
+        self._pointers = (ctypes.c_void_p * 4)()
+        self._pointers[3] = ctypes.addressof(p)
+
+        self._device_index = args.out.get_device()
+        kernel = _kernel(config, args.a.dtype, args.out.dtype, args.b_k_major, self._device_index)
+        cm = config.cluster_m
+        smem, block, cluster = config.smem_bytes(out_size), (config.threads, 1, 1), (cm, 1, 1)
+        clusters = (num_sms or config.ctas or _device.sm_count(self._device_index)) // cm
+        if cm > 1:  # never more clusters than fit at once
+            clusters = min(clusters, kernel.max_active_clusters(block, smem, cluster))
+        grid = cm * max(1, min(tile_bound(args, config), clusters))
+        self.pdl = use_pdl(args.out.device)
+        self._launch = kernel.packed((grid, 1, 1), block, smem, self._pointers, cluster, pdl=self.pdl)
+        self._stream = stream_getter()
+        self._lock = threading.Lock()
+
+    def __call__(self, a, b, out, scale_a, scale_b, bias, counts) -> None:
+        """The launch on these operands (same signature as the plan's), on the current stream."""
+        with self._lock:  # the maps and the parameter block are shared by every call of the plan
+            pointers, p = self._pointers, self._params
+            pointers[0] = self._maps[0].get(a.data_ptr()).address
+            pointers[1] = self._maps[1].get(b.data_ptr()).address
+            pointers[2] = self._maps[2].get(out.data_ptr()).address
+            p.d = out.data_ptr()
+            p.group_counts = counts.data_ptr() if counts is not None else None
+            if self._block:
+                p.block_scale_a, p.block_scale_b = scale_a.data_ptr(), scale_b.data_ptr()
+            elif self._scaled:
+                p.scale_a, p.scale_b = scale_a.data_ptr(), scale_b.data_ptr()
+            p.bias = bias.data_ptr() if bias is not None else None
+            self._launch(self._stream(self._device_index))
+
+
+def build(args: GroupedArgs, config: NativeGemmConfig | None = None, num_sms: int | None = None) -> Plan:
+    """A plan for every grouped problem with ``args``' signature: ``launch(a, b, out, scale_a,
+    scale_b, bias, counts)``. ``config`` overrides :func:`config_for`; ``num_sms`` caps the
+    persistent grid (tests make every CTA walk several tiles)."""
+    launch = _GroupedLaunch(args, config or config_for(args), num_sms)
+    return Plan(NAME, launch.config, launch, launch._device_index, direct=True)
