@@ -169,6 +169,9 @@ def test_geomeans_per_dtype_and_layout():
     assert cont["speedup_vs_torch_min"] == pytest.approx(1.3 / 1.1)
     assert cont["skew_ratio_n"] == 1 and cont["skew_ratio"] == pytest.approx(1 / 1.1)
     assert rows["fp8", "masked"]["speedup_vs_torch_n"] == 0 and rows["fp8", "masked"]["speedup_vs_torch"] is None
+    both = rows["fp8", "all"]  # the preset's geomean: both layouts
+    assert both["rows"] == 4 and both["speedup_vs_torch_n"] == 2
+    assert both["speedup_vs_loop_n"] == cont["speedup_vs_loop_n"] + rows["fp8", "masked"]["speedup_vs_loop_n"]
 
 
 def test_tables_show_times_speedups_and_why_a_row_did_not_run():

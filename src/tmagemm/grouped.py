@@ -322,7 +322,7 @@ def run(args: GroupedArgs, config=None, key=None, num_sms: int | None = None) ->
     NativeGemmConfig, which also picks the kernel) / ``num_sms`` override the heuristic and the
     persistent width (tests, benchmarks). E, M or N of zero return without a kernel; K of zero runs the
     kernel's epilogue alone (zeros plus each group's bias row), since which rows to write is on
-    the device. Plans made during CUDA-graph capture are not kept (they use Triton's launcher)."""
+    the device. Plans made during CUDA-graph capture are not kept."""
     if args.a.device.type != "meta":
         check_runtime_device(args.a.device, args.a.dtype)
     if args.e == 0 or args.m == 0 or args.n == 0 or args.a.device.type == "meta":
