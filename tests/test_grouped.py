@@ -638,12 +638,15 @@ def test_gpu_native_graph_replays_with_new_offsets(seeded):
 
 def test_native_config_rule_is_pure():
     e = 8
-    big = grouped.example_args(FP8, e=e, rows=512, n=512, k=256)
+    big = grouped.example_args(FP8, e=e, rows=1024, n=512, k=256)
     config = native.config_for(big)
     assert config == native.config_for(big) and config.groups == e
     assert config.promote and config.cluster_m == 2 and config.block_n == 256
-    small = grouped.example_args(FP8, e=e, rows=128, n=512, k=256)
-    assert native.config_for(small).cluster_m == 1  # a pair's second tile would lie past most groups
+    small = grouped.example_args(FP8, e=e, rows=512, n=512, k=256)
+    assert native.config_for(small).cluster_m == 1  # short groups: single CTAs
+    masked = grouped.scaled_mm_args(big.a.view(e, 1024, 256), big.b, big.scale_a.view(e, 1024), big.scale_b,
+                                    masked_m=torch.full((e,), 1024, dtype=torch.int32))
+    assert native.config_for(masked).cluster_m == 1  # max_m bounds the rows, not how many there are
     half = grouped.example_args(torch.bfloat16, e=e, rows=512, n=512, k=256)
     assert not native.config_for(half).promote and native.config_for(half).groups == e
     for args in (big, small, half):

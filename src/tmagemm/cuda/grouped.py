@@ -39,6 +39,12 @@ NAME = "cuda.grouped"
 BLOCK_MIN_ROWS = 65
 MIN_ROWS = 129
 PROMOTED_MIN_K = 4096
+# 2x1 clusters (B multicast to a pair of vertically adjacent tiles of one group): from this many
+# rows per contiguous group. A pair whose second tile lies past a short group's end holds an SM
+# for the tile's whole mainloop without output; with skewed routing most groups are short, and a
+# masked layout's max_m says nothing about how many rows each group holds. On balanced groups of
+# 256-512 rows single CTAs were within 3% of pairs (H100, BENCHMARKS.md).
+CLUSTER_MIN_ROWS = 1024
 
 
 def rows_per_group(args: GroupedArgs) -> int:
@@ -51,12 +57,12 @@ def rows_per_group(args: GroupedArgs) -> int:
 def config_for(args: GroupedArgs) -> NativeGemmConfig:
     """The grouped config for a problem (pure; nothing timed). fp8 that promotes (block scales,
     or ``use_fast_accum=False``): the dense kernel's promoting 128 x 256 tiles, as 2x1 clusters
-    when groups hold two rows of tiles (a pair's second tile past a short group's end would
-    compute rows it never stores). Otherwise the dense cooperative 128 x 256 tiles."""
+    only for contiguous groups of CLUSTER_MIN_ROWS rows or more on average. Otherwise the dense
+    cooperative 128 x 256 tiles."""
     promote = args.is_fp8 and (args.scaling == GroupScaling.BLOCK or not args.fast_accum)
     if promote:
-        config = replace(_PROMOTE_WIDE, cluster_m=2 if rows_per_group(args) >= 256 else 1,
-                         block_scaled=args.scaling == GroupScaling.BLOCK)
+        pairs = args.layout == GroupLayout.CONTIGUOUS and rows_per_group(args) >= CLUSTER_MIN_ROWS
+        config = replace(_PROMOTE_WIDE, cluster_m=2 if pairs else 1, block_scaled=args.scaling == GroupScaling.BLOCK)
     else:
         config = NATIVE_CONFIGS["cuda.persistent_coop"]
     return replace(config, groups=args.e).fitted(args.out.element_size())
