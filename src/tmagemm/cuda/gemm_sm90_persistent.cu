@@ -273,19 +273,6 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
 
   for (int i = first; i < my_tiles; i += step) {
     const TileCoord tile = tile_coord(i);
-    if constexpr (kGrouped) {
-      // A consumer whose 64 rows all lie past the group's end (a short group's tile, or a
-      // cluster pair's second tile past it) computes nothing: it frees each stage once it has
-      // filled (so its arrival counts for that fill) and leaves the tensor cores to the other.
-      if (tile.m0 + 64 * consumer >= tile.row_end) {
-        for (int kt = 0; kt < k_tiles; ++kt) {
-          ptx::mbarrier_wait(&full[read.index], read.phase);
-          release_stage<kCluster>(&empty[read.index]);
-          read.advance();
-        }
-        continue;
-      }
-    }
 #pragma unroll
     for (int f = 0; f < kFrags; ++f)
 #pragma unroll
