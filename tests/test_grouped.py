@@ -636,6 +636,56 @@ def test_gpu_native_graph_replays_with_new_offsets(seeded):
               f"replay {counts}")
 
 
+@gpu
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "no_pdl"])
+def test_gpu_native_chain_reads_what_the_kernel_before_wrote(pdl, monkeypatch, seeded):
+    """Native grouped GEMMs back to back (programmatic dependent launch on and off), eager and in
+    a CUDA graph: each takes the previous one's output as its activation and group ends that a
+    copy kernel writes just before it, so a kernel that read either before the wait would see
+    the poison or the previous step's boundaries."""
+    if pdl:
+        monkeypatch.delenv("TMAGEMM_PDL", raising=False)
+    else:
+        monkeypatch.setenv("TMAGEMM_PDL", "0")
+    plan.clear_plans()
+    e, m, d = 4, 1200, 1024
+    ws = [(torch.randn(e, d, d, device=DEV) / d**0.5).bfloat16().transpose(1, 2) for _ in range(3)]
+    ends = [counts_tensor(c) for c in ([300, 650, 1000, 1200], [1, 600, 601, 1200], [1200, 1200, 1200, 1200])]
+    offs = counts_tensor([0] * e)
+    outs = [poisoned((m, d), torch.bfloat16) for _ in ws]
+
+    def chain(x):
+        a = x
+        for w, end, out in zip(ws, ends, outs):
+            offs.copy_(end)
+            a = grouped_mm(a, w, offs=offs, out=out)
+
+    def check_chain(x, what):
+        a = x
+        for i, (w, end, out) in enumerate(zip(ws, ends, outs)):
+            check(out, reference(a.double().cpu(), w.double().cpu(), end.tolist(), GroupLayout.CONTIGUOUS), 8e-3,
+                  f"{what}, GEMM {i + 1}")
+            a = out
+
+    x = torch.randn(m, d, device=DEV).bfloat16()
+    chain(x)
+    torch.cuda.synchronize()
+    check_chain(x, "eager")
+    plans = grouped.cached_plans()
+    assert plans and all(p.variant == native.NAME and p.launch.pdl == pdl for p in plans)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain(x)
+    for replay in range(2):
+        x.copy_(torch.randn(m, d, device=DEV))
+        for out in outs:
+            out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_chain(x, f"graph replay {replay}")
+    plan.clear_plans()
+
+
 def test_native_config_rule_is_pure():
     e = 8
     big = grouped.example_args(FP8, e=e, rows=1024, n=512, k=256)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -127,6 +128,9 @@ BUILDS = [(name, native.NATIVE_CONFIGS[name], family) for name in PLAIN for fami
     ("promote", _PROMOTE, (FP8, torch.bfloat16, True)),
     ("promote", _PROMOTE, (FP8, torch.float32, True)),
     ("cuda.blockscaled", native.NATIVE_CONFIGS["cuda.blockscaled"], (FP8, torch.bfloat16, True)),
+    # The grouped kernel reads the group sizes (maybe written by the kernel before) after the wait.
+    ("grouped", replace(native.NATIVE_CONFIGS["cuda.blockscaled"], groups=8), (FP8, torch.bfloat16, True)),
+    ("grouped", replace(native.NATIVE_CONFIGS["cuda.persistent_coop"], groups=8), (torch.bfloat16, torch.bfloat16, False)),
 ]
 
 
