@@ -34,8 +34,9 @@ NAME = "cuda.grouped"
 # 128-2048 rows, graph-timed; BENCHMARKS.md). Block-scaled fp8 from above decode size: the
 # Triton kernel's fresh product per k-block ran at 0.6-0.7x DeepGEMM there. Otherwise from
 # above one 128-row tile per group (at 128 rows the Triton kernel was 0-25% ahead); fp8 with
-# promoted accumulation only from K = 4096 (with 12-16 k-blocks per tile its epilogue, which
-# no mainloop hides in the cooperative schedule, took it to 0.77-0.82x of the Triton kernel).
+# promoted accumulation only from K = 4096 (at K = 1536-2048 it ran at 0.77-0.82x of the Triton
+# kernel, measured before the row-wise epilogue fix of c1abd03, which took a third off its time
+# there; not re-measured since).
 BLOCK_MIN_ROWS = 65
 MIN_ROWS = 129
 PROMOTED_MIN_K = 4096
