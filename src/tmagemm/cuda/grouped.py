@@ -29,17 +29,15 @@ from .gemm import _OUT_TYPES, _PROMOTE_WIDE, _ROW_BYTES, NATIVE_CONFIGS, NativeG
 
 NAME = "cuda.grouped"
 # Where this kernel runs instead of the Triton one: the groups' expected rows (the mean for
-# contiguous, max_m for masked) and K from which it was ahead, measured side by side on the
-# expert projections of DeepSeek-V3, Qwen3-MoE and Mixtral (H100, contiguous balanced groups of
-# 128-2048 rows, graph-timed; BENCHMARKS.md). Block-scaled fp8 from above decode size: the
-# Triton kernel's fresh product per k-block ran at 0.6-0.7x DeepGEMM there. Otherwise from
-# above one 128-row tile per group (at 128 rows the Triton kernel was 0-25% ahead); fp8 with
-# promoted accumulation only from K = 4096 (at K = 1536-2048 it ran at 0.77-0.82x of the Triton
-# kernel, measured before the row-wise epilogue fix of c1abd03, which took a third off its time
-# there; not re-measured since).
+# contiguous, max_m for masked), from which it was ahead, measured side by side on the expert
+# projections of DeepSeek-V3, Qwen3-MoE and Mixtral (H100, contiguous balanced groups of 128-2048
+# rows, graph-timed; BENCHMARKS.md). Block-scaled fp8 from above decode size: the Triton kernel's
+# fresh product per k-block ran at 0.6-0.7x DeepGEMM there. Otherwise from above one 128-row tile
+# per group: at 128 rows the two were within a few percent (bf16 and promoted fp8); from 256 rows
+# the native kernel ran promoted fp8 at 1.14-1.32x torch's grouped op against the Triton kernel's
+# 0.82-0.99x, at every K measured (1536-14336).
 BLOCK_MIN_ROWS = 65
 MIN_ROWS = 129
-PROMOTED_MIN_K = 4096
 # 2x1 clusters (B multicast to a pair of vertically adjacent tiles of one group): from this many
 # rows per contiguous group. A pair whose second tile lies past a short group's end holds an SM
 # for the tile's whole mainloop without output; with skewed routing most groups are short, and a
@@ -84,11 +82,7 @@ def _operand_views(args: GroupedArgs):
 def preferred(args: GroupedArgs) -> bool:
     """Whether the dispatcher runs ``args`` here (see MIN_ROWS) rather than on the Triton kernel."""
     rows = rows_per_group(args)
-    if args.scaling == GroupScaling.BLOCK:
-        ahead = rows >= BLOCK_MIN_ROWS
-    else:
-        promoted = args.is_fp8 and not args.fast_accum
-        ahead = rows >= MIN_ROWS and (not promoted or args.k >= PROMOTED_MIN_K)
+    ahead = rows >= (BLOCK_MIN_ROWS if args.scaling == GroupScaling.BLOCK else MIN_ROWS)
     return ahead and unsupported_reason(args) is None
 
 
