@@ -688,22 +688,33 @@ def test_gpu_native_chain_reads_what_the_kernel_before_wrote(pdl, monkeypatch, s
 
 def test_native_config_rule_is_pure():
     e = 8
-    big = grouped.example_args(FP8, e=e, rows=1024, n=512, k=256)
+
+    def block(rows, masked=False):
+        row = grouped.example_args(FP8, e=e, rows=rows, n=512, k=256)
+        if masked:
+            return grouped.scaled_mm_args(row.a.view(e, rows, 256), row.b, torch.ones(e, rows, 2), torch.ones(e, 4, 2),
+                                          masked_m=torch.full((e,), rows, dtype=torch.int32))
+        return grouped.scaled_mm_args(row.a, row.b, torch.ones(e * rows, 2), torch.ones(e, 4, 2), offs=row.counts)
+
+    big = block(1024)
     config = native.config_for(big)
     assert config == native.config_for(big) and config.groups == e
-    assert config.promote and config.cluster_m == 2 and config.block_n == 256
-    small = grouped.example_args(FP8, e=e, rows=512, n=512, k=256)
-    assert native.config_for(small).cluster_m == 1  # short groups: single CTAs
-    masked = grouped.scaled_mm_args(big.a.view(e, 1024, 256), big.b, big.scale_a.view(e, 1024), big.scale_b,
-                                    masked_m=torch.full((e,), 1024, dtype=torch.int32))
-    assert native.config_for(masked).cluster_m == 1  # max_m bounds the rows, not how many there are
+    assert config.block_scaled and config.cluster_m == 2 and config.block_n == 256
+    assert native.config_for(block(512)).cluster_m == 1  # short groups: single CTAs
+    assert native.config_for(block(1024, masked=True)).cluster_m == 1  # max_m bounds the rows, not their count
+    row = grouped.example_args(FP8, e=e, rows=1024, n=512, k=256)  # row-wise, promoted
+    narrow = native.config_for(row)
+    assert narrow.promote and narrow.promote_depth == 2 and narrow.block_n == 128 and narrow.cluster_m == 1
+    fast = native.config_for(row._replace(fast_accum=True))
+    assert not fast.promote and fast.block_n == 256
     half = grouped.example_args(torch.bfloat16, e=e, rows=512, n=512, k=256)
     assert not native.config_for(half).promote and native.config_for(half).groups == e
-    for args in (big, small, half):
+    for args in (big, row, half):
         config = native.config_for(args)
         assert config.is_valid(args.out.element_size())
     # The group table takes shared memory: many experts cost the ring a stage.
-    assert native.config_for(grouped.example_args(FP8, e=2048, rows=1, n=256, k=256)).stages < config.stages
+    many = grouped.example_args(torch.bfloat16, e=2048, rows=1, n=256, k=256)
+    assert native.config_for(many).stages < native.config_for(half).stages
 
 
 def test_native_dispatch_rule(monkeypatch):

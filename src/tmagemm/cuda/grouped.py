@@ -25,7 +25,7 @@ from ..grouped import GroupedArgs, GroupLayout, GroupScaling
 from ..jit.runtime import stream_getter
 from ..plan import Plan
 from ..tma import MapsByAddress, params_for_tensor
-from .gemm import _OUT_TYPES, _PROMOTE_WIDE, _ROW_BYTES, NATIVE_CONFIGS, NativeGemmConfig, _kernel, _Params, use_pdl
+from .gemm import _OUT_TYPES, _PROMOTE_NARROW, _PROMOTE_WIDE, _ROW_BYTES, NATIVE_CONFIGS, NativeGemmConfig, _kernel, _Params, use_pdl
 
 NAME = "cuda.grouped"
 # Where this kernel runs instead of the Triton one: the groups' expected rows (the mean for
@@ -55,14 +55,21 @@ def rows_per_group(args: GroupedArgs) -> int:
 
 
 def config_for(args: GroupedArgs) -> NativeGemmConfig:
-    """The grouped config for a problem (pure; nothing timed). fp8 that promotes (block scales,
-    or ``use_fast_accum=False``): the dense kernel's promoting 128 x 256 tiles, as 2x1 clusters
-    only for contiguous groups of CLUSTER_MIN_ROWS rows or more on average. Otherwise the dense
-    cooperative 128 x 256 tiles."""
-    promote = args.is_fp8 and (args.scaling == GroupScaling.BLOCK or not args.fast_accum)
-    if promote:
+    """The grouped config for a problem (pure; nothing timed).
+
+    * block-scaled fp8: the dense kernel's promoting 128 x 256 tiles, as 2x1 clusters only for
+      contiguous groups of CLUSTER_MIN_ROWS rows or more on average (DeepGEMM's shapes);
+    * fp8 with tensor/row scales and ``use_fast_accum=False``: 128 x 128 promoting tiles with two
+      scratch fragments, single CTAs: at or within 2% of the 128 x 256 ones on every measured
+      expert shape from 128 to 2048 rows per group, and 4-6% ahead at 128 and 512 rows (H100,
+      BENCHMARKS.md, "Native or Triton per shape, promoted fp8");
+    * otherwise (16-bit, fp8 with fast accumulation) the dense cooperative 128 x 256 tiles.
+    """
+    if args.scaling == GroupScaling.BLOCK:
         pairs = args.layout == GroupLayout.CONTIGUOUS and rows_per_group(args) >= CLUSTER_MIN_ROWS
-        config = replace(_PROMOTE_WIDE, cluster_m=2 if pairs else 1, block_scaled=args.scaling == GroupScaling.BLOCK)
+        config = replace(_PROMOTE_WIDE, cluster_m=2 if pairs else 1, block_scaled=True)
+    elif args.is_fp8 and not args.fast_accum:
+        config = replace(_PROMOTE_NARROW, cluster_m=1)
     else:
         config = NATIVE_CONFIGS["cuda.persistent_coop"]
     return replace(config, groups=args.e).fitted(args.out.element_size())
