@@ -2,9 +2,10 @@
 
 ``gemm_sm90_persistent.cu`` built with ``TMAGEMM_GROUPED`` (a :class:`NativeGemmConfig` with
 ``groups`` = E) runs one launch over all groups of a :class:`~tmagemm.grouped.GroupedArgs`
-problem, with the mainloops of the dense kernel: 128 x 256 tiles, fp32-promoted fp8 (the
-``use_fast_accum=False`` default and the 1x128 / 128x128 block scales) on 2x1 clusters where the
-groups have rows for pairs of tiles. A, B and the output are read and written through 2-D tensor
+problem, with the mainloops of the dense kernel (tiles per :func:`config_for`): 128 x 256 tiles
+for 16-bit and fast-accumulation fp8, fp32-promoted fp8 for the ``use_fast_accum=False`` default
+(128 x 128 tiles) and the 1x128 / 128x128 block scales (128 x 256 tiles, on 2x1 clusters for
+groups of 1024 rows or more). A, B and the output are read and written through 2-D tensor
 maps over the experts stacked row after row (:func:`tmagemm.tma.stacked_rows`); group sizes stay
 on the device and become a table in shared memory (docs/grouped.md, "The native kernel").
 
@@ -60,9 +61,9 @@ def config_for(args: GroupedArgs) -> NativeGemmConfig:
     * block-scaled fp8: the dense kernel's promoting 128 x 256 tiles, as 2x1 clusters only for
       contiguous groups of CLUSTER_MIN_ROWS rows or more on average (DeepGEMM's shapes);
     * fp8 with tensor/row scales and ``use_fast_accum=False``: 128 x 128 promoting tiles with two
-      scratch fragments, single CTAs: at or within 2% of the 128 x 256 ones on every measured
-      expert shape from 128 to 2048 rows per group, and 4-6% ahead at 128 and 512 rows (H100,
-      BENCHMARKS.md, "Native or Triton per shape, promoted fp8");
+      scratch fragments, single CTAs: ahead of the 128 x 256 ones or within 3% on every measured
+      expert shape from 128 to 2048 rows per group, 3-8% ahead at 128 rows (H100, BENCHMARKS.md,
+      "Native or Triton per shape, promoted fp8");
     * otherwise (16-bit, fp8 with fast accumulation) the dense cooperative 128 x 256 tiles.
     """
     if args.scaling == GroupScaling.BLOCK:
