@@ -305,19 +305,62 @@ def _kernel(config: NativeGemmConfig, ab_dtype: torch.dtype, out_dtype: torch.dt
         return module.function(kernel_name(config))
 
 
+class _MappedLaunch:
+    """What every native launch resolves once: the tensor-map layouts of its 2-D A, B and output
+    (cached by address), the parameter block, the loaded kernel with its grid (persistent: one CTA
+    per SM or ``config.ctas``, never more clusters than fit at once, never more than ``tiles``),
+    and the stream. ``__call__`` points the maps at the operands and launches; the caller holds
+    ``lock`` and has set the parameter block's pointers (host time is a measured goal)."""
+
+    def __init__(self, config: NativeGemmConfig, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b_k_major: bool,
+                 params: _Params, tiles: int):
+        out_size = out.element_size()
+        block_k = _ROW_BYTES // a.element_size()
+        b_box = (config.block_n // config.cluster_m, block_k) if b_k_major else (block_k, 64)
+        self._maps = (
+            MapsByAddress(params_for_tensor(a, (128, block_k))),
+            MapsByAddress(params_for_tensor(b, b_box)),
+            MapsByAddress(params_for_tensor(out, (64, _ROW_BYTES // out_size))),
+        )
+        self.params = params
+        self._pointers = (ctypes.c_void_p * 4)()
+        self._pointers[3] = ctypes.addressof(params)
+        self.device_index = out.get_device()
+        kernel = _kernel(config, a.dtype, out.dtype, b_k_major, self.device_index)
+        cm = config.cluster_m
+        smem, block, cluster = config.smem_bytes(out_size), (config.threads, 1, 1), (cm, 1, 1)
+        if config.kernel == "persistent":
+            clusters = (config.ctas or _device.sm_count(self.device_index)) // cm
+            if cm > 1:  # never more clusters than fit at once: the extra ones would form a second wave
+                clusters = min(clusters, kernel.max_active_clusters(block, smem, cluster))
+            grid = cm * min(tiles, clusters)
+        else:
+            grid = tiles
+        self.pdl = use_pdl(out.device)
+        self._launch = kernel.packed((grid, 1, 1), block, smem, self._pointers, cluster, pdl=self.pdl)
+        self._stream = stream_getter()
+        self.lock = threading.Lock()
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+        pointers = self._pointers
+        pointers[0] = self._maps[0].get(a.data_ptr()).address
+        pointers[1] = self._maps[1].get(b.data_ptr()).address
+        pointers[2] = self._maps[2].get(out.data_ptr()).address
+        self._launch(self._stream(self.device_index))
+
+
 class _Launch:
     """Everything :func:`run` resolves for one problem signature: checked config, loaded kernel,
     grid, tensor-map layouts and the fixed kernel parameters. A call then only points the maps
-    and parameters at the operands' addresses and launches (host time is a measured goal; the
-    plan layer caches the Plan built from it)."""
+    and parameters at the operands' addresses and launches (the plan layer caches the Plan built
+    from it)."""
 
     def __init__(self, args: GemmArgs, config: NativeGemmConfig, alpha: float = 1.0, beta: float = 0.0,
                  c: torch.Tensor | None = None):
         reason = unsupported_reason(args, config)
         if reason is not None:
             raise ValueError(f"native GEMM {config}: {reason}")
-        out_size = args.out.element_size()
-        config = self.config = config.fitted(out_size)
+        config = self.config = config.fitted(args.out.element_size())
         if beta != 0.0:
             if c is None:
                 raise ValueError("beta != 0 needs c")
@@ -328,15 +371,7 @@ class _Launch:
             if args.n > 1 and c.stride(1) != 1:
                 raise ValueError(f"c must be row-major, got stride {tuple(c.stride())}")
 
-        b_k_major = tma.b_is_k_major(args.b)
-        block_k = _ROW_BYTES // args.a.element_size()
-        b_box = (config.block_n // config.cluster_m, block_k) if b_k_major else (block_k, 64)
-        self._maps = (
-            MapsByAddress(params_for_tensor(args.a, (128, block_k))),
-            MapsByAddress(params_for_tensor(tma.operand_view(args.b, not b_k_major), b_box)),
-            MapsByAddress(params_for_tensor(args.out, (64, _ROW_BYTES // out_size))),
-        )
-        params = self._params = _Params()
+        params = _Params()
         params.m, params.n, params.k, params.group_m = args.m, args.n, args.k, config.group_m
         params.alpha, params.beta = float(alpha), float(beta)
         params.ldc = c.stride(0) if beta != 0.0 else 0
@@ -350,37 +385,21 @@ class _Launch:
         params.bias_type = _OUT_TYPES[args.bias.dtype] if args.bias is not None else 0
         params.raster_n = int(config.raster_n)
         self._uses_c = beta != 0.0
-        self._pointers = (ctypes.c_void_p * 4)()
-        self._pointers[3] = ctypes.addressof(params)
-
-        self._device_index = args.out.get_device()
-        kernel = _kernel(config, args.a.dtype, args.out.dtype, b_k_major, self._device_index)
-        cm = config.cluster_m
-        tiles = -(-args.m // (128 * cm)) * -(-args.n // config.block_n)  # cluster tiles
-        smem, block, cluster = config.smem_bytes(out_size), (config.threads, 1, 1), (cm, 1, 1)
-        if config.kernel == "persistent":
-            clusters = (config.ctas or _device.sm_count(self._device_index)) // cm
-            if cm > 1:  # never more clusters than fit at once: the extra ones would form a second wave
-                clusters = min(clusters, kernel.max_active_clusters(block, smem, cluster))
-            grid = cm * min(tiles, clusters)
-        else:
-            grid = tiles
-        self.pdl = use_pdl(args.out.device)
-        self._launch = kernel.packed((grid, 1, 1), block, smem, self._pointers, cluster, pdl=self.pdl)
-        self._stream = stream_getter()
-        self._lock = threading.Lock()
+        b_k_major = tma.b_is_k_major(args.b)
+        tiles = -(-args.m // (128 * config.cluster_m)) * -(-args.n // config.block_n)  # cluster tiles
+        self._core = _MappedLaunch(config, args.a, tma.operand_view(args.b, not b_k_major), args.out, b_k_major,
+                                   params, tiles)
+        self.pdl = self._core.pdl
 
     def plan(self, name: str) -> Plan:
-        return Plan(name, self.config, self.operands, self._device_index, direct=True)
+        return Plan(name, self.config, self.operands, self._core.device_index, direct=True)
 
     def operands(self, a, b, out, scale_a, scale_b, bias, c: torch.Tensor | None = None) -> None:
         """The launch on these operands, on the current stream of the kernel's device (which
         the caller makes current: :meth:`tmagemm.plan.Plan.run` does)."""
-        with self._lock:  # the maps and the parameter block are shared by every call of the plan
-            pointers, params = self._pointers, self._params
-            pointers[0] = self._maps[0].get(a.data_ptr()).address
-            pointers[1] = self._maps[1].get(b.data_ptr()).address
-            pointers[2] = self._maps[2].get(out.data_ptr()).address
+        core = self._core
+        with core.lock:  # the maps and the parameter block are shared by every call of the plan
+            params = core.params
             params.c = c.data_ptr() if self._uses_c else None
             if self._block:
                 params.block_scale_a, params.block_scale_b = scale_a.data_ptr(), scale_b.data_ptr()
@@ -388,7 +407,7 @@ class _Launch:
                 params.scale_a = scale_a.data_ptr() if scale_a is not None else None
                 params.scale_b = scale_b.data_ptr() if scale_b is not None else None
             params.bias = bias.data_ptr() if bias is not None else None
-            self._launch(self._stream(self._device_index))
+            core(a, b, out)
 
 
 def run(

@@ -260,8 +260,8 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
   const int consumer = warpgroup - 1;
   const bool leader = threadIdx.x % 128 == 0;
   unsigned char* my_epi = epi + consumer * kEpiBytesPerConsumer;
-  // What the epilogue does to every tile (grouped: to each tile, whose expert's scales differ).
-  const EpilogueOp kernel_op = kGrouped ? EpilogueOp{} : epilogue_op(params);
+  // What the epilogue does to every tile (grouped: decided per tile, whose expert's scales differ).
+  const EpilogueOp op = kGrouped ? EpilogueOp{} : epilogue_op(params);
   float acc[kFrags][kAccRegs];
 
   PipelineState read;
@@ -448,7 +448,6 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
                                                                 tile.n0, tile_params, epilogue_op(tile_params),
                                                                 kBarConsumer0 + consumer, leader, tile.row_end);
     } else if constexpr (kPingPong) {
-      const EpilogueOp op = kernel_op;
 #pragma unroll
       for (int f = 0; f < kFrags; ++f) epilogue_apply<kBlockN>(acc[f], tile.m0 + 64 * f, tile.n0, params, op);
       if (leader) ptx::tma_store_wait_group_read<0>();
@@ -464,7 +463,7 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
       }
     } else {
       epilogue_fragment<kBlockN, kEpiPasses, kEpiBuffers>(acc[0], my_epi, &map_d, tile.m0 + 64 * consumer, tile.n0, params,
-                                                          kernel_op, kBarConsumer0 + consumer, leader);
+                                                          op, kBarConsumer0 + consumer, leader);
     }
   }
   if (leader) ptx::tma_store_wait_group<0>();

@@ -16,17 +16,14 @@ where it measured faster (:func:`preferred`).
 
 from __future__ import annotations
 
-import ctypes
-import threading
 from dataclasses import replace
 
 from .. import device as _device
 from .. import tma
 from ..grouped import GroupedArgs, GroupLayout, GroupScaling
-from ..jit.runtime import stream_getter
 from ..plan import Plan
-from ..tma import MapsByAddress, params_for_tensor
-from .gemm import _OUT_TYPES, _PROMOTE_NARROW, _PROMOTE_WIDE, _ROW_BYTES, NATIVE_CONFIGS, NativeGemmConfig, _kernel, _Params, use_pdl
+from .gemm import (_OUT_TYPES, _PROMOTE_NARROW, _PROMOTE_WIDE, _ROW_BYTES, NATIVE_CONFIGS, NativeGemmConfig,
+                   _MappedLaunch, _Params)
 
 NAME = "cuda.grouped"
 # Where this kernel runs instead of the Triton one: the groups' expected rows (the mean for
@@ -145,21 +142,16 @@ def tile_bound(args: GroupedArgs, config: NativeGemmConfig) -> int:
 
 
 class _GroupedLaunch:
-    """What a grouped plan resolves once: config, kernel, grid, tensor-map layouts and the fixed
-    parameters; a call points them at the operands and launches."""
+    """What a grouped plan resolves once: the checked config and the fixed parameters, over the
+    native launch core (maps, kernel, grid); a call points them at the operands and launches."""
 
-    def __init__(self, args: GroupedArgs, config: NativeGemmConfig, num_sms: int | None = None):
+    def __init__(self, args: GroupedArgs, config: NativeGemmConfig):
         reason = unsupported_reason(args, config)
         if reason is not None:
             raise ValueError(f"{NAME} {config.label()}: {reason}")
-        out_size = args.out.element_size()
-        config = self.config = config.fitted(out_size)
+        config = self.config = config.fitted(args.out.element_size())
         a, b, out = _operand_views(args)
-        block_k = _ROW_BYTES // args.a.element_size()
-        b_box = (config.block_n // config.cluster_m, block_k) if args.b_k_major else (block_k, 64)
-        self._maps = (MapsByAddress(params_for_tensor(a, (128, block_k))), MapsByAddress(params_for_tensor(b, b_box)),
-                      MapsByAddress(params_for_tensor(out, (64, _ROW_BYTES // out_size))))
-        p = self._params = _Params()
+        p = _Params()
         p.m, p.n, p.k, p.group_m = a.shape[0], args.n, args.k, config.group_m
         p.alpha, p.beta = 1.0, 0.0
         p.groups, p.group_layout = args.e, int(args.layout != GroupLayout.CONTIGUOUS)
@@ -177,29 +169,15 @@ class _GroupedLaunch:
             p.scale_a_rowwise, p.scale_b_colwise, p.scale_b_group = int(sa_m != 0), int(sb_n != 0), sb_e
         if args.bias is not None:
             p.bias_type, p.bias_group = _OUT_TYPES[args.bias.dtype], args.bias.stride(0)
-        self._pointers = (ctypes.c_void_p * 4)()
-        self._pointers[3] = ctypes.addressof(p)
-
-        self._device_index = args.out.get_device()
-        kernel = _kernel(config, args.a.dtype, args.out.dtype, args.b_k_major, self._device_index)
-        cm = config.cluster_m
-        smem, block, cluster = config.smem_bytes(out_size), (config.threads, 1, 1), (cm, 1, 1)
-        clusters = (num_sms or config.ctas or _device.sm_count(self._device_index)) // cm
-        if cm > 1:  # never more clusters than fit at once
-            clusters = min(clusters, kernel.max_active_clusters(block, smem, cluster))
-        grid = cm * max(1, min(tile_bound(args, config), clusters))
-        self.pdl = use_pdl(args.out.device)
-        self._launch = kernel.packed((grid, 1, 1), block, smem, self._pointers, cluster, pdl=self.pdl)
-        self._stream = stream_getter()
-        self._lock = threading.Lock()
+        self._core = _MappedLaunch(config, a, b, out, args.b_k_major, p, tile_bound(args, config))
+        self.pdl = self._core.pdl
+        self.device_index = self._core.device_index
 
     def __call__(self, a, b, out, scale_a, scale_b, bias, counts) -> None:
         """The launch on these operands (same signature as the plan's), on the current stream."""
-        with self._lock:  # the maps and the parameter block are shared by every call of the plan
-            pointers, p = self._pointers, self._params
-            pointers[0] = self._maps[0].get(a.data_ptr()).address
-            pointers[1] = self._maps[1].get(b.data_ptr()).address
-            pointers[2] = self._maps[2].get(out.data_ptr()).address
+        core = self._core
+        with core.lock:  # the maps and the parameter block are shared by every call of the plan
+            p = core.params
             p.d = out.data_ptr()
             p.group_counts = counts.data_ptr() if counts is not None else None
             if self._block:
@@ -207,12 +185,15 @@ class _GroupedLaunch:
             elif self._scaled:
                 p.scale_a, p.scale_b = scale_a.data_ptr(), scale_b.data_ptr()
             p.bias = bias.data_ptr() if bias is not None else None
-            self._launch(self._stream(self._device_index))
+            core(a, b, out)
 
 
 def build(args: GroupedArgs, config: NativeGemmConfig | None = None, num_sms: int | None = None) -> Plan:
     """A plan for every grouped problem with ``args``' signature: ``launch(a, b, out, scale_a,
     scale_b, bias, counts)``. ``config`` overrides :func:`config_for`; ``num_sms`` caps the
-    persistent grid (tests make every CTA walk several tiles)."""
-    launch = _GroupedLaunch(args, config or config_for(args), num_sms)
-    return Plan(NAME, launch.config, launch, launch._device_index, direct=True)
+    persistent grid (its ``ctas``; tests make every CTA walk several tiles)."""
+    config = config or config_for(args)
+    if num_sms:
+        config = replace(config, ctas=num_sms)
+    launch = _GroupedLaunch(args, config)
+    return Plan(NAME, launch.config, launch, launch.device_index, direct=True)
