@@ -155,9 +155,15 @@ def test_block_scaled_preference(m, n, k, expected):
 
 
 def test_block_split_k():
-    assert plan.block_split_k(1, 2112, 7168, 132) == 3  # 33 tiles: 8 for two CTAs per SM, 56 k-blocks allow 3
-    assert plan.block_split_k(16, 7168, 16384, 132) == 2
+    assert plan.block_split_k(1, 2112, 7168, 132) == 4  # 33 tiles: 8 for two CTAs per SM, 56 k-blocks allow 4
+    assert plan.block_split_k(32, 2112, 7168, 132) == 3  # above M = 16: >= 16 k-blocks per slice
+    assert plan.block_split_k(16, 7168, 16384, 132) == 2  # 112 tiles, but 128 k-blocks: worth two slices
     assert plan.block_split_k(1, 7168, 2048, 132) == 1  # 16 k-blocks: one slice
+    assert plan.block_split_k(1, 3584, 3584, 132) == 2  # 28 k-blocks: two slices of 14
+    assert plan.block_split_k(64, 3584, 3584, 132) == 1
+    assert plan.block_split_k(1, 6144, 4096, 132) == 1  # 96 tiles on 132 SMs: two slices of 16 lost 9%
+    assert plan.block_split_k(64, 6144, 4096, 132) == 2
     assert plan.block_split_k(128, 51200, 5120, 132) == 1
-    assert plan.block_split_k(1, 64, 100000, 132) == 48  # capped by the k-blocks (782 // 16)
-    assert plan.block_split_k(1, 64, 128 * 40, 132) == 2
+    assert plan.block_split_k(1, 64, 100000, 132) == 65  # capped by the k-blocks (782 // 12)
+    assert plan.block_split_k(32, 64, 100000, 132) == 48  # (782 // 16)
+    assert plan.block_split_k(1, 64, 128 * 40, 132) == 3
