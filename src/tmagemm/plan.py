@@ -262,10 +262,9 @@ def block_split_k(m: int, n: int, k: int, sms: int) -> int:
     2-5% faster; the other decode-stack shapes unchanged or within 1.5%."""
     tiles = -(-max(m, 1) // min(128, 1 << max(4, (m - 1).bit_length()))) * -(-n // 64)
     k_blocks = -(-k // 128)
-    if m > 16:
-        return max(1, min(2 * sms // tiles, k_blocks // 16))
-    split = min(2 * sms // tiles, k_blocks // 12)
-    if split == 2 and 2 * tiles >= sms and k_blocks < 64:
+    decode = m <= 16
+    split = min(2 * sms // tiles, k_blocks // (12 if decode else 16))
+    if decode and split == 2 and 2 * tiles >= sms and k_blocks < 64:
         split = 1
     return max(1, split)
 

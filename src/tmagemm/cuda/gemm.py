@@ -309,8 +309,9 @@ class _MappedLaunch:
     """What every native launch resolves once: the tensor-map layouts of its 2-D A, B and output
     (cached by address), the parameter block, the loaded kernel with its grid (persistent: one CTA
     per SM or ``config.ctas``, never more clusters than fit at once, never more than ``tiles``),
-    and the stream. ``__call__`` points the maps at the operands and launches; the caller holds
-    ``lock`` and has set the parameter block's pointers (host time is a measured goal)."""
+    and the stream. ``__call__`` points the maps, scales and bias at the operands and launches;
+    the caller holds ``lock`` and has set its own per-call parameters (host time is a measured
+    goal)."""
 
     def __init__(self, config: NativeGemmConfig, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b_k_major: bool,
                  params: _Params, tiles: int):
@@ -323,6 +324,7 @@ class _MappedLaunch:
             MapsByAddress(params_for_tensor(out, (64, _ROW_BYTES // out_size))),
         )
         self.params = params
+        self._block = config.block_scaled  # the scales are the mainloop's 2-D block scales
         self._pointers = (ctypes.c_void_p * 4)()
         self._pointers[3] = ctypes.addressof(params)
         self.device_index = out.get_device()
@@ -341,7 +343,14 @@ class _MappedLaunch:
         self._stream = stream_getter()
         self.lock = threading.Lock()
 
-    def __call__(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, scale_a, scale_b, bias) -> None:
+        params = self.params
+        if self._block:
+            params.block_scale_a, params.block_scale_b = scale_a.data_ptr(), scale_b.data_ptr()
+        else:
+            params.scale_a = scale_a.data_ptr() if scale_a is not None else None
+            params.scale_b = scale_b.data_ptr() if scale_b is not None else None
+        params.bias = bias.data_ptr() if bias is not None else None
         pointers = self._pointers
         pointers[0] = self._maps[0].get(a.data_ptr()).address
         pointers[1] = self._maps[1].get(b.data_ptr()).address
@@ -375,8 +384,7 @@ class _Launch:
         params.m, params.n, params.k, params.group_m = args.m, args.n, args.k, config.group_m
         params.alpha, params.beta = float(alpha), float(beta)
         params.ldc = c.stride(0) if beta != 0.0 else 0
-        self._block = config.block_scaled
-        if self._block:  # the mainloop reads the 2-D block scales through their strides
+        if config.block_scaled:  # the mainloop reads the 2-D block scales through their strides
             params.block_scale_a_m, params.block_scale_a_k = args.scale_a.stride()
             params.block_scale_b_n, params.block_scale_b_k = args.scale_b.stride()
         else:
@@ -399,15 +407,8 @@ class _Launch:
         the caller makes current: :meth:`tmagemm.plan.Plan.run` does)."""
         core = self._core
         with core.lock:  # the maps and the parameter block are shared by every call of the plan
-            params = core.params
-            params.c = c.data_ptr() if self._uses_c else None
-            if self._block:
-                params.block_scale_a, params.block_scale_b = scale_a.data_ptr(), scale_b.data_ptr()
-            else:
-                params.scale_a = scale_a.data_ptr() if scale_a is not None else None
-                params.scale_b = scale_b.data_ptr() if scale_b is not None else None
-            params.bias = bias.data_ptr() if bias is not None else None
-            core(a, b, out)
+            core.params.c = c.data_ptr() if self._uses_c else None
+            core(a, b, out, scale_a, scale_b, bias)
 
 
 def run(

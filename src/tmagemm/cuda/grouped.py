@@ -160,12 +160,10 @@ class _GroupedLaunch:
         p.ldd = out.stride(0)
         sa_e, sa_m, sa_k = args.scale_a_strides
         sb_e, sb_n, sb_k = args.scale_b_strides
-        self._scaled = args.scaling != GroupScaling.NONE
-        self._block = args.scaling == GroupScaling.BLOCK
-        if self._block:  # the mainloop reads both block scales through their strides
+        if args.scaling == GroupScaling.BLOCK:  # the mainloop reads both block scales through their strides
             p.block_scale_a_m, p.block_scale_a_k = sa_m, sa_k
             p.block_scale_b_n, p.block_scale_b_k, p.block_scale_b_group = sb_n, sb_k, sb_e
-        elif self._scaled:
+        elif args.scaling != GroupScaling.NONE:
             p.scale_a_rowwise, p.scale_b_colwise, p.scale_b_group = int(sa_m != 0), int(sb_n != 0), sb_e
         if args.bias is not None:
             p.bias_type, p.bias_group = _OUT_TYPES[args.bias.dtype], args.bias.stride(0)
@@ -180,12 +178,7 @@ class _GroupedLaunch:
             p = core.params
             p.d = out.data_ptr()
             p.group_counts = counts.data_ptr() if counts is not None else None
-            if self._block:
-                p.block_scale_a, p.block_scale_b = scale_a.data_ptr(), scale_b.data_ptr()
-            elif self._scaled:
-                p.scale_a, p.scale_b = scale_a.data_ptr(), scale_b.data_ptr()
-            p.bias = bias.data_ptr() if bias is not None else None
-            core(a, b, out)
+            core(a, b, out, scale_a, scale_b, bias)
 
 
 def build(args: GroupedArgs, config: NativeGemmConfig | None = None, num_sms: int | None = None) -> Plan:

@@ -71,8 +71,8 @@ HS = BIAS
 _OPERANDS = {"x_desc": A, "w_desc": B, "hq_ptr": OUT, "sx_ptr": SCALE_A, "sw_ptr": SCALE_B, "hs_ptr": HS,
              "ws_ptr": PARTIALS, "lock_ptr": COUNTERS}
 # K-blocks a slice keeps at least: ``plan.block_split_k``'s 16 above M = 16, measured for the
-# block-scaled split-K GEMM (a shorter slice costs more in partial sums than it gains). A slice here reads
-# twice the weight rows of one of its tiles and parks twice the partials: the same ratio.
+# block-scaled split-K GEMM (a shorter slice costs more in partial sums than it gains). A slice
+# here reads twice the weight rows of one of its tiles and parks twice the partials: the same ratio.
 MIN_SLICE_BLOCKS = 16
 # Shared memory of one SM the pipelines may take: sm_90's 228 KiB less 1 KiB reserved per CTA
 # and the ~1 KiB of barriers the compiled kernel adds to its stages (sm_90a compile: 105,496
