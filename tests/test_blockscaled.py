@@ -12,6 +12,9 @@ import pytest
 import torch
 from gemm_ref import FP8, assert_close, poisoned
 
+import tmagemm
+from tmagemm import device
+from tmagemm import plan as plan_layer
 from tmagemm.configs import TritonGemmConfig
 from tmagemm.plan import GemmArgs, Scaling
 from tmagemm.triton import matmul_blockscaled as bs
@@ -371,6 +374,25 @@ def test_gpu_checkpoint_shapes(m, n, k, recipe, out_dtype, seeded):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(33, 2112, 7168), (64, 6144, 4096), (47, 1000, 2200), (32, 8448, 3072),
+                                   (17, 8500, 3100)])
+def test_gpu_small_m_auto(m, n, k, seeded):
+    """What "auto" runs between decode and the tile kernels: unswapped 64 x 64 split-K tiles at
+    M = 33-64 (ragged N and K included), and split-K on weights wide enough to fill the SMs at
+    M <= 32; through the public API, row-major and outer-dim-major scale_a."""
+    a, w, sa, sb = operands(m, n, k, BLOCK_128, device="cuda")
+    args = GemmArgs(a, w.t(), poisoned((m, n), torch.bfloat16, "cuda"), sa, sb, None, True, BLOCK_128)
+    assert plan_layer.preference(args)[0] == "triton.splitk"
+    config = splitk.choose_block_config(m, n, k, device.sms_of(args.out.device))
+    assert config.swap_ab == (m <= splitk.BLOCK_SWAP_MAX_M)
+    want = block_reference(a, w, sa, sb, BLOCK_128)
+    for scale_a in (sa, outer_major(sa)):
+        out = tmagemm.scaled_mm(a, w.t(), scale_a, sb, out_dtype=torch.bfloat16, scale_recipe_a="1x128",
+                               scale_recipe_b="128x128")
+        assert_close(out, want, WGMMA_TOL[torch.bfloat16], f"{m}x{n}x{k}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("config", bs.CONFIGS, ids=str)
 def test_gpu_every_config(config, seeded):
     m, n, k = 300, 640, 1100
@@ -415,8 +437,8 @@ def test_k_without_a_tensor_map_takes_pointer_loads(m, n, k, seeded):
 # ------------------------------------------------------------- small M: split-K (triton.splitk)
 
 
-@pytest.mark.parametrize("split,swap,a_tma", [(1, True, False), (3, True, True), (2, False, False)],
-                         ids=["whole_k", "split3_swap_tma", "split2_noswap"])
+@pytest.mark.parametrize("split,swap,a_tma", [(1, True, False), (3, True, True), (2, False, False), (2, False, True)],
+                         ids=["whole_k", "split3_swap_tma", "split2_noswap", "split2_noswap_tma"])
 @pytest.mark.parametrize("recipe", [BLOCK_128, PER_CHANNEL], ids=["128x128", "per_channel"])
 @pytest.mark.parametrize("m,n,k", [(1, 72, 200), (17, 200, 640), (40, 130, 384)])
 def test_splitk_block_scaled(m, n, k, recipe, split, swap, a_tma, seeded):

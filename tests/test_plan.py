@@ -139,6 +139,11 @@ S, T, C = "triton.splitk", "triton.blockscaled", "cuda.blockscaled"
     (1, 51200, 5120, (S, C, T)),  # M <= 16: split-K always
     (16, 5120, 2048, (S, T, C)),
     (32, 4096, 7168, (S, T, C)),  # 64 tiles: 4 slices
+    (32, 14336, 8192, (S, C, T)),  # 224 tiles fill the SMs unsplit: split-K streams faster at M <= 32
+    (32, 28672, 4096, (S, C, T)),
+    (32, 24576, 1536, (C, T, S)),  # 12 k-blocks: the native tiles
+    (33, 14336, 8192, (C, T, S)),  # above M = 32: the native tiles
+    (32, 8192, 2048, (T, C, S)),  # 128 tiles: short of the SMs
     (64, 5120, 2048, (T, C, S)),  # 80 tiles, 16 k-blocks: no split, the 64 x 64 tiles
     (128, 7168, 16384, (T, C, S)),  # 112 tiles, 2 slices: not enough above M = 64
     (128, 2112, 7168, (S, T, C)),  # 33 tiles, 3 slices

@@ -212,7 +212,7 @@ def test_heuristic_invariants(dtype, m, kn):
     assert tiles <= workspace.COUNTERS
 
 
-@pytest.mark.parametrize("m", [1, 16, 17, 64, 100, 128])
+@pytest.mark.parametrize("m", [1, 16, 17, 32, 33, 64, 100, 128])
 @pytest.mark.parametrize("n,k", [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (5120, 25600),
                                  (64, 100000), (200, 300)])
 def test_block_config_invariants(m, n, k):
@@ -221,7 +221,11 @@ def test_block_config_invariants(m, n, k):
     decode M <= 16), and the partial sums within a stream's first eager workspace."""
     cfg = sk.choose_block_config(m, n, k, 132)
     assert cfg == sk.choose_block_config(m, n, k, 132), "must be a pure function"
-    assert cfg.block_k == 128 and 128 % cfg.block_n == 0 and cfg.a_tma and cfg.swap_ab
+    assert cfg.block_k == 128 and 128 % cfg.block_n == 0 and cfg.a_tma
+    # Tokens in WGMMA's N slot up to 32 and above 64; 64 x 64 token-by-weight tiles between.
+    assert cfg.swap_ab == (not sk.BLOCK_SWAP_MAX_M < m <= 64)
+    if not cfg.swap_ab:
+        assert (cfg.block_m, cfg.block_n, cfg.num_warps) == (64, 64, 4)
     k_iters, per = _slices(cfg, k)
     split = -(-k_iters // per)
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
