@@ -64,7 +64,10 @@ from .quantize import fp8_grid, quantize_row_groups
 
 NAME = "triton.gate_up"
 BLOCK_K = 128  # one k-step = one 128-deep scale block
-MAX_SWAP_M = 64  # largest M that runs swap-AB (the tokens in WGMMA's N slot)
+# Largest M that runs swap-AB (the tokens in WGMMA's N slot). Above it, 64-token tiles promote
+# two token rows per thread per k-block instead of loading 16 strided column scales: the rule
+# the block-scaled split-K GEMM follows (matmul_splitk.BLOCK_SWAP_MAX_M).
+MAX_SWAP_M = 32
 # hs, the second output, travels in the sixth operand slot (the one dense GEMMs use for the
 # bias; this family has none): launch(xq, w, hq, sx, sw, hs, partials, counters).
 HS = BIAS
@@ -152,9 +155,8 @@ def stages_for(block_m: int) -> int:
 def choose_config(m: int, i: int, h: int, sms: int) -> GateUpConfig:
     """The config of an (M tokens, I channels, H hidden) problem; pure, so tests can tabulate it.
 
-    M <= 64: swap-AB with the tokens rounded up to a power of two >= 16 (``matmul_splitk``'s rule,
-    fitted there to an H100 sweep: unswapped tiles never won below M = 64); larger M: 64-token
-    tiles. 8 warps from 64 tokens (the register rule of :class:`GateUpConfig`), pipelines as deep
+    M <= MAX_SWAP_M: swap-AB with the tokens rounded up to a power of two >= 16 (``matmul_splitk``'s
+    rule for block-scaled problems, fitted there to H100 sweeps); larger M: 64-token tiles. 8 warps from 64 tokens (the register rule of :class:`GateUpConfig`), pipelines as deep
     as :func:`stages_for` allows. The split: :func:`split_k_for` over the groups x token tiles
     (Llama-3-8B, I = 14336, H = 4096 at M = 16: 112 tiles for 264 CTA slots -> 2 slices; Qwen2.5-7B's
     148 groups -> none; Llama-3-70B at TP 4, I = 7168, H = 8192: 56 -> 4). Derived from the
