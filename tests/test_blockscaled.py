@@ -375,16 +375,17 @@ def test_gpu_checkpoint_shapes(m, n, k, recipe, out_dtype, seeded):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(33, 2112, 7168), (64, 6144, 4096), (47, 1000, 4400), (32, 8448, 3072),
-                                   (17, 8500, 3100)])
+                                   (17, 8500, 3100), (128, 2112, 7168), (100, 2500, 8000)])
 def test_gpu_small_m_auto(m, n, k, seeded):
     """What "auto" runs between decode and the tile kernels: unswapped 64 x 64 split-K tiles at
-    M = 33-64 (ragged N and K included), and split-K on weights wide enough to fill the SMs at
-    M <= 32; through the public API, row-major and outer-dim-major scale_a."""
+    M = 33-64 and on narrow weights with a long K up to 128 (ragged N and K included), and
+    split-K on weights wide enough to fill the SMs at M <= 32; through the public API, row-major and outer-dim-major scale_a."""
     a, w, sa, sb = operands(m, n, k, BLOCK_128, device="cuda")
     args = GemmArgs(a, w.t(), poisoned((m, n), torch.bfloat16, "cuda"), sa, sb, None, True, BLOCK_128)
     assert plan_layer.preference(args)[0] == "triton.splitk"
     config = splitk.choose_block_config(m, n, k, device.sms_of(args.out.device))
-    assert config.swap_ab == (m <= splitk.BLOCK_SWAP_MAX_M)
+    assert (config.block_m, config.swap_ab) == plan_layer.block_tiling(m, n, k, device.sms_of(args.out.device))[:2]
+    assert config.swap_ab == (m <= plan_layer.BLOCK_SWAP_MAX_M)
     want = block_reference(a, w, sa, sb, BLOCK_128)
     for scale_a in (sa, outer_major(sa)):
         out = tmagemm.scaled_mm(a, w.t(), scale_a, sb, out_dtype=torch.bfloat16, scale_recipe_a="1x128",

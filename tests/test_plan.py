@@ -172,3 +172,14 @@ def test_block_split_k():
     assert plan.block_split_k(1, 64, 100000, 132) == 65  # capped by the k-blocks (782 // 12)
     assert plan.block_split_k(32, 64, 100000, 132) == 48  # (782 // 16)
     assert plan.block_split_k(1, 64, 128 * 40, 132) == 3
+
+
+def test_block_tiling():
+    assert plan.block_tiling(1, 4096, 4096, 132)[:2] == (16, True)
+    assert plan.block_tiling(32, 4096, 4096, 132)[:2] == (32, True)
+    assert plan.block_tiling(33, 4096, 4096, 132) == (64, False, 2)  # 64-token tiles, not swapped
+    assert plan.block_tiling(64, 6144, 4096, 132) == (64, False, 2)
+    assert plan.block_tiling(128, 2112, 7168, 132) == (64, False, 3)  # 66 tiles still cut K in three
+    assert plan.block_tiling(128, 2560, 8192, 132) == (64, False, 3)  # 80 tiles: 3, not 128-token tiles' 4
+    assert plan.block_tiling(128, 3584, 18944, 132) == (128, True, 4)  # 64-token tiles would get 2
+    assert plan.block_tiling(128, 4096, 14336, 132) == (128, True, 4)

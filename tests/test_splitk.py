@@ -222,8 +222,10 @@ def test_block_config_invariants(m, n, k):
     cfg = sk.choose_block_config(m, n, k, 132)
     assert cfg == sk.choose_block_config(m, n, k, 132), "must be a pure function"
     assert cfg.block_k == 128 and 128 % cfg.block_n == 0 and cfg.a_tma
-    # Tokens in WGMMA's N slot up to 32 and above 64; 64 x 64 token-by-weight tiles between.
-    assert cfg.swap_ab == (not sk.BLOCK_SWAP_MAX_M < m <= 64)
+    # Tokens in WGMMA's N slot up to 32; 64 x 64 token-by-weight tiles at 33-64, and above where
+    # they still cut K in three.
+    assert (cfg.block_m, cfg.swap_ab, cfg.split_k) == plan.block_tiling(m, n, k, 132)
+    assert cfg.swap_ab == (m <= plan.BLOCK_SWAP_MAX_M or (m > 64 and cfg.block_m == 128))
     if not cfg.swap_ab:
         assert (cfg.block_m, cfg.block_n, cfg.num_warps) == (64, 64, 4)
     k_iters, per = _slices(cfg, k)

@@ -250,23 +250,49 @@ BLOCK_SMALL_M = 128
 BLOCK_SMALL_N = 8192
 
 
-def block_split_k(m: int, n: int, k: int, sms: int) -> int:
-    """K slices of the block-scaled split-K launch: enough for two CTAs per SM over the 64-row
-    weight tiles (tokens tiled by up to 128), keeping >= 16 k-blocks of 128 per slice (a shorter
-    slice costs more in partial sums than it gains: H100, K = 2048 lost 10% with 2 slices).
+# Block-scaled split-K tiles: up to BLOCK_SWAP_MAX_M tokens (rounded up to a power of two >= 16)
+# sit in WGMMA's N slot (swap-AB); from there 64-token tiles keep them in the M slot, where each
+# thread promotes 2 token rows per k-block instead of loading 16 column scales strided by
+# ceil(K/128). Above 64 tokens, 64-token tiles only where they still cut K in >= 3 slices, else
+# 128 tokens swapped. H100, 8 chained copies in one CUDA graph (BENCHMARKS.md): M = 64, 1-9%
+# faster on every split-K decode shape (6144 x 4096 17.2 -> 16.1 us); M = 128, 2112 x 7168 and
+# 2560 x 8192 13-14% faster; at M = 32 the swapped 32-token tiles stay 1-6% faster.
+BLOCK_SWAP_MAX_M = 32
 
-    At decode M (<= 16) the slices may be 12 k-blocks long, and tiles that already cover half the
-    SMs are not cut in two below 64 k-blocks. Measured per GEMM with 8 chained copies (own
-    weights) in one CUDA graph, M = 1 and 16, H100 (BENCHMARKS.md): 3584 x 3584 with 2 slices
-    instead of 1, 8.6% faster; 6144 x 4096 and 8192 x 7168 unsplit instead of 2 slices, 9.5% and
-    2-5% faster; the other decode-stack shapes unchanged or within 1.5%."""
-    tiles = -(-max(m, 1) // min(128, 1 << max(4, (m - 1).bit_length()))) * -(-n // 64)
+
+def _block_slices(m: int, n: int, k: int, sms: int, token_rows: int) -> int:
+    tiles = -(-max(m, 1) // token_rows) * -(-n // 64)
     k_blocks = -(-k // 128)
     decode = m <= 16
     split = min(2 * sms // tiles, k_blocks // (12 if decode else 16))
     if decode and split == 2 and 2 * tiles >= sms and k_blocks < 64:
         split = 1
     return max(1, split)
+
+
+def block_tiling(m: int, n: int, k: int, sms: int) -> tuple[int, bool, int]:
+    """(token rows per tile, swap-AB, K slices) of the block-scaled split-K launch over 64-row
+    weight tiles. The slices: enough for two CTAs per SM, keeping >= 16 k-blocks of 128 per
+    slice (a shorter slice costs more in partial sums than it gains: H100, K = 2048 lost 10% with
+    2 slices).
+
+    At decode M (<= 16) the slices may be 12 k-blocks long, and tiles that already cover half the
+    SMs are not cut in two below 64 k-blocks. Measured per GEMM with 8 chained copies (own
+    weights) in one CUDA graph, M = 1 and 16, H100 (BENCHMARKS.md): 3584 x 3584 with 2 slices
+    instead of 1, 8.6% faster; 6144 x 4096 and 8192 x 7168 unsplit instead of 2 slices, 9.5% and
+    2-5% faster; the other decode-stack shapes unchanged or within 1.5%."""
+    if m <= BLOCK_SWAP_MAX_M:
+        rows = max(16, 1 << max(0, (m - 1).bit_length()))
+        return rows, True, _block_slices(m, n, k, sms, rows)
+    split = _block_slices(m, n, k, sms, 64)
+    if m <= 64 or split >= 3:
+        return 64, False, split
+    return 128, True, _block_slices(m, n, k, sms, 128)
+
+
+def block_split_k(m: int, n: int, k: int, sms: int) -> int:
+    """K slices of the block-scaled split-K launch (:func:`block_tiling`)."""
+    return block_tiling(m, n, k, sms)[2]
 
 
 # Up to this M, weights wide enough for one 64-row tile per SM stream faster through the unsplit

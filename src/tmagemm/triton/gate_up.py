@@ -66,7 +66,7 @@ NAME = "triton.gate_up"
 BLOCK_K = 128  # one k-step = one 128-deep scale block
 # Largest M that runs swap-AB (the tokens in WGMMA's N slot). Above it, 64-token tiles promote
 # two token rows per thread per k-block instead of loading 16 strided column scales: the rule
-# the block-scaled split-K GEMM follows (matmul_splitk.BLOCK_SWAP_MAX_M).
+# the block-scaled split-K GEMM follows (plan.BLOCK_SWAP_MAX_M).
 MAX_SWAP_M = 32
 # hs, the second output, travels in the sixth operand slot (the one dense GEMMs use for the
 # bias; this family has none): launch(xq, w, hq, sx, sw, hs, partials, counters).

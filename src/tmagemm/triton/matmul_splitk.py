@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .. import device, tma, workspace
-from ..plan import GemmArgs, Plan, Scaling, Variant, block_split_k
+from ..plan import GemmArgs, Plan, Scaling, Variant, block_tiling
 from . import matmul_blockscaled as blockscaled
 from .common import block_scaled_add, let_next_kernel_launch, mma, scale_bias_epilogue, wait_for_previous_kernel
 from .host import descriptor
@@ -151,24 +151,14 @@ def choose_config(m: int, n: int, k: int, itemsize: int, sm_count: int) -> Split
     )
 
 
-# Above this M the block-scaled tiles keep the tokens in WGMMA's M slot (not swapped): each thread
-# then promotes 2 token rows per k-block, where a swapped 64-token tile makes it load 16 column
-# scales strided by ceil(K/128). Same 64 x 64 tiles and slices either way; H100, 8 chained copies
-# in one CUDA graph, M = 64: 1-9% faster on every split-K decode shape (6144 x 4096 17.2 -> 16.1
-# us, 2112 x 7168 14.2 -> 13.0), while at M = 32 the swapped 32-token tiles stay 1-6% faster.
-BLOCK_SWAP_MAX_M = 32
-
-
 def choose_block_config(m: int, n: int, k: int, sm_count: int) -> SplitKConfig:
-    """The block-scaled launch: :func:`choose_config`'s tiles (block_k = the 128-deep scale block),
-    swapped up to BLOCK_SWAP_MAX_M tokens and 64 x 64 token-by-weight tiles from there to 64,
-    the activation through TMA too (pipelined with the weight: 2-15% faster than pointer loads
-    across the checkpoint shapes on an H100), and :func:`tmagemm.plan.block_split_k` slices."""
-    base = choose_config(m, n, k, 1, sm_count)
-    base = dataclasses.replace(base, split_k=block_split_k(m, n, k, sm_count), a_tma=True)
-    if BLOCK_SWAP_MAX_M < m <= 64:
-        return dataclasses.replace(base, block_m=64, swap_ab=False)
-    return base
+    """The block-scaled launch: 64-row weight tiles, 128-deep k-steps (the scale block), the
+    token tiling and slices of :func:`tmagemm.plan.block_tiling`, the activation through TMA too
+    (pipelined with the weight: 2-15% faster than pointer loads across the checkpoint shapes on
+    an H100), :func:`choose_config`'s pipeline depth and warps for those tiles."""
+    rows, swap, split = block_tiling(m, n, k, sm_count)
+    return SplitKConfig(block_m=rows, block_n=64, block_k=128, split_k=split, swap_ab=swap, a_tma=True,
+                        num_stages=stages_for(rows, 64, 128, 1), num_warps=8 if rows * 64 > 128 * 64 else 4)
 
 
 # ----------------------------------------------------------------------------------------------
