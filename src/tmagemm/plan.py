@@ -327,8 +327,8 @@ def preference(args: GemmArgs) -> tuple[str, ...]:
     - larger M: the native persistent cooperative kernel (per-shape config), then the Triton
       persistent one.
     - block-scaled fp8 (1x128 x 128x128): split-K where :func:`_block_splitk_first` (it splits
-      K, or at M <= BLOCK_STREAM_M the weight alone fills the SMs), then the native block-scaled kernel, or the Triton one first at M <= BLOCK_SMALL_M on weights with
-      N <= BLOCK_SMALL_N.
+      K, or at M <= BLOCK_STREAM_M the weight alone fills the SMs), then the native block-scaled
+      kernel, or the Triton one first at M <= BLOCK_SMALL_M on weights with N <= BLOCK_SMALL_N.
     """
     if args.block_scaling is not None:
         native = ("cuda.blockscaled", "triton.blockscaled")
