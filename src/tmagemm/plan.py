@@ -295,11 +295,11 @@ def block_split_k(m: int, n: int, k: int, sms: int) -> int:
     return block_tiling(m, n, k, sms)[2]
 
 
-# Up to this M, weights wide enough for one 64-row tile per SM stream faster through the unsplit
-# split-K kernel than through the 128-row native tiles, once K has BLOCK_STREAM_K_BLOCKS k-blocks
-# (H100, 8 chained copies in one CUDA graph, M = 32: 14336 x 8192, 36864 x 7168 and 37888 x 3584
-# 11-13% faster, 28672 x 4096 2%; 24576 x 1536, 12 k-blocks, 5% slower; BENCHMARKS.md).
-BLOCK_STREAM_M = 32
+# On the swapped tiles (M <= BLOCK_SWAP_MAX_M), weights wide enough for one 64-row tile per SM
+# stream faster through the unsplit split-K kernel than through the 128-row native tiles, once K
+# has BLOCK_STREAM_K_BLOCKS k-blocks (H100, 8 chained copies in one CUDA graph, M = 32: 14336 x
+# 8192, 36864 x 7168 and 37888 x 3584 11-13% faster, 28672 x 4096 2%; 24576 x 1536, 12
+# k-blocks, 5% slower; BENCHMARKS.md).
 BLOCK_STREAM_K_BLOCKS = 24
 
 
@@ -307,7 +307,7 @@ def _block_splitk_first(args: GemmArgs) -> bool:
     if args.m > BLOCK_SMALL_M:
         return False
     sms = device.sms_of(args.out.device)
-    if args.m <= BLOCK_STREAM_M and -(-args.n // 64) >= sms and -(-args.k // 128) >= BLOCK_STREAM_K_BLOCKS:
+    if args.m <= BLOCK_SWAP_MAX_M and -(-args.n // 64) >= sms and -(-args.k // 128) >= BLOCK_STREAM_K_BLOCKS:
         return True
     split = block_split_k(args.m, args.n, args.k, sms)
     return args.m <= 16 or split >= (3 if args.m > 64 else 2)
@@ -327,7 +327,7 @@ def preference(args: GemmArgs) -> tuple[str, ...]:
     - larger M: the native persistent cooperative kernel (per-shape config), then the Triton
       persistent one.
     - block-scaled fp8 (1x128 x 128x128): split-K where :func:`_block_splitk_first` (it splits
-      K, or at M <= BLOCK_STREAM_M the weight alone fills the SMs), then the native block-scaled
+      K, or at M <= BLOCK_SWAP_MAX_M the weight alone fills the SMs), then the native block-scaled
       kernel, or the Triton one first at M <= BLOCK_SMALL_M on weights with N <= BLOCK_SMALL_N.
     """
     if args.block_scaling is not None:

@@ -55,7 +55,7 @@ import triton.language as tl
 
 from .. import device, workspace
 from ..gate_up import GROUP, GateUpArgs
-from ..plan import Plan
+from ..plan import BLOCK_SWAP_MAX_M, Plan
 from .common import block_scaled_add, let_next_kernel_launch, wait_for_previous_kernel
 from .host import descriptor
 from .launch import A, B, BIAS, COUNTERS, OUT, PARTIALS, SCALE_A, SCALE_B, KernelCall, direct_launch, pdl
@@ -64,10 +64,10 @@ from .quantize import fp8_grid, quantize_row_groups
 
 NAME = "triton.gate_up"
 BLOCK_K = 128  # one k-step = one 128-deep scale block
-# Largest M that runs swap-AB (the tokens in WGMMA's N slot). Above it, 64-token tiles promote
-# two token rows per thread per k-block instead of loading 16 strided column scales: the rule
-# the block-scaled split-K GEMM follows (plan.BLOCK_SWAP_MAX_M).
-MAX_SWAP_M = 32
+# Largest M that runs swap-AB (the tokens in WGMMA's N slot): the block-scaled split-K GEMM's
+# rule. Above it, 64-token tiles promote two token rows per thread per k-block instead of
+# loading 16 strided column scales.
+MAX_SWAP_M = BLOCK_SWAP_MAX_M
 # hs, the second output, travels in the sixth operand slot (the one dense GEMMs use for the
 # bias; this family has none): launch(xq, w, hq, sx, sw, hs, partials, counters).
 HS = BIAS
@@ -155,9 +155,10 @@ def stages_for(block_m: int) -> int:
 def choose_config(m: int, i: int, h: int, sms: int) -> GateUpConfig:
     """The config of an (M tokens, I channels, H hidden) problem; pure, so tests can tabulate it.
 
-    M <= MAX_SWAP_M: swap-AB with the tokens rounded up to a power of two >= 16 (``matmul_splitk``'s
-    rule for block-scaled problems, fitted there to H100 sweeps); larger M: 64-token tiles. 8 warps from 64 tokens (the register rule of :class:`GateUpConfig`), pipelines as deep
-    as :func:`stages_for` allows. The split: :func:`split_k_for` over the groups x token tiles
+    M <= MAX_SWAP_M: swap-AB with the tokens rounded up to a power of two >= 16 (the block-scaled
+    split-K GEMM's rule, :func:`tmagemm.plan.block_tiling`, fitted to H100 sweeps); larger M:
+    64-token tiles. 8 warps from 64 tokens (the register rule of :class:`GateUpConfig`),
+    pipelines as deep as :func:`stages_for` allows. The split: :func:`split_k_for` over the groups x token tiles
     (Llama-3-8B, I = 14336, H = 4096 at M = 16: 112 tiles for 264 CTA slots -> 2 slices; Qwen2.5-7B's
     148 groups -> none; Llama-3-70B at TP 4, I = 7168, H = 8192: 56 -> 4). Derived from the
     compiled kernel's resources and the split-K GEMM's measured rules, not yet tuned on a GPU.

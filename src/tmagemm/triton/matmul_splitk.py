@@ -108,6 +108,11 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def warps_for(block_m: int, block_n: int) -> int:
+    """One warpgroup per tile up to 128 x 64 accumulators, two above."""
+    return 8 if block_m * block_n > 128 * 64 else 4
+
+
 def stages_for(block_m: int, block_n: int, block_k: int, itemsize: int, ctas_per_sm: int = 2) -> int:
     """Deepest pipeline that lets ``ctas_per_sm`` CTAs share one SM's shared memory."""
     stage = (block_m + block_n) * block_k * itemsize
@@ -147,7 +152,7 @@ def choose_config(m: int, n: int, k: int, itemsize: int, sm_count: int) -> Split
         swap_ab=True,
         a_tma=False,
         num_stages=stages_for(block_m, block_n, block_k, itemsize),
-        num_warps=8 if block_m * block_n > 128 * 64 else 4,
+        num_warps=warps_for(block_m, block_n),
     )
 
 
@@ -158,7 +163,7 @@ def choose_block_config(m: int, n: int, k: int, sm_count: int) -> SplitKConfig:
     an H100), :func:`choose_config`'s pipeline depth and warps for those tiles."""
     rows, swap, split = block_tiling(m, n, k, sm_count)
     return SplitKConfig(block_m=rows, block_n=64, block_k=128, split_k=split, swap_ab=swap, a_tma=True,
-                        num_stages=stages_for(rows, 64, 128, 1), num_warps=8 if rows * 64 > 128 * 64 else 4)
+                        num_stages=stages_for(rows, 64, 128, 1), num_warps=warps_for(rows, 64))
 
 
 # ----------------------------------------------------------------------------------------------
