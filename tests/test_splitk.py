@@ -135,6 +135,27 @@ def test_row_major_fp16_weight_and_strided_operands(seeded):
 
 
 @interpreter_only
+def test_heuristic_loads_16bit_activations_through_tma_where_tma_can(seeded):
+    """33-64 tokens of 16-bit activations: the heuristic loads them through TMA when a tensor map
+    can describe them and falls back to pointer loads otherwise (same exact result); a forced
+    TMA config on such an activation is refused with the reason."""
+    m, n, k = 40, 72, 208
+    a_wide = torch.randint(-4, 5, (m, k + 4), device=DEV).to(torch.float16)  # row stride 424 B: not 16-B aligned
+    w = torch.randint(-4, 5, (n, k), device=DEV).to(torch.float16)
+    for a, through_tma in ((a_wide[:, :k].contiguous(), True), (a_wide[:, :k], False)):
+        out = torch.empty(m, n, device=DEV, dtype=torch.float32)
+        args = GemmArgs(a, w.t(), out)
+        built = sk.build(args)
+        assert built.config.a_tma == through_tma and built.config.block_m == 64
+        out.fill_(float("nan"))
+        built(args)
+        _assert_close(out, _reference(a, w.t()), rtol=0.0, atol=0.0)
+    forced = sk.SplitKConfig(64, 64, 64, 2, True, True, 2)
+    with pytest.raises(ValueError, match="loads a through TMA.*not a multiple of 16"):
+        sk.build(GemmArgs(a_wide[:, :k], w.t(), torch.empty(m, n, device=DEV)), forced)
+
+
+@interpreter_only
 def test_split_is_bitwise_deterministic_and_rearms_counters(seeded):
     m, n, k = 17, 72, 200
     a, b = _operands(m, n, k, torch.float16)
@@ -210,6 +231,9 @@ def test_heuristic_invariants(dtype, m, kn):
         # A stream's first eager workspace holds every split the heuristic picks for M <= 128.
         assert tiles * cfg.split_k * cfg.block_m * cfg.block_n <= workspace.MIN_PARTIALS
     assert tiles <= workspace.COUNTERS
+    # 16-bit activations of 33-64 tokens come through TMA; fp8 and other token counts through
+    # pointer loads (block-scaled has its own config).
+    assert cfg.a_tma == (dtype != F8 and m > 32)
 
 
 @pytest.mark.parametrize("m", [1, 16, 17, 32, 33, 64, 100, 128])

@@ -150,7 +150,10 @@ def choose_config(m: int, n: int, k: int, itemsize: int, sm_count: int) -> Split
         block_k=block_k,
         split_k=split,
         swap_ab=True,
-        a_tma=False,
+        # 16-bit activations of 33-64 tokens (64-token tiles) through TMA, pipelined with the
+        # weight: 1-3% faster than pointer loads at M = 64 on an H100 (N = K = 4096, 3584, and
+        # 4096 x 14336). build() falls back to pointer loads where TMA cannot describe A.
+        a_tma=itemsize == 2 and m > 32,
         num_stages=stages_for(block_m, block_n, block_k, itemsize),
         num_warps=warps_for(block_m, block_n),
     )
@@ -397,6 +400,12 @@ def build(args: GemmArgs, config: SplitKConfig | None = None) -> Plan:
             config = choose_block_config(args.m, args.n, args.k, sms)
         else:
             config = choose_config(args.m, args.n, args.k, itemsize, sms)
+            if config.a_tma and tma.operand_reason(args.a, "a", True) is not None:
+                config = dataclasses.replace(config, a_tma=False)
+    elif config.a_tma:
+        reason = tma.operand_reason(args.a, "a", True)
+        if reason is not None:
+            raise ValueError(f"triton.splitk: config {config} loads a through TMA, but {reason}")
     on_gpu = args.out.is_cuda
     if on_gpu:
         reason = config.gpu_reason(itemsize)
