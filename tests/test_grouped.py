@@ -421,6 +421,39 @@ def test_heuristic_is_pure_and_valid():
                 assert config.block_k == 128 and config.block_n <= 128
 
 
+@pytest.mark.parametrize(
+    "rows, fp8, block, contiguous, wide_per_sm, tile",
+    [
+        (64, False, False, True, 10.0, (128, 256)),  # contiguous 16-bit: skewed groups want wide tiles
+        (64, False, False, True, 1.0, (64, 128)),  # ... unless they leave SMs idle
+        (64, True, False, True, 10.0, (64, 128)),  # fp8: balanced groups lost 4-7% on wide tiles
+        (64, False, False, False, 10.0, (64, 128)),  # masked: max_m <= 64 bounds every group
+        (100, False, False, True, 10.0, (128, 128)),
+        (189, True, False, False, 3.4, (128, 256)),  # Mixtral gate_up, masked, Zipf
+        (189, True, False, False, 8 * 16 / 132, (64, 128)),  # Mixtral down: 128 wide tiles for 132 SMs
+        (1024, False, False, False, 0.5, (64, 128)),
+        (200, True, True, True, 10.0, (128, 128)),  # block-scaled: 128 x 128 tiles
+        (200, True, True, True, 0.5, (128, 128)),
+    ],
+)
+def test_heuristic_tiles(rows, fp8, block, contiguous, wide_per_sm, tile):
+    from tmagemm.triton import matmul_grouped as mg
+
+    config = mg.heuristic_for(rows, fp8, block, contiguous, wide_per_sm)
+    assert (config.block_m, config.block_n) == tile
+
+
+def test_heuristic_reads_the_experts_columns():
+    """heuristic(args): 8 experts x 4096 columns give 128 wide tiles (under 2 per SM of 132):
+    64 x 128; 64 experts give 1024: 128 x 256 (contiguous bf16, 64 rows per group on average)."""
+    from tmagemm.triton import matmul_grouped as mg
+
+    few = grouped.example_args(torch.bfloat16, e=8, rows=64, n=4096, k=256)
+    many = grouped.example_args(torch.bfloat16, e=64, rows=64, n=4096, k=256)
+    assert (mg.heuristic(few).block_m, mg.heuristic(few).block_n) == (64, 128)
+    assert (mg.heuristic(many).block_m, mg.heuristic(many).block_n) == (128, 256)
+
+
 # ---------------------------------------------------------------------------------- GPU
 
 
@@ -733,6 +766,17 @@ def test_native_dispatch_rule(monkeypatch):
                                                                                    dtype=torch.int32))
     assert block.scaling == grouped.GroupScaling.BLOCK and native.preferred(block)
     assert not native.preferred(block._replace(a=args.a[:256], out=block.out[:256]))  # 64 rows per group
+    # Masked groups: the Triton kernel at any max_m, except block-scaled ones above decode size;
+    # batched groups (every row valid) as contiguous ones.
+    a3, out3 = torch.empty(4, 1024, 256, dtype=torch.bfloat16), torch.empty(4, 1024, 256, dtype=torch.bfloat16)
+    b16 = torch.empty(4, 256, 256, dtype=torch.bfloat16).transpose(1, 2)
+    masked = grouped.mm_args(a3, b16, masked_m=torch.full((4,), 1024, dtype=torch.int32), out=out3)
+    assert masked.layout == grouped.GroupLayout.MASKED and not native.preferred(masked)
+    assert native.preferred(masked._replace(layout=grouped.GroupLayout.BATCHED))
+    a8 = torch.empty(4, 128, 2048, dtype=FP8)
+    masked_block = grouped.scaled_mm_args(a8, args.b, torch.ones(4, 128, kb), sb,
+                                          masked_m=torch.full((4,), 128, dtype=torch.int32))
+    assert masked_block.scaling == grouped.GroupScaling.BLOCK and native.preferred(masked_block)
 
 
 def test_native_refusals_name_the_reason(monkeypatch):

@@ -224,34 +224,52 @@ def _config(bm, bn, bk, stages, warps) -> TritonGemmConfig:
     return TritonGemmConfig(block_m=bm, block_n=bn, block_k=bk, group_m=8, num_stages=stages, num_warps=warps)
 
 
-def heuristic_for(rows_per_group: int, fp8: bool, block_scaled: bool) -> TritonGemmConfig:
-    """A config from the expected rows per group alone (pure; nothing timed, nothing synced).
+# 128 x 256 tiles only where the experts' columns give every SM at least this many of them at one
+# row of tiles per group; below that (few experts, narrow outputs: Mixtral's down projection,
+# 8 x 16 wide tiles for 132 SMs) 64 x 128 tiles keep the SMs busy. H100, moe preset cases with
+# Zipf routing (BENCHMARKS.md): Mixtral down, masked, max_m 189: 64 x 128 187 us (fp8) / 379 us
+# (bf16) where 128 x 256 took 240 / 458.
+WIDE_MIN_TILES_PER_SM = 2
 
-    rows_per_group: CONTIGUOUS M_total / E (the mean), MASKED / BATCHED max_m (the most).
-    - <= 64 rows (decode, or many small experts): 64-row tiles, one warpgroup (wgmma's M is 64,
-      so a 64-row tile wastes least on a short group) and 128 columns, deep pipelines: the GEMM
-      streams the weights, and every expert's weight is read by its one row of tiles.
+
+def heuristic_for(rows_per_group: int, fp8: bool, block_scaled: bool, contiguous: bool = False,
+                  wide_tiles_per_sm: float = float("inf")) -> TritonGemmConfig:
+    """A config from shapes alone (pure; nothing timed, nothing synced).
+
+    rows_per_group: CONTIGUOUS M_total / E (the mean), MASKED / BATCHED max_m (the most);
+    contiguous: the layout is CONTIGUOUS;
+    wide_tiles_per_sm: E * ceil(N / 256) / SMs, the 128 x 256 tiles per SM at one row of tiles
+    per group.
+    - <= 64 rows: 64-row tiles, one warpgroup (wgmma's M is 64, so a 64-row tile wastes least on
+      a short group) and 128 columns, deep pipelines: the GEMM streams the weights, and every
+      expert's weight is read by its one row of tiles. Except contiguous 16-bit groups where
+      128 x 256 tiles fill the SMs (WIDE_MIN_TILES_PER_SM): a mean of <= 64 rows says nothing of
+      the largest group, and under skewed routing most rows sit in groups a 64-row tile reads
+      the weight for several times (H100, Zipf routing, 64 rows per expert on average: Qwen3-MoE,
+      DeepSeek-V3 and Mixtral gate_up 9-11% faster; balanced groups within 1.6%).
     - <= 128 rows: 128x128 tiles, two warpgroups.
-    - more: 128x256 (16-bit, and fp8 with tensor/row scales); block-scaled stays at 128x128 (its
-      fresh per-block product doubles the accumulator registers, as in triton.blockscaled). At
-      256 rows per group 128x256 was ahead of 128x128 in 10 of 12 contiguous cases (DeepSeek-V3,
-      Qwen3-MoE, Mixtral projections; all six bf16 ones, by 4-11%; H100, graph-timed,
-      BENCHMARKS.md).
+    - more: 128x256 (16-bit, and fp8 with tensor/row scales) where they fill the SMs, else 64 x 128;
+      block-scaled stays at 128x128 (its fresh per-block product doubles the accumulator
+      registers, as in triton.blockscaled). At 256 rows per group 128x256 was ahead of 128x128
+      in 10 of 12 contiguous cases (DeepSeek-V3, Qwen3-MoE, Mixtral projections; all six bf16
+      ones, by 4-11%; H100, graph-timed, BENCHMARKS.md).
     """
     bk = SCALE_BLOCK if (fp8 or block_scaled) else 64
+    wide_fills = wide_tiles_per_sm >= WIDE_MIN_TILES_PER_SM
+    narrow = _config(64, 128, bk, 5 if fp8 else 4, 4)
+    wide = _config(128, 256, bk, 3, 8)
     if rows_per_group <= 64:
-        return _config(64, 128, bk, 5 if fp8 else 4, 4)
+        return wide if contiguous and not fp8 and not block_scaled and wide_fills else narrow
     if rows_per_group <= 128 or block_scaled:
         return _config(128, 128, bk, 4, 8)
-    return _config(128, 256, bk, 3, 8)
+    return wide if wide_fills else narrow
 
 
 def heuristic(args: GroupedArgs) -> TritonGemmConfig:
-    if args.layout == GroupLayout.CONTIGUOUS:
-        rows = triton.cdiv(args.m, max(args.e, 1))
-    else:
-        rows = args.m
-    config = heuristic_for(rows, args.is_fp8, args.scaling == GroupScaling.BLOCK)
+    contiguous = args.layout == GroupLayout.CONTIGUOUS
+    rows = triton.cdiv(args.m, max(args.e, 1)) if contiguous else args.m
+    wide_per_sm = args.e * triton.cdiv(args.n, 256) / device.sms_of(args.out.device)
+    config = heuristic_for(rows, args.is_fp8, args.scaling == GroupScaling.BLOCK, contiguous, wide_per_sm)
     return config.fitted(args.a.element_size(), args.a.element_size(), args.out.element_size())
 
 
