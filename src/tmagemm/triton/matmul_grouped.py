@@ -242,11 +242,12 @@ def heuristic_for(rows_per_group: int, fp8: bool, block_scaled: bool, contiguous
     per group.
     - <= 64 rows: 64-row tiles, one warpgroup (wgmma's M is 64, so a 64-row tile wastes least on
       a short group) and 128 columns, deep pipelines: the GEMM streams the weights, and every
-      expert's weight is read by its one row of tiles. Except contiguous 16-bit groups where
-      128 x 256 tiles fill the SMs (WIDE_MIN_TILES_PER_SM): a mean of <= 64 rows says nothing of
-      the largest group, and under skewed routing most rows sit in groups a 64-row tile reads
-      the weight for several times (H100, Zipf routing, 64 rows per expert on average: Qwen3-MoE,
-      DeepSeek-V3 and Mixtral gate_up 9-11% faster; balanced groups within 1.6%).
+      expert's weight is read by its one row of tiles. Except contiguous 16-bit groups of 33-64
+      rows on average where 128 x 256 tiles fill the SMs (WIDE_MIN_TILES_PER_SM): the mean says
+      nothing of the largest group, and under skewed routing most rows sit in groups whose
+      weight a 64-row tile reads several times (H100, moe preset, 64 rows per expert on average:
+      Zipf-routed DeepSeek-V3, Qwen3-MoE and Mixtral gate_up 9-11% faster, balanced groups within
+      2%; at 1 and 16 rows on average the wide tiles were up to 5% slower).
     - <= 128 rows: 128x128 tiles, two warpgroups.
     - more: 128x256 (16-bit, and fp8 with tensor/row scales) where they fill the SMs, else 64 x 128;
       block-scaled stays at 128x128 (its fresh per-block product doubles the accumulator
@@ -259,7 +260,8 @@ def heuristic_for(rows_per_group: int, fp8: bool, block_scaled: bool, contiguous
     narrow = _config(64, 128, bk, 5 if fp8 else 4, 4)
     wide = _config(128, 256, bk, 3, 8)
     if rows_per_group <= 64:
-        return wide if contiguous and not fp8 and not block_scaled and wide_fills else narrow
+        skewable = contiguous and rows_per_group > 32 and not fp8 and not block_scaled
+        return wide if skewable and wide_fills else narrow
     if rows_per_group <= 128 or block_scaled:
         return _config(128, 128, bk, 4, 8)
     return wide if wide_fills else narrow
