@@ -294,6 +294,9 @@ TMA_FP8_TABLE = [
     (512, 4096, (128, 64, 128, 4, 4)),  # 256 tiles, two CTAs per SM: 0.95x
     (2048, 4096, (128, 256, 128, 3, 8)),
     (16, 28672, (64, 128, 128, 4, 4)),  # no 256-deep tile fits one wave: 128-deep, two CTAs per SM
+    (64, 36864, (64, 128, 256, 4, 4)),  # ... except one row of tiles at 33-64 tokens with K >= 3072
+    (33, 28672, (64, 128, 256, 4, 4)),
+    (96, 28672, (64, 128, 128, 4, 4)),  # two rows of tiles: 128-deep
 ]
 
 
@@ -307,6 +310,12 @@ def test_tma_fp8_heuristic_table(row):
     m, n, want = row
     cfg = matmul_tma.heuristic(_fp8_args(m, n, 4096))
     assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages, cfg.num_warps) == want
+
+
+def test_tma_fp8_short_k_keeps_128_deep_steps_past_a_wave():
+    """One row of 128-wide tiles past a wave at 33-64 tokens: 256-deep steps only from K = 3072."""
+    assert matmul_tma.heuristic(_fp8_args(64, 24576, 1536)).block_k == 128
+    assert matmul_tma.heuristic(_fp8_args(64, 24576, 3072)).block_k == 256
 
 
 @pytest.mark.parametrize("m", [1, 17, 64, 100, 200, 256, 300, 512])

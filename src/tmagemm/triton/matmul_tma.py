@@ -140,12 +140,17 @@ def _fp8_small_m(args: GemmArgs, sms: int) -> TritonGemmConfig:
     overflow one wave on the SMs, then 128 (a second wave on a few SMs costs more than the
     extra parallelism gives). Measured on an H100 at N=K=4096: 0.95-1.00x of cuBLAS at M=16-256.
     Where even 128-wide tiles overflow a wave (M = 192-256 at N = 7168, M >= 96 at N = 14336),
-    128-deep steps let two CTAs share an SM: 5-12% faster there (H100, BENCHMARKS.md).
+    128-deep steps let two CTAs share an SM: 5-12% faster there (H100, BENCHMARKS.md). Not at
+    33-64 tokens (one row of tiles) with K >= 3072, where the 256-deep steps stay ahead over
+    several waves: 36864 x 7168 115.8 -> 108.6 us, 37888 x 3584 66.9 -> 63.6, 28672 x 4096
+    56.5 -> 56.1 at M = 64 (at K = 1536 they were 4% behind; H100, 2026-11-25).
     """
     tiles_m = triton.cdiv(args.m, _SMALL_M_BLOCK)
     for block_n, stages in _FP8_SMALL_M_TILES:
         if tiles_m * triton.cdiv(args.n, block_n) <= sms:
             return TritonGemmConfig(_SMALL_M_BLOCK, block_n, 256, 8, stages, 4)
+    if tiles_m == 1 and args.m > 32 and args.k >= 3072:
+        return TritonGemmConfig(_SMALL_M_BLOCK, 128, 256, 8, 4, 4)
     return TritonGemmConfig(_SMALL_M_BLOCK, 128, 128, 8, 4, 4)
 
 
