@@ -83,6 +83,21 @@ def test_16bit_split_k_first_for_either_weight_layout():
 
 # ------------------------------------------------------------------------------ the Plan contract
 
+@pytest.mark.parametrize("name", ["triton.tma", "triton.tma_device", "triton.persistent"])
+def test_forced_tile_config_that_does_not_fit_is_refused(name):
+    """A config passed to a TMA tile family is held to TritonGemmConfig.is_valid for the call's
+    dtypes, with a ValueError naming it (the launch would fail on the shared-memory opt-in)."""
+    from tmagemm.configs import TritonGemmConfig
+
+    a = torch.randn(16, 512).to(torch.float16)
+    b = torch.randn(256, 512).to(torch.float16).t()
+    args = GemmArgs(a, b, torch.empty(16, 256, dtype=torch.float16))
+    too_big = TritonGemmConfig(64, 32, 256, 8, 6, 4)  # 6 stages of 48 KiB with 16-bit operands
+    assert too_big.is_valid(1, 1, 2)  # the same tiles fit fp8
+    with pytest.raises(ValueError, match=f"{name}: config 64x32x256s6w4 does not fit torch.float16"):
+        plan.build(args, variant=name, config=too_big)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU: the Triton families under the interpreter")
 @pytest.mark.parametrize("name", ["triton.tma", "triton.tma_device", "triton.persistent", "triton.splitk", "triton.ptr"])
 def test_every_triton_family_returns_a_plan(name, seeded):

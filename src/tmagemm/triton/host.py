@@ -125,6 +125,11 @@ def tma_builder(name: str, candidates, heuristic, kernel_call, *, direct: bool =
         if config is None:
             config = tuning.select(name, args, candidates, heuristic,
                                    lambda c: kernel_call(args, c, layout, **call_options).launch())
+        elif not config.is_valid(args.a.element_size(), args.b.element_size(), args.out.element_size()):
+            need = config.smem_bytes(args.a.element_size(), args.b.element_size(), args.out.element_size())
+            raise ValueError(f"{name}: config {config.label()} does not fit {args.a.dtype} x {args.b.dtype} -> "
+                             f"{args.out.dtype} (TritonGemmConfig.is_valid: pow2 tiles, a TMA box row of >= 32 "
+                             f"bytes, 4 or 8 warps; {need} bytes of shared memory)")
         fast = direct_launch(name, kernel_call(args, config, layout, **call_options)) if direct else None
         if fast is not None:
             return Plan(name, config, fast, fast.device_index, direct=True)
