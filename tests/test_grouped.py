@@ -774,6 +774,11 @@ def test_native_dispatch_rule(monkeypatch):
     masked = grouped.mm_args(a3, b16, masked_m=torch.full((4,), 1024, dtype=torch.int32), out=out3)
     assert masked.layout == grouped.GroupLayout.MASKED and not native.preferred(masked)
     assert native.preferred(masked._replace(layout=grouped.GroupLayout.BATCHED))
+    a8_full = torch.empty(4, 1024, 2048, dtype=FP8)
+    masked_row = grouped.scaled_mm_args(a8_full, args.b, torch.ones(4, 1024), torch.ones(4, 256),
+                                        masked_m=torch.full((4,), 1024, dtype=torch.int32))
+    assert native.preferred(masked_row)  # promoted fp8 (the default): the rows-per-group rule
+    assert not native.preferred(masked_row._replace(fast_accum=True))
     a8 = torch.empty(4, 128, 2048, dtype=FP8)
     masked_block = grouped.scaled_mm_args(a8, args.b, torch.ones(4, 128, kb), sb,
                                           masked_m=torch.full((4,), 128, dtype=torch.int32))

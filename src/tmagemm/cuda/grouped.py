@@ -86,11 +86,15 @@ def _operand_views(args: GroupedArgs):
 
 def preferred(args: GroupedArgs) -> bool:
     """Whether the dispatcher runs ``args`` here (see MIN_ROWS) rather than on the Triton kernel.
-    Masked groups without block scales stay on the Triton kernel at any max_m: max_m bounds the
-    rows without saying how many there are, and with Zipf-routed counts (64 tokens per expert on
-    average, max_m 189-1024) the Triton kernel ran Mixtral, Qwen3-MoE and DeepSeek-V3 expert
-    projections 1-22% faster (fp8 row-wise and bf16; H100, BENCHMARKS.md)."""
-    if args.layout == GroupLayout.MASKED and args.scaling != GroupScaling.BLOCK:
+    Masked 16-bit groups and fp8 ones with fast accumulation (tensor/row scales) stay on the
+    Triton kernel at any max_m: max_m bounds the rows without saying how many there are, and
+    with Zipf-routed counts (64 tokens per expert on average, max_m 189-1024) the Triton kernel
+    ran Mixtral, Qwen3-MoE and DeepSeek-V3 expert projections 1-22% faster (fp8 row-wise with
+    fast accumulation and bf16; H100, BENCHMARKS.md). Promoted fp8 (use_fast_accum=False), whose
+    native tiles measured 1.1-1.4x the Triton kernel on full groups, and block scales keep the
+    rows-per-group rule."""
+    promoted = args.is_fp8 and not args.fast_accum
+    if args.layout == GroupLayout.MASKED and args.scaling != GroupScaling.BLOCK and not promoted:
         return False
     rows = rows_per_group(args)
     ahead = rows >= (BLOCK_MIN_ROWS if args.scaling == GroupScaling.BLOCK else MIN_ROWS)
