@@ -767,8 +767,9 @@ def test_native_dispatch_rule(monkeypatch):
                                                                                    dtype=torch.int32))
     assert block.scaling == grouped.GroupScaling.BLOCK and native.preferred(block)
     assert not native.preferred(block._replace(a=args.a[:256], out=block.out[:256]))  # 64 rows per group
-    # Masked groups: the Triton kernel at any max_m, except block-scaled ones above decode size;
-    # batched groups (every row valid) as contiguous ones.
+    # Masked 16-bit and fast-accumulating fp8 groups: the Triton kernel at any max_m; promoted fp8
+    # and block-scaled ones keep the rows-per-group rule; batched groups (every row valid) as
+    # contiguous ones.
     a3, out3 = torch.empty(4, 1024, 256, dtype=torch.bfloat16), torch.empty(4, 1024, 256, dtype=torch.bfloat16)
     b16 = torch.empty(4, 256, 256, dtype=torch.bfloat16).transpose(1, 2)
     masked = grouped.mm_args(a3, b16, masked_m=torch.full((4,), 1024, dtype=torch.int32), out=out3)

@@ -224,18 +224,12 @@ MID_M = 256
 
 
 # bf16/fp16 at 33-64 tokens: split-K (64-token swap-AB tiles, the activation through TMA too)
-# where its 64-row weight tiles cover at most half the SMs, so each tile's K is cut in two or
-# more slices; elsewhere the tile kernel. H100, graph-timed, L2 flushed, M = 64 (BENCHMARKS.md):
-# N = K = 4096 25.9 -> 24.2 us (N-major weight) and 25.6 -> 24.9 (K-major), 4096 x 14336 62.5 ->
-# 59.0, 3584 x 3584 22.0 -> 21.5; at 6144-14336 rows unsplit split-K tiles were 3-6% behind, and at
+# where its config cuts K in two or more slices (its 64-row weight tiles cover at most half the
+# SMs); elsewhere the tile kernel. H100, graph-timed, L2 flushed, M = 64 (BENCHMARKS.md): N = K =
+# 4096 25.9 -> 24.2 us (N-major weight) and 25.6 -> 24.9 (K-major), 4096 x 14336 62.5 -> 59.0,
+# 3584 x 3584 22.0 -> 21.5; at 6144-14336 rows unsplit split-K tiles were 3-6% behind, and at
 # M = 128 no split-K config was ahead of the tile kernel.
 SPLITK_16BIT_MAX_M = 64
-
-
-def _splitk_halves_k(n: int, k: int, sms: int) -> bool:
-    """Whether 16-bit split-K (``matmul_splitk.choose_config``: 64 weight rows per tile, 64-deep
-    k-steps, slices of at least 4 steps) cuts K into two or more slices for an N x K weight."""
-    return 2 * -(-n // 64) <= sms and -(-k // 64) >= 8
 
 
 def _splitk_first(args: GemmArgs) -> bool:
@@ -248,14 +242,17 @@ def _splitk_first(args: GemmArgs) -> bool:
     fp16 at M <= 32 (H100, 12 Llama-3 / Qwen2.5 projections with K-major weights, ``w.t()``:
     split-K 0.92-1.03x cuBLAS where the tile kernel ran 0.69-0.99x, at M = 64 the tile kernel was
     ahead; N-major weights, N = K = 4096, graph-timed: split-K 0.92-1.02x where the tile kernel
-    ran 0.81-0.90x at M = 1-32), and bf16 / fp16 up to SPLITK_16BIT_MAX_M where the split-K tiles
-    leave K cut in two or more slices (:func:`_splitk_halves_k`)."""
+    ran 0.81-0.90x at M = 1-32), and bf16 / fp16 up to SPLITK_16BIT_MAX_M where the split-K
+    config (``matmul_splitk.choose_config``) cuts K in two or more slices."""
     if args.m <= 32 and args.n * args.k * args.b.element_size() >= 100e6:
         return True
     if args.m <= 32 and not args.is_fp8:
         return True
     if args.m <= SPLITK_16BIT_MAX_M and not args.is_fp8:
-        return _splitk_halves_k(args.n, args.k, device.sms_of(args.out.device))
+        from .triton.matmul_splitk import choose_config  # a backend module: imported lazily
+
+        sms = device.sms_of(args.out.device)
+        return choose_config(args.m, args.n, args.k, args.a.element_size(), sms).split_k >= 2
     return args.is_fp8 and ((args.m <= 16 and args.k >= 3072) or (args.m <= 32 and args.k > 8192))
 
 
