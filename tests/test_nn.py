@@ -221,37 +221,14 @@ def test_cpu_without_interpreter(monkeypatch):
         layer(torch.randn(2, 128, dtype=torch.float16))
 
 
-def traced_graphs(graphs: list):
-    """A torch.compile back end that keeps each traced FX graph and runs it as traced (eager
-    kernels): the compiled result is then the traced ops' own."""
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    return backend
-
-
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_compile_fullgraph_traces(recipe, seeded):
-    """torch.compile(fullgraph=True) traces the layer without a graph break, its activation
-    quantization as torch ops (no opaque quantizer op left for inductor to work around), with
-    the eager layer's result bit for bit when the traced graph runs eagerly. On a GPU, inductor's
-    compiled layer too: its fused quantizer divides with the approximate division, so within
-    fp8 rounding of eager's."""
-    layer = tnn.FP8Linear.from_linear(torch.nn.Linear(320, 128, device=DEVICE, dtype=HALF), recipe)
-    x = torch.randn(2, 3, 320, device=DEVICE, dtype=HALF)
-    graphs: list = []
-    compiled = torch.compile(layer, fullgraph=True, backend=traced_graphs(graphs))
+def test_compile_fullgraph_traces(seeded):
+    """torch.compile(fullgraph=True) traces the layer without a graph break (aot_eager on the CPU,
+    where no compiler back end runs the interpreter's kernels; inductor on a GPU)."""
+    layer = tnn.FP8Linear.from_linear(torch.nn.Linear(256, 128, device=DEVICE, dtype=HALF))
+    compiled = torch.compile(layer, fullgraph=True, backend="inductor" if CUDA else "aot_eager")
+    x = torch.randn(2, 3, 256, device=DEVICE, dtype=HALF)
     with torch.no_grad():
-        want = layer(x)
-        assert torch.equal(compiled(x), want)
-        code = "\n".join(gm.code for gm in graphs)
-        assert "quantize_activation" not in code and "tmagemm.scaled_mm" in code
-        if CUDA:
-            torch.compiler.reset()
-            fast = torch.compile(layer, fullgraph=True, backend="inductor")(x)
-            assert rel_err(fast, want) < 1e-2
+        assert torch.equal(compiled(x), layer(x))
 
 
 # ----------------------------------------------------------------------------------- convert
@@ -533,20 +510,11 @@ def test_gated_mlp_views_survive_moves_casts_copies_and_loads(seeded):
 
 
 def test_gated_mlp_compile_fullgraph_traces(seeded):
-    """As test_compile_fullgraph_traces, for the fused MLP (its input quantized as torch ops
-    under compile, the gate/up kernel still one op)."""
     fused = tnn.FP8GatedMLP.from_mlp(GatedMLP(128, 256))
+    compiled = torch.compile(fused, fullgraph=True, backend="inductor" if CUDA else "aot_eager")
     x = torch.randn(2, 3, 128, device=DEVICE, dtype=HALF)
-    graphs: list = []
-    compiled = torch.compile(fused, fullgraph=True, backend=traced_graphs(graphs))
     with torch.no_grad():
-        want = fused(x)
-        assert torch.equal(compiled(x), want)
-        code = "\n".join(gm.code for gm in graphs)
-        assert "quantize_activation" not in code and "gate_up_silu_quant" in code
-        if CUDA:
-            torch.compiler.reset()
-            assert rel_err(torch.compile(fused, fullgraph=True, backend="inductor")(x), want) < 2e-2
+        assert torch.equal(compiled(x), fused(x))
 
 
 def test_convert_fuse_gate_up_llama(seeded):

@@ -113,9 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="--preset model: greedy tokens compared between eager steps and graph replays (default 16)")
     bench.add_argument("--compile-check", action="store_true",
                        help="--preset model: also compare greedy tokens of torch.compile(mode='reduce-overhead') "
-                            "with eager, and time the compiled steps, for bf16, the fp8-tmagemm variants and "
-                            "fp8-torch-block at every batch of --m (each compile of a 32-layer model takes 40-50 s "
-                            "on an H100; the time is reported)")  # fmt: skip
+                            "with eager, and time the compiled steps, for bf16 and the fp8-tmagemm variants at "
+                            "every batch of --m (each compile of a 32-layer model takes 40-55 s on an H100; the "
+                            "time is reported)")  # fmt: skip
     bench.add_argument("--init-std", type=float, default=None,
                        help="--preset model: std of the random weights (default transformers' initializer_range, 0.02)")
     bench.add_argument("--check", action="store_true",

@@ -68,44 +68,17 @@ def quantize_fp8(
         if check_finite and not _capturing(x) and not bool(torch.isfinite(scale).all()):
             raise ValueError(_non_finite_message(x.float(), scale, granularity))
         return q, scale
-    x_fp8, scale = quantize_torch(x, granularity, dtype)
-    if check_finite and not _capturing(x) and not bool(torch.isfinite(scale).all()):
-        raise ValueError(_non_finite_message(x.float(), scale, granularity))
-    return x_fp8, scale
-
-
-def quantize_torch(x: torch.Tensor, granularity: str, dtype: torch.dtype = torch.float8_e4m3fn):
-    """The quantizers' arithmetic in torch ops, for checked 2-D input: ``scale = max(amax /
-    fp8_max, smallest normal)`` per tensor, row or 1x128 group, ``q = (x / scale)`` clamped to
-    the fp8 range and rounded to nearest even. Bit for bit what the Triton kernels compute
-    (they divide with div_rn); a group holding NaN gets a NaN scale here (the kernels' is Inf),
-    non-finite either way. What ``quantize_fp8`` runs for "tensor" (and "row" on the CPU), and
-    what the FP8 layers quantize with while ``torch.compile`` traces them: inductor then fuses
-    the quantization into the kernel that produces x (a norm, say), and layers that share x
-    (q/k/v projections) quantize it once. q is contiguous; the 1x128 scale is (M, ceil(K/128))
-    row-major, as :func:`tmagemm.triton.quantize.quantize_1x128` returns it."""
     fp8_max = torch.finfo(dtype).max
-    tiny = torch.finfo(torch.float32).tiny
     xf = x.float()
-    rows, k = x.shape
-    # A device tensor, not a Python number: CUDA torch divides by a host scalar as a multiply by
-    # its rounded reciprocal, which differs from the division in the last bit.
-    limit = xf.new_full((), fp8_max)
-    if granularity == "1x128":
-        groups = -(-k // 128)
-        padded = torch.nn.functional.pad(xf, (0, groups * 128 - k)) if k % 128 else xf
-        blocks = padded.reshape(rows, groups, 128)
-        scale = (blocks.abs().amax(dim=2) / limit).clamp(min=tiny)
-        q = (blocks / scale[:, :, None]).clamp(-fp8_max, fp8_max).to(dtype).reshape(rows, groups * 128)
-        return (q[:, :k].contiguous() if k % 128 else q), scale
     if granularity == "tensor":
         amax = xf.abs().amax().reshape(1, 1) if x.numel() else xf.new_zeros(1, 1)
-    elif granularity == "row":
-        amax = xf.abs().amax(dim=1, keepdim=True) if k else xf.new_zeros(rows, 1)
     else:
-        raise ValueError(f"quantize_torch: granularity must be 'tensor', 'row' or '1x128', got {granularity!r}")
-    scale = (amax / limit).clamp(min=tiny)
-    return (xf / scale).clamp(-fp8_max, fp8_max).to(dtype), scale
+        amax = xf.abs().amax(dim=1, keepdim=True) if x.shape[1] else xf.new_zeros(x.shape[0], 1)
+    if check_finite and not _capturing(x) and not bool(torch.isfinite(amax).all()):
+        raise ValueError(_non_finite_message(xf, amax, granularity))
+    scale = (amax / fp8_max).clamp(min=torch.finfo(torch.float32).tiny)
+    x_fp8 = (xf / scale).clamp(-fp8_max, fp8_max).to(dtype)
+    return x_fp8, scale
 
 
 def _capturing(x: torch.Tensor) -> bool:

@@ -18,7 +18,7 @@ from torch import nn
 from .. import nn as tnn
 from ..nn import FP8GatedMLP, FP8Linear
 from ..nn.convert import DEFAULT_SKIP, matches
-from ..nn.quantize import SCALE_BLOCK, quantize_input
+from ..nn.quantize import SCALE_BLOCK
 from ..quant import quantize_fp8
 from . import mlp_fusion
 from .decode import tolerance
@@ -87,7 +87,7 @@ class TorchBlockFP8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        xq, xs = quantize_input(x.reshape(-1, self.in_features).contiguous(), "block")
+        xq, xs = torch.ops.tmagemm_nn.quantize_activation(x.reshape(-1, self.in_features).contiguous(), "block")
         y = self.scaled_mm(xq, self.inner.weight.t(), torch_block_activation_scale(xs), self.scaling.BlockWise1x128,
                            self.weight_scale_torch, self.scaling.BlockWise128x128, output_dtype=x.dtype)  # fmt: skip
         if self.inner.bias is not None:
@@ -107,7 +107,7 @@ class TorchRowFP8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        xq, xs = quantize_input(x.reshape(-1, self.in_features).contiguous(), "row")
+        xq, xs = torch.ops.tmagemm_nn.quantize_activation(x.reshape(-1, self.in_features).contiguous(), "row")
         y = torch._scaled_mm(xq, self.inner.weight.t(), xs, self.inner.weight_scale_inv.t(), bias=self.inner.bias,
                              out_dtype=x.dtype, use_fast_accum=True)  # fmt: skip
         return y.reshape(*lead, self.out_features)

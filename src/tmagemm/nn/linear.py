@@ -18,7 +18,6 @@ from .quantize import (
     SCALED_MM_RECIPES,
     check_recipe,
     dequantize_weight,
-    quantize_input,
     quantize_weight,
     weight_scale_shape,
 )
@@ -152,7 +151,7 @@ class FP8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        xq, xs = quantize_input(x2, self.recipe)
+        xq, xs = torch.ops.tmagemm_nn.quantize_activation(x2, self.recipe)
         return self.quantized_input_mm(xq, xs, bias, x.dtype).reshape(*lead, self.out_features)
 
     def quantized_input_mm(self, xq: torch.Tensor, xs: torch.Tensor, bias: torch.Tensor | None,

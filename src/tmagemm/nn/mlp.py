@@ -30,7 +30,7 @@ from torch import nn
 from ..api import scaled_mm
 from ..gate_up import GROUP, gate_up_silu_quant
 from .linear import FP8Linear, check_features, check_input, keep_dtypes
-from .quantize import FP8, quantize_input, quantize_weight
+from .quantize import FP8, quantize_weight
 
 # The forward this module replaces, as transformers writes it (LlamaMLP, MistralMLP, Qwen2MLP,
 # Qwen3MLP and many more): ``return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))``,
@@ -202,7 +202,7 @@ class FP8GatedMLP(nn.Module):
         x2 = x.reshape(-1, self.hidden_size)
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        xq, xs = quantize_input(x2, "block")
+        xq, xs = torch.ops.tmagemm_nn.quantize_activation(x2, "block")
         if x2.shape[0] <= FUSED_MAX_TOKENS:
             hq, hs = gate_up_silu_quant(xq, xs, self.gate_up_weight, self.gate_up_weight_scale_inv)
         else:
@@ -211,7 +211,7 @@ class FP8GatedMLP(nn.Module):
             gu = scaled_mm(xq, self.gate_up_weight.t(), xs, self.gate_up_weight_scale_inv, out_dtype=x.dtype,
                            scale_recipe_a="1x128", scale_recipe_b="128x128")
             g, u = gu.split(self.intermediate_size, dim=1)
-            hq, hs = quantize_input(nn.functional.silu(g) * u, "block")
+            hq, hs = torch.ops.tmagemm_nn.quantize_activation(nn.functional.silu(g) * u, "block")
         y = self.down_proj.quantized_input_mm(hq, hs, self.down_proj.bias, x.dtype)
         return y.reshape(*lead, self.hidden_size)
 

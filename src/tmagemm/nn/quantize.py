@@ -1,9 +1,8 @@
 """Quantization for the FP8 layers: activations on the fly (as a torch op), weights once.
 
-Activations go through :func:`quantize_input`: eagerly ``torch.ops.tmagemm_nn.quantize_activation``,
-a custom op (one Triton kernel) that quantizes without the quantizers' Inf/NaN read-back
-(``check_finite=False``), so a forward pass never syncs the host; under torch.compile the same
-arithmetic as torch ops, which inductor fuses with the ops around it.
+Activations go through ``torch.ops.tmagemm_nn.quantize_activation``, an opaque custom op with a
+fake implementation, so torch.compile(fullgraph=True) traces the layer; it quantizes without the
+quantizers' Inf/NaN read-back (``check_finite=False``), so a forward pass never syncs the host.
 
 Recipes (the ``recipe`` of :class:`~tmagemm.nn.FP8Linear`):
 
@@ -21,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .. import envs
-from ..quant import quantize_fp8, quantize_torch
+from ..quant import quantize_fp8
 from ..triton.quantize import SCALE_BLOCK, quantize_128x128
 
 RECIPES = ("block", "row", "tensor")
@@ -71,17 +70,6 @@ def quantize_activation(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor, tor
 def _(x, recipe):
     m, k = x.shape
     return x.new_empty((m, k), dtype=FP8), x.new_empty(activation_scale_shape(recipe, m, k), dtype=torch.float32)
-
-
-def quantize_input(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the FP8 layers quantize their input with: eagerly (and in CUDA graphs) the custom op
-    above, one Triton kernel; while torch.compile traces, the same arithmetic as torch ops
-    (:func:`tmagemm.quant.quantize_torch`), which inductor fuses into the kernel that produces
-    x (the RMSNorm before q/k/v or gate/up) and computes once for the layers that share x.
-    x: 2-D, contiguous last dimension, K % 16 == 0 (the layers check)."""
-    if torch.compiler.is_compiling():
-        return quantize_torch(x, "1x128" if recipe == "block" else recipe)
-    return torch.ops.tmagemm_nn.quantize_activation(x, recipe)
 
 
 # ----------------------------------------------------------------------------------- weights
