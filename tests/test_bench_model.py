@@ -140,12 +140,15 @@ def test_variants_share_the_bf16_models_tensors():
     assert static_decode.step_weight_bytes(built["no-proj"]) == head
     fp8 = static_decode.step_weight_bytes(built["fp8-tmagemm"])
     assert proj // 2 + head < fp8 < proj // 2 + head + 4096  # + the 128x128 block scales
-    if model_variants.fused_available():  # gate/up views of one stacked weight count once
+    if model_variants.fused_available():  # gate/up and q/k/v views of stacked weights count once
         fused = model_variants.build_variant("fp8-tmagemm-fused", m, built)
         mlp, twin = fused.model.layers[0].mlp, built["fp8-tmagemm"].model.layers[0]
         assert type(mlp).__name__ == "FP8GatedMLP" and fused.lm_head.weight is m.lm_head.weight
         assert mlp.down_proj.weight is twin.mlp.down_proj.weight  # fp8-tmagemm's bits, shared where possible
-        assert fused.model.layers[0].self_attn.q_proj.weight is twin.self_attn.q_proj.weight
+        assert fused.model.layers[0].self_attn.o_proj.weight is twin.self_attn.o_proj.weight
+        attn = fused.model.layers[0].self_attn  # q/k/v: views of one stacked copy of the same bits
+        assert type(attn.q_proj).__name__ == "FP8StackedLinear" and type(attn.v_proj).__name__ == "FP8StackMember"
+        assert torch.equal(attn.v_proj.weight.view(torch.uint8), twin.self_attn.v_proj.weight.view(torch.uint8))
         assert torch.equal(mlp.gate_proj.weight.view(torch.uint8), twin.mlp.gate_proj.weight.view(torch.uint8))
         assert static_decode.step_weight_bytes(fused) == fp8
 
@@ -154,13 +157,17 @@ def test_fused_variant_follows_converts_signature(monkeypatch):
     def convert_without(model, recipe="block", skip=("lm_head",)):
         return model
 
-    def convert_with(model, recipe="block", skip=("lm_head",), fuse_gate_up=False):
+    def convert_gate_up_only(model, recipe="block", skip=("lm_head",), fuse_gate_up=False):
         return model
 
-    monkeypatch.setattr(model_variants.tnn, "convert", convert_without)
-    assert "fp8-tmagemm-fused" not in model.default_variants()
-    with pytest.raises(ValueError, match="fuse_gate_up"):
-        model.parse_variants(["bf16", "fp8-tmagemm-fused"])
+    def convert_with(model, recipe="block", skip=("lm_head",), fuse_gate_up=False, fuse_qkv=False):
+        return model
+
+    for older in (convert_without, convert_gate_up_only):
+        monkeypatch.setattr(model_variants.tnn, "convert", older)
+        assert "fp8-tmagemm-fused" not in model.default_variants()
+        with pytest.raises(ValueError, match="fuse_gate_up=True, fuse_qkv=True"):
+            model.parse_variants(["bf16", "fp8-tmagemm-fused"])
     monkeypatch.setattr(model_variants.tnn, "convert", convert_with)
     assert "fp8-tmagemm-fused" in model.default_variants()
     assert model.parse_variants(["fp8-tmagemm-fused", "bf16"]) == ("bf16", "fp8-tmagemm-fused")

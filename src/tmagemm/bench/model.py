@@ -9,7 +9,7 @@ sequence) and differ in their linear layers only:
 
 * ``bf16``: the model as built (nn.Linear, cuBLAS);
 * ``fp8-tmagemm``: ``tmagemm.nn.convert(copy, recipe="block")`` (lm_head kept bf16 by default);
-* ``fp8-tmagemm-fused``: ``convert(..., fuse_gate_up=True)``, where this tmagemm has it;
+* ``fp8-tmagemm-fused``: ``convert(..., fuse_gate_up=True, fuse_qkv=True)``, where this tmagemm has it;
 * ``fp8-torch-block``: fp8-tmagemm's fp8 weights (shared, not copied) and activation quantizer,
   the GEMM on ``torch.nn.functional.scaled_mm`` (BlockWise1x128 x BlockWise128x128);
 * ``fp8-tmagemm-row`` / ``fp8-torch-row``: ``convert(copy, recipe="row")``, the GEMM on tmagemm /
@@ -83,8 +83,8 @@ def parse_variants(names: list[str] | None) -> tuple[str, ...]:
         raise ValueError(f"unknown variant {', '.join(unknown)} for --preset model; choose from "
                          f"{', '.join(VARIANTS)}")  # fmt: skip
     if "fp8-tmagemm-fused" in names and not fused_available():
-        raise ValueError("variant fp8-tmagemm-fused needs tmagemm.nn.convert(..., fuse_gate_up=True), which this "
-                         "tmagemm does not have")
+        raise ValueError("variant fp8-tmagemm-fused needs tmagemm.nn.convert(..., fuse_gate_up=True, fuse_qkv=True), "
+                         "which this tmagemm does not have")
     return tuple(v for v in VARIANTS if v in names)  # the canonical order: bf16 first (the reference)
 
 

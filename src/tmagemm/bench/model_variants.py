@@ -27,8 +27,9 @@ from .static_decode import shared_copy, swap_modules
 VARIANTS = {
     "bf16": "the model as built: nn.Linear (cuBLAS)",
     "fp8-tmagemm": "tmagemm.nn.convert(recipe='block'): 1x128 activation x 128x128 weight scales, tmagemm.scaled_mm",
-    "fp8-tmagemm-fused": "tmagemm.nn.convert(recipe='block', fuse_gate_up=True) of fp8-tmagemm's layers: "
-                         "FP8GatedMLP (quantize, fused gate/up + SiLU*mul + quantize, down)",
+    "fp8-tmagemm-fused": "tmagemm.nn.convert(recipe='block', fuse_gate_up=True, fuse_qkv=True) of fp8-tmagemm's "
+                         "layers: FP8GatedMLP (quantize, fused gate/up + SiLU*mul + quantize, down) and q/k/v "
+                         "as one stacked GEMM",
     "fp8-torch-block": "fp8-tmagemm's weights and activation quantizer; GEMM on torch.nn.functional.scaled_mm "
                        "(BlockWise1x128 x BlockWise128x128, cuBLAS)",
     "fp8-tmagemm-row": "tmagemm.nn.convert(recipe='row'): per-token x per-channel scales, tmagemm.scaled_mm",
@@ -39,8 +40,9 @@ VARIANTS = {
 
 
 def fused_available() -> bool:
-    """Whether this tmagemm's ``tmagemm.nn.convert`` takes ``fuse_gate_up``."""
-    return "fuse_gate_up" in inspect.signature(tnn.convert).parameters
+    """Whether this tmagemm's ``tmagemm.nn.convert`` takes ``fuse_gate_up`` and ``fuse_qkv``."""
+    parameters = inspect.signature(tnn.convert).parameters
+    return "fuse_gate_up" in parameters and "fuse_qkv" in parameters
 
 
 # ------------------------------------------------------------------------ torch fp8 layers
@@ -147,9 +149,9 @@ def build_variant(name: str, model: nn.Module, built: dict[str, nn.Module]) -> n
     if name == "fp8-tmagemm-row":
         return quantized("row")
     if name == "fp8-tmagemm-fused":
-        # From fp8-tmagemm's layers: the same fp8 bits, attention and down_proj shared, gate/up
-        # copied once into the fused MLP's stacked buffer.
-        return tnn.convert(shared_copy(quantized("block")), recipe="block", fuse_gate_up=True)
+        # From fp8-tmagemm's layers: the same fp8 bits, o_proj and down_proj shared, gate/up and
+        # q/k/v copied once into the stacked buffers.
+        return tnn.convert(shared_copy(quantized("block")), recipe="block", fuse_gate_up=True, fuse_qkv=True)
     if name == "fp8-torch-block":
         return swapped(quantized("block"), FP8Linear, TorchBlockFP8Linear)
     if name == "fp8-torch-row":

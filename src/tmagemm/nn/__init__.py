@@ -1,7 +1,8 @@
 """FP8 linear layers for real models: ``FP8Linear`` (quantized weight, activations quantized on
 the fly, ``tmagemm.scaled_mm``), ``FP8GatedMLP`` (a gated SiLU MLP with its gate/up projection,
-SiLU-and-multiply and quantization fused), ``convert`` (swap a model's nn.Linear layers and,
-optionally, its MLPs), FP8 checkpoints in the Hugging Face layout, tensor-parallel shards, and
+SiLU-and-multiply and quantization fused), ``FP8StackedLinear`` (an attention's q/k/v
+projections as one GEMM), ``convert`` (swap a model's nn.Linear layers and, optionally, fuse its
+MLPs and attention projections), FP8 checkpoints in the Hugging Face layout, tensor-parallel shards, and
 ``warmup`` (compile and plan a converted model's kernels at start-up). docs/nn.md walks through
 them."""
 
@@ -14,6 +15,7 @@ from .checkpoint import (
 from .convert import convert
 from .linear import FP8Linear
 from .mlp import FP8GatedMLP
+from .stacked import FP8StackedLinear, FP8StackMember
 from .parallel import ColumnParallelFP8Linear, RowParallelFP8Linear, parallelize_linear
 from .warmup import warmup
 
@@ -21,6 +23,8 @@ __all__ = [
     "ColumnParallelFP8Linear",
     "FP8GatedMLP",
     "FP8Linear",
+    "FP8StackMember",
+    "FP8StackedLinear",
     "RowParallelFP8Linear",
     "convert",
     "from_pretrained_fp8",

@@ -23,6 +23,7 @@ from torch import nn
 from .convert import high_precision_linears
 from .linear import FP8Linear
 from .mlp import fuse_gated_mlps
+from .stacked import fuse_stacked_projections
 from .parallel import ColumnParallelFP8Linear, RowParallelFP8Linear
 from .quantize import FP8, RECIPES, SCALE_BLOCK, weight_scale_shape
 
@@ -185,7 +186,7 @@ def _build_model(config, device, dtype):
 
 
 def load_fp8_checkpoint(model_or_config, path, *, device=None, dtype=None, strict: bool = True,
-                        fuse_gate_up: bool = False) -> nn.Module:
+                        fuse_gate_up: bool = False, fuse_qkv: bool = False) -> nn.Module:
     """Load the FP8 checkpoint directory ``path`` into a model and return it.
 
     model_or_config: a model (its nn.Linear layers that the checkpoint stores in fp8 become
@@ -199,6 +200,8 @@ def load_fp8_checkpoint(model_or_config, path, *, device=None, dtype=None, stric
     becomes an :class:`~tmagemm.nn.FP8GatedMLP` before the tensors are copied (they land in its
     stacked gate/up buffers directly). A model already holding FP8GatedMLPs (converted with
     ``fuse_gate_up=True``) loads either way: the checkpoint's names are the same.
+    fuse_qkv: likewise, attention q/k/v projections stored in fp8 become one stacked layer
+    (:mod:`tmagemm.nn.stacked`, as ``convert(..., fuse_qkv=True)``) before the copy.
     """
     path = Path(path)
     read_quantization_config(path)  # refuse what cannot be loaded before building anything
@@ -221,6 +224,8 @@ def load_fp8_checkpoint(model_or_config, path, *, device=None, dtype=None, stric
         _install_shell(model, name, recipe, shape[name + ".weight"], name + ".bias" in where)
     if fuse_gate_up:
         model = fuse_gated_mlps(model, quantize=False)
+    if fuse_qkv:
+        model = fuse_stacked_projections(model, quantize=False)
     _copy_tensors(model, where, path, strict)
     return model
 
@@ -279,9 +284,10 @@ def _copy_tensors(model: nn.Module, where: dict, path: Path, strict: bool) -> No
 
 
 def from_pretrained_fp8(path, *, device=None, dtype=None, strict: bool = True,
-                        fuse_gate_up: bool = False) -> nn.Module:
+                        fuse_gate_up: bool = False, fuse_qkv: bool = False) -> nn.Module:
     """A transformers causal LM built from the ``config.json`` in ``path`` and loaded from its
-    FP8 checkpoint (see :func:`load_fp8_checkpoint`, also for ``fuse_gate_up``), in eval mode.
+    FP8 checkpoint (see :func:`load_fp8_checkpoint`, also for ``fuse_gate_up`` and ``fuse_qkv``),
+    in eval mode.
     Reads local files only."""
     try:
         from transformers import AutoConfig
@@ -289,4 +295,4 @@ def from_pretrained_fp8(path, *, device=None, dtype=None, strict: bool = True,
         raise ImportError("from_pretrained_fp8 needs transformers (pip install transformers)") from exc
     config = AutoConfig.from_pretrained(str(path))
     return load_fp8_checkpoint(config, path, device=device, dtype=dtype, strict=strict,
-                               fuse_gate_up=fuse_gate_up).eval()
+                               fuse_gate_up=fuse_gate_up, fuse_qkv=fuse_qkv).eval()

@@ -1,5 +1,6 @@
 """``convert``: swap a model's nn.Linear layers for FP8Linear in place, quantizing their weights (and,
-with ``fuse_gate_up``, its gated SiLU MLPs for FP8GatedMLP)."""
+with ``fuse_gate_up``, its gated SiLU MLPs for FP8GatedMLP; with ``fuse_qkv``, its attention
+projections for one stacked GEMM)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def aligned(linear: nn.Linear) -> bool:
 
 
 def convert(model: nn.Module, recipe: str = "block", skip: Iterable[str] = DEFAULT_SKIP,
-            fuse_gate_up: bool = False) -> nn.Module:
+            fuse_gate_up: bool = False, fuse_qkv: bool = False) -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` (recursively, in place) with an
     :class:`FP8Linear` holding its quantized weight, and return the model.
 
@@ -52,19 +53,32 @@ def convert(model: nn.Module, recipe: str = "block", skip: Iterable[str] = DEFAU
     an MLP is fused only when none of its three projections is skipped (it is converted layer by
     layer otherwise). "block" recipe only (ValueError otherwise). The state dict keeps the
     unfused names (``mlp.gate_proj.weight``, ...), so checkpoints are the same either way.
+
+    fuse_qkv: replace the q_proj, k_proj and v_proj of every module whose forward calls them in
+    order on one input (transformers' attention modules) with stacked layers
+    (:mod:`tmagemm.nn.stacked`): one quantization and one GEMM for the three, each projection
+    keeping its own state-dict names. "block" and "row" recipes; projections with a bias, or
+    (block) out_features not multiples of 128, are converted one by one.
     """
     check_recipe(recipe)
     if isinstance(skip, str):
         skip = (skip,)
     skip = tuple(skip)
-    if not isinstance(fuse_gate_up, bool):
-        raise TypeError(f"fuse_gate_up must be a bool, got {type(fuse_gate_up).__name__}")
+    for flag, value in (("fuse_gate_up", fuse_gate_up), ("fuse_qkv", fuse_qkv)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{flag} must be a bool, got {type(value).__name__}")
+    if fuse_qkv and recipe == "tensor":
+        raise ValueError("fuse_qkv=True needs recipe='block' or 'row' (tensor-wise layers have one scale each)")
     if fuse_gate_up:
         if recipe != "block":
             raise ValueError(f"fuse_gate_up=True needs recipe='block' (the fused kernel is block-scaled), got {recipe!r}")
         from .mlp import fuse_gated_mlps
 
         model = fuse_gated_mlps(model, skip)
+    if fuse_qkv:
+        from .stacked import fuse_stacked_projections
+
+        model = fuse_stacked_projections(model, skip, recipe=recipe)
     if type(model) is nn.Linear:
         return FP8Linear.from_linear(model, recipe) if aligned(model) else model
     # remove_duplicate=False: a layer reachable under two names is replaced under both (by one

@@ -20,11 +20,13 @@ from torch import nn
 from ..startup import Summary, m_buckets
 from .linear import FP8Linear
 from .mlp import FP8GatedMLP
+from .stacked import FP8StackedLinear, FP8StackMember
 
 
 def _layers(model: nn.Module) -> dict[tuple, nn.Module]:
-    """One module per distinct call signature: FP8GatedMLPs, and FP8Linears outside them (a fused
-    MLP's gate/up children are never called on their own)."""
+    """One module per distinct call signature: FP8GatedMLPs, stacked projections, and FP8Linears
+    outside them (a fused MLP's gate/up children and a stack's members are not called on their
+    own)."""
     fused = [m for m in model.modules() if isinstance(m, FP8GatedMLP)]
     inside = {id(child) for m in fused for child in (m.gate_proj, m.up_proj, m.down_proj)}
     layers: dict[tuple, nn.Module] = {}
@@ -33,7 +35,9 @@ def _layers(model: nn.Module) -> dict[tuple, nn.Module]:
         key = ("mlp", m.hidden_size, m.intermediate_size, None if bias is None else bias.dtype, m.down_proj.weight.device)
         layers.setdefault(key, m)
     for m in model.modules():
-        if isinstance(m, FP8Linear) and id(m) not in inside:
+        if isinstance(m, FP8StackedLinear):  # its members are served by its stacked GEMM
+            layers.setdefault(("stack", m.in_features, m.out_sizes, m.recipe, m.weight.device), m)
+        elif isinstance(m, FP8Linear) and not isinstance(m, FP8StackMember) and id(m) not in inside:
             bias = None if m.bias is None else m.bias.dtype
             layers.setdefault(("linear", m.in_features, m.out_features, m.recipe, bias, m.weight.device), m)
     return layers

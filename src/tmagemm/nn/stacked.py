@@ -1,0 +1,313 @@
+"""Stacked projections: the FP8 layers a module calls one after another on the same input (an
+attention's ``q_proj``, ``k_proj``, ``v_proj``) run as one GEMM over their stacked weights.
+
+At decode sizes a GEMM's time is its weight bytes at the copy rate plus a few microseconds of
+fixed cost (launch, the first loads' latency, the tail, the epilogue: docs/small-m.md), and each
+FP8 layer also quantizes its input. Llama-3-8B's k_proj and v_proj are 4 MB each: on their own
+they cost about as much fixed time as bytes. Stacked, the attention's three projections quantize
+the input once and stream one weight.
+
+The attention module stays the model's own (its forward is not rewritten): its projections are
+replaced by an :class:`FP8StackedLinear` (the first) and :class:`FP8StackMember` layers (the
+others). The first computes the whole stack and keeps the members' rows for this input; a
+member called with that same tensor returns its rows, and computes its own GEMM otherwise (any
+other input, or the same tensor changed in place since), so the result never depends on
+whether the module calls them as expected. :func:`fuse_stacked_projections` replaces only
+projections whose parent's forward calls them in order on one variable
+(:func:`calls_on_one_input`), where the stacked GEMM is always used.
+
+Checkpoint layout: each projection keeps its own ``weight`` and ``weight_scale_inv`` (the
+Hugging Face names), as views of the first layer's stacked buffers (not saved themselves), as
+:class:`~tmagemm.nn.FP8GatedMLP` does for gate/up.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import textwrap
+
+import torch
+from torch import nn
+
+from ..api import scaled_mm
+from .linear import FP8Linear, keep_dtypes
+from .quantize import SCALE_BLOCK, SCALED_MM_RECIPES, quantize_weight
+
+# The projections stacked per attention module, in the order its forward calls them.
+QKV = ("q_proj", "k_proj", "v_proj")
+RECIPES = ("block", "row")  # tensor-wise layers have one scale each: their weights do not stack
+
+
+@functools.lru_cache(maxsize=None)
+def calls_on_one_input(cls: type, names: tuple[str, ...] = QKV) -> bool:
+    """Whether ``cls.forward`` calls ``self.<name>(v)`` for each of ``names`` exactly once, in that
+    order, on the same variable ``v``, with no assignment to ``v`` between the first call and the
+    last (read from its source; False where there is none)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    calls: dict[str, list[tuple[int, int, str]]] = {name: [] for name in names}
+    stores: list[tuple[int, int, str]] = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in calls
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"):
+            arg = node.args[0].id if len(node.args) == 1 and isinstance(node.args[0], ast.Name) else ""
+            calls[node.func.attr].append((node.lineno, node.col_offset, "" if node.keywords else arg))
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            stores.append((node.lineno, node.col_offset, node.id))
+    if any(len(found) != 1 for found in calls.values()):
+        return False
+    ordered = [calls[name][0] for name in names]
+    variable = ordered[0][2]
+    if not variable or any(c[2] != variable for c in ordered) or ordered != sorted(ordered):
+        return False
+    first, last = ordered[0][:2], ordered[-1][:2]
+    return not any(first < s[:2] < last and s[2] == variable for s in stores)
+
+
+def stack_reason(parent: nn.Module, recipe: str = "block", names: tuple[str, ...] = QKV) -> str | None:
+    """None when the projections ``names`` of ``parent`` can be stacked, else why not: the parent's
+    forward calls them in order on one input (:func:`calls_on_one_input`); each an nn.Linear or an
+    FP8Linear (exact types), none with a bias, one in_features, on one device; the recipe (the
+    FP8Linear layers' one, else ``recipe``) "block" or "row"; for "block" every out_features a
+    multiple of 128 (so the 128 x 128 weight scales stack)."""
+    layers = [getattr(parent, name, None) for name in names]
+    if any(not isinstance(layer, nn.Module) for layer in layers):
+        return f"{type(parent).__name__} lacks one of {', '.join(names)}"
+    if any(isinstance(layer, (FP8StackedLinear, FP8StackMember)) for layer in layers):
+        return "already stacked"
+    for layer, name in zip(layers, names):
+        if type(layer) not in (nn.Linear, FP8Linear):
+            return f"{name} is a {type(layer).__name__}, not an nn.Linear or FP8Linear"
+        if layer.bias is not None:
+            return f"{name} has a bias"
+    if not calls_on_one_input(type(parent), names):
+        return f"{type(parent).__name__}.forward does not call {', '.join(names)} in order on one input"
+    if len({layer.in_features for layer in layers}) > 1:
+        return f"in_features differ: {[layer.in_features for layer in layers]}"
+    recipes = {layer.recipe for layer in layers if type(layer) is FP8Linear}
+    if len(recipes) > 1:
+        return f"the FP8Linear projections have several recipes ({sorted(recipes)})"
+    recipe = recipes.pop() if recipes else recipe
+    if recipe not in RECIPES:
+        return f"recipe {recipe!r}: only 'block' and 'row' weights stack (tensor-wise layers have a scale each)"
+    if recipe == "block" and any(layer.out_features % SCALE_BLOCK for layer in layers):
+        return f"out_features {[layer.out_features for layer in layers]} not all multiples of {SCALE_BLOCK}"
+    if len({layer.weight.device for layer in layers}) > 1:
+        return "the projections are on several devices"
+    return None
+
+
+class FP8StackedLinear(FP8Linear):
+    """The first projection of a stack: ``y = x @ W.T`` with W its rows of the stacked weight.
+
+    Buffers ``stacked_weight`` (sum of out_features, K) e4m3 and ``stacked_weight_scale_inv`` (the
+    recipe's scales of the stacked weight) are what the GEMM reads (not saved); the layer's own
+    ``weight`` / ``weight_scale_inv`` and its members' are views of their rows. forward(x) runs one
+    GEMM for the whole stack, returns this layer's rows and hands each member its rows for the
+    same x. Build with :meth:`stack`.
+    """
+
+    def __init__(self, in_features: int, out_features: tuple[int, ...], recipe: str = "block",
+                 dtype: torch.dtype = torch.bfloat16, device=None):
+        super().__init__(in_features, out_features[0], False, recipe, dtype, device="meta")
+        if recipe not in RECIPES:
+            raise ValueError(f"{type(self).__name__}: recipe {recipe!r} does not stack (one scale per layer); "
+                             f"use one of {RECIPES}")
+        if recipe == "block" and any(n % SCALE_BLOCK for n in out_features):
+            raise ValueError(f"{type(self).__name__}: out_features {out_features} must be multiples of {SCALE_BLOCK} "
+                             "(each layer's rows cover whole 128 x 128 scale blocks)")
+        self.out_sizes, self.bias_dtype = tuple(out_features), dtype
+        total = sum(out_features)
+        scale_rows = total // SCALE_BLOCK if recipe == "block" else total
+        scale_cols = -(-in_features // SCALE_BLOCK) if recipe == "block" else 1
+        self.register_buffer("stacked_weight", torch.zeros(total, in_features, dtype=torch.float8_e4m3fn,
+                                                           device=device), persistent=False)
+        self.register_buffer("stacked_weight_scale_inv", torch.ones(scale_rows, scale_cols, dtype=torch.float32,
+                                                                    device=device), persistent=False)
+        self.members: list[FP8StackMember] = []  # a plain list: the members are the parent's children
+        self._handoff = None  # (x, x._version, [rows per member]) of the last forward
+        self._tie(self, 0)
+
+    @classmethod
+    def stack(cls, layers: list[nn.Module], recipe: str = "block") -> tuple[FP8StackedLinear, ...]:
+        """The stacked layers replacing ``layers`` (nn.Linear without bias, quantized per
+        ``recipe``, or FP8Linear of that recipe, copied bit for bit): the first layer, then one
+        member per further layer, on the first layer's device."""
+        first = layers[0]
+        dtype = first.weight.dtype if first.weight.dtype in (torch.bfloat16, torch.float16, torch.float32) \
+            else torch.bfloat16
+        lead = cls(first.in_features, tuple(layer.out_features for layer in layers), recipe, dtype,
+                   first.weight.device)
+        with torch.no_grad():
+            for index, layer in enumerate(layers):
+                if type(layer) is FP8Linear:
+                    q, scale = layer.weight, layer.weight_scale_inv
+                else:
+                    q, scale = quantize_weight(layer.weight, recipe)
+                rows, scale_rows = lead._rows(index)
+                lead.stacked_weight[rows].copy_(q)
+                lead.stacked_weight_scale_inv[scale_rows].copy_(scale)
+        lead.members = [FP8StackMember(lead, index) for index in range(1, len(layers))]
+        return (lead, *lead.members)
+
+    @classmethod
+    def from_linear(cls, linear, recipe="block", dtype=None):
+        raise TypeError(f"{cls.__name__} stacks several layers: build it with {cls.__name__}.stack([...])")
+
+    def _rows(self, index: int) -> tuple[slice, slice]:
+        """Rows of layer ``index`` in the stacked weight and in the stacked scales."""
+        start = sum(self.out_sizes[:index])
+        rows = slice(start, start + self.out_sizes[index])
+        if self.recipe == "block":
+            return rows, slice(rows.start // SCALE_BLOCK, rows.stop // SCALE_BLOCK)
+        return rows, rows
+
+    def _tie(self, layer: FP8Linear, index: int) -> None:
+        rows, scale_rows = self._rows(index)
+        layer._buffers["weight"] = self.stacked_weight[rows]
+        layer._buffers["weight_scale_inv"] = self.stacked_weight_scale_inv[scale_rows]
+
+    def _tie_all(self) -> None:
+        self._tie(self, 0)
+        for member in self.members:
+            self._tie(member, member.index)
+
+    def tied(self) -> bool:
+        """Whether every layer's weight and scale are still views of the stacked buffers."""
+        layers = (self, *self.members)
+        for index, layer in enumerate(layers):
+            rows, scale_rows = self._rows(index)
+            for own, stacked in ((layer.weight, self.stacked_weight[rows]),
+                                 (layer.weight_scale_inv, self.stacked_weight_scale_inv[scale_rows])):
+                if own.device != stacked.device or own.data_ptr() != stacked.data_ptr() or own.shape != stacked.shape:
+                    return False
+        return True
+
+    # ----------------------------------------------------------------------------- forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.check_input(x)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        xq, xs = torch.ops.tmagemm_nn.quantize_activation(x2, self.recipe)
+        recipe_a, recipe_b = SCALED_MM_RECIPES[self.recipe]
+        ws = self.stacked_weight_scale_inv
+        y = scaled_mm(xq, self.stacked_weight.t(), xs, ws.reshape(-1) if self.recipe == "row" else ws,
+                      out_dtype=x.dtype, scale_recipe_a=recipe_a, scale_recipe_b=recipe_b)
+        parts = [part.reshape(*lead, n) for part, n in zip(y.split(self.out_sizes, dim=1), self.out_sizes)]
+        # Eagerly the version counter tells an in-place change of x apart; torch.compile traces
+        # functional graphs, where x cannot change between the calls.
+        version = None if torch.compiler.is_compiling() else x._version
+        self._handoff = (x, version, [None, *parts[1:]])
+        return parts[0]
+
+    def take(self, x: torch.Tensor, index: int) -> torch.Tensor | None:
+        """Member ``index``'s rows of the last forward when it ran on this very ``x`` (unchanged
+        since), once; None otherwise."""
+        handoff = self._handoff
+        if handoff is None or handoff[0] is not x:
+            return None
+        if not torch.compiler.is_compiling() and handoff[1] != x._version:
+            return None
+        rows = handoff[2][index]
+        handoff[2][index] = None
+        if all(r is None for r in handoff[2]):
+            self._handoff = None  # every member served: hold no activation
+        return rows
+
+    # ---------------------------------------------------------------------- module plumbing
+
+    def _apply(self, fn, recurse=True):
+        """Device moves and dtype casts: the stacked buffers move once and keep their dtypes, every
+        layer's views are re-derived from them."""
+        self._buffers["weight"] = self._buffers["weight_scale_inv"] = None
+        self._handoff = None
+        try:
+            nn.Module._apply(self, keep_dtypes(fn, (self.stacked_weight, self.stacked_weight_scale_inv)), recurse)
+        finally:
+            self._tie_all()
+        return self
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, stacked with {len(self.members)} more ({sum(self.out_sizes)} rows)"
+
+
+class FP8StackMember(FP8Linear):
+    """A later projection of a stack (see :class:`FP8StackedLinear`): its weight and scale are
+    views of the first layer's stacked buffers. forward(x) returns the rows the first layer
+    computed for this same x, or runs its own GEMM (another input, or x changed in place)."""
+
+    def __init__(self, first: FP8StackedLinear, index: int):
+        super().__init__(first.in_features, first.out_sizes[index], False, first.recipe, first.bias_dtype,
+                         device="meta")
+        self.index = index
+        # Not a child module (the first layer is the parent's child already; the state dict
+        # holds each projection once): a reference only.
+        object.__setattr__(self, "first", first)
+        first._tie(self, index)
+
+    @classmethod
+    def from_linear(cls, linear, recipe="block", dtype=None):
+        raise TypeError(f"{cls.__name__} is a member of a stack: build the stack with FP8StackedLinear.stack([...])")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self.first.take(x, self.index)
+        if rows is not None:
+            return rows
+        return super().forward(x)
+
+    def _apply(self, fn, recurse=True):
+        """The views are the first layer's business: re-derived from its buffers wherever they are
+        now (if the first layer moves later, it re-ties this one again)."""
+        self._buffers["weight"] = self._buffers["weight_scale_inv"] = None
+        try:
+            nn.Module._apply(self, fn, recurse)
+        finally:
+            self.first._tie(self, self.index)
+        return self
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, member {self.index} of a stack"
+
+
+def _retie_after_load(parent: nn.Module, incompatible_keys, names: tuple[str, ...] = QKV) -> None:
+    """After the parent's ``load_state_dict``: loads that copied into the views changed the
+    stacked buffers already; ones that replaced the tensors (``assign=True``) did not, so the
+    stacked buffers are rebuilt from the layers' tensors."""
+    first = getattr(parent, names[0])
+    if not isinstance(first, FP8StackedLinear) or first.tied():
+        return
+    layers = (first, *first.members)
+    first.stacked_weight = torch.cat([layer.weight for layer in layers])
+    first.stacked_weight_scale_inv = torch.cat([layer.weight_scale_inv for layer in layers]).float()
+    first._tie_all()
+
+
+def fuse_stacked_projections(model: nn.Module, skip=(), quantize: bool = True, recipe: str = "block",
+                             names: tuple[str, ...] = QKV) -> nn.Module:
+    """Replace (in place) the projections ``names`` of every module of ``model`` that
+    :func:`stack_reason` accepts and none of whose projections' names match ``skip`` with
+    stacked FP8 layers, and return the model. recipe: how nn.Linear projections are quantized
+    (FP8Linear ones keep theirs). quantize: False stacks only modules whose projections are all
+    FP8Linear already (a loaded FP8 checkpoint)."""
+    from .convert import matches
+
+    for name, parent in list(model.named_modules()):
+        if stack_reason(parent, recipe, names) is not None:
+            continue
+        layers = [getattr(parent, n) for n in names]
+        fp8 = [layer for layer in layers if type(layer) is FP8Linear]
+        if (not quantize and len(fp8) < len(layers)) or any(matches(f"{name}.{n}" if name else n, skip)
+                                                            for n in names):
+            continue
+        layer_recipe = fp8[0].recipe if fp8 else recipe
+        for n, layer in zip(names, FP8StackedLinear.stack(layers, layer_recipe)):
+            setattr(parent, n, layer)
+        parent.register_load_state_dict_post_hook(functools.partial(_retie_after_load, names=names))
+    return model
