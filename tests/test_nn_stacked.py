@@ -57,12 +57,16 @@ def count_own_gemms(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("recipe", ["block", "row"])
+@pytest.mark.parametrize("recipe,bias", [("block", False), ("row", False), ("block", True)])
 @pytest.mark.parametrize("lead", [(1,), (17,), (2, 9)])
-def test_stack_matches_emulation_with_one_gemm(recipe, lead, seeded, count_own_gemms):
+def test_stack_matches_emulation_with_one_gemm(recipe, bias, lead, seeded, count_own_gemms):
     """One stacked GEMM serves all three projections; each output matches the float64 emulation
-    of its own layer, and the separately converted layers' outputs."""
-    module = Attention()
+    of its own layer (bias included: Qwen2's q/k/v have one), and the separately converted
+    layers' outputs."""
+    module = Attention(bias=bias)
+    if bias:
+        for layer in (module.q_proj, module.k_proj, module.v_proj):
+            torch.nn.init.normal_(layer.bias)
     single = tnn.convert(copy.deepcopy(module), recipe=recipe, skip=())
     fused = stacked(module, recipe)
     assert [type(fused.q_proj), type(fused.k_proj), type(fused.v_proj)] == [FP8StackedLinear, FP8StackMember,
@@ -101,20 +105,27 @@ def test_members_compute_their_own_for_other_inputs(seeded, count_own_gemms):
         assert len(count_own_gemms) == 6
 
 
-def test_moves_casts_and_state_dict_loads_keep_the_views(seeded):
-    fused = stacked(Attention())
+@pytest.mark.parametrize("bias", [False, True])
+def test_moves_casts_and_state_dict_loads_keep_the_views(bias, seeded):
+    fused = stacked(Attention(bias=bias))
     first = fused.q_proj
     fused.half().to(torch.float32)
     assert first.stacked_weight.dtype == torch.float8_e4m3fn and first.tied()
     assert fused.k_proj.weight.dtype == torch.float8_e4m3fn and fused.k_proj.weight_scale_inv.dtype == torch.float32
+    if bias:  # the biases are cast with the model, still views of the stacked bias
+        assert first.stacked_bias.dtype == torch.float32 and fused.v_proj.bias.dtype == torch.float32
+        fused.to(HALF)
     # Loading the layers converted one by one writes through the views into the stacked buffers.
-    single = tnn.convert(Attention(), skip=())
+    single = tnn.convert(Attention(bias=bias), skip=())
     fused.load_state_dict(single.state_dict())
     assert first.tied()
     assert fp8_equal(first.stacked_weight, torch.cat([single.q_proj.weight, single.k_proj.weight,
                                                      single.v_proj.weight]))
     # assign=True replaces the tensors: the parent's hook rebuilds the stack from them.
-    other = tnn.convert(Attention(), skip=())
+    if bias:
+        assert torch.equal(first.stacked_bias, torch.cat([single.q_proj.bias, single.k_proj.bias,
+                                                          single.v_proj.bias]))
+    other = tnn.convert(Attention(bias=bias), skip=())
     fused.load_state_dict(other.state_dict(), assign=True)
     assert first.tied() and fp8_equal(fused.v_proj.weight, other.v_proj.weight)
     assert set(fused.state_dict()) == set(single.state_dict())
@@ -128,11 +139,14 @@ def test_refusals():
     assert calls_on_one_input(Attention) and not calls_on_one_input(ValueFirst)
     assert not calls_on_one_input(Reassigned)
     assert "in order on one input" in stack_reason(ValueFirst())
-    assert "has a bias" in stack_reason(Attention(bias=True))
+    assert stack_reason(Attention(bias=True)) is None
+    mixed = Attention()
+    mixed.k_proj = torch.nn.Linear(256, 128, dtype=HALF, device=DEVICE)
+    assert "biases differ" in stack_reason(mixed)
     assert "multiples of 128" in stack_reason(Attention(kv=64))
     assert stack_reason(Attention(kv=64), recipe="row") is None
     assert "only 'block' and 'row'" in stack_reason(Attention(), recipe="tensor")
-    for module in (ValueFirst(), Attention(bias=True), Attention(kv=64)):
+    for module in (ValueFirst(), mixed, Attention(kv=64)):
         converted = stacked(module)  # converted one by one instead
         assert type(converted.k_proj) is tnn.FP8Linear
     with pytest.raises(ValueError, match="fuse_qkv=True needs recipe='block' or 'row'"):
@@ -215,3 +229,31 @@ def test_gpu_llama_stacked_graphs_match_eager(seeded, monkeypatch):
             for g, layer in zip(got, (single.q_proj, single.k_proj, single.v_proj)):
                 assert rel_err(g, layer(h)) < 1e-2 and rel_err(g, emulate(layer, h)) < 1e-2
             ids = torch.cat([ids, eager[:, -1].argmax(-1, keepdim=True)], dim=1)
+
+
+def test_qwen2_biased_projections_stack_and_round_trip(tmp_path, seeded):
+    """Qwen2's q/k/v carry biases: stacked with them (a stacked bias the GEMM adds), each bias a
+    view saved under its HF name, checkpoints loading stacked or not."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+                                      max_position_embeddings=128)
+    torch.manual_seed(0)
+    base = transformers.Qwen2ForCausalLM(config).to(device=DEVICE, dtype=HALF).eval()
+    for layer in base.model.layers:
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            torch.nn.init.normal_(proj.bias, std=0.5)  # transformers initialises them to zero
+    model = tnn.convert(copy.deepcopy(base), fuse_qkv=True)
+    single = tnn.convert(base)
+    attn = model.model.layers[1].self_attn
+    assert type(attn.q_proj) is FP8StackedLinear and attn.q_proj.stacked_bias is not None
+    ids = torch.tensor([[1, 17, 42, 99, 7]], device=DEVICE)
+    with torch.no_grad():
+        want = single(ids).logits
+        assert rel_err(model(ids).logits, want) < 2e-2
+        tnn.save_fp8_checkpoint(model, tmp_path)
+        loaded = tnn.load_fp8_checkpoint(model.config, tmp_path, device=DEVICE, dtype=HALF, fuse_qkv=True)
+        state, saved = loaded.state_dict(), model.state_dict()
+        assert set(state) == set(saved) and all(fp8_equal(state[k], saved[k]) for k in saved)
+        assert loaded.model.layers[0].self_attn.q_proj.tied()
+        assert rel_err(loaded(ids).logits, want) < 2e-2

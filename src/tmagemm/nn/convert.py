@@ -57,8 +57,8 @@ def convert(model: nn.Module, recipe: str = "block", skip: Iterable[str] = DEFAU
     fuse_qkv: replace the q_proj, k_proj and v_proj of every module whose forward calls them in
     order on one input (transformers' attention modules) with stacked layers
     (:mod:`tmagemm.nn.stacked`): one quantization and one GEMM for the three, each projection
-    keeping its own state-dict names. "block" and "row" recipes; projections with a bias, or
-    (block) out_features not multiples of 128, are converted one by one.
+    keeping its own state-dict names. "block" and "row" recipes; projections with mixed biases,
+    or (block) out_features not multiples of 128, are converted one by one.
     """
     check_recipe(recipe)
     if isinstance(skip, str):

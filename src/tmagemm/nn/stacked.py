@@ -16,9 +16,9 @@ whether the module calls them as expected. :func:`fuse_stacked_projections` repl
 projections whose parent's forward calls them in order on one variable
 (:func:`calls_on_one_input`), where the stacked GEMM is always used.
 
-Checkpoint layout: each projection keeps its own ``weight`` and ``weight_scale_inv`` (the
-Hugging Face names), as views of the first layer's stacked buffers (not saved themselves), as
-:class:`~tmagemm.nn.FP8GatedMLP` does for gate/up.
+Checkpoint layout: each projection keeps its own ``weight``, ``weight_scale_inv`` and ``bias``
+(the Hugging Face names), as views of the first layer's stacked buffers (not saved themselves),
+as :class:`~tmagemm.nn.FP8GatedMLP` does for gate/up.
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def calls_on_one_input(cls: type, names: tuple[str, ...] = QKV) -> bool:
 def stack_reason(parent: nn.Module, recipe: str = "block", names: tuple[str, ...] = QKV) -> str | None:
     """None when the projections ``names`` of ``parent`` can be stacked, else why not: the parent's
     forward calls them in order on one input (:func:`calls_on_one_input`); each an nn.Linear or an
-    FP8Linear (exact types), none with a bias, one in_features, on one device; the recipe (the
+    FP8Linear (exact types), all with a bias of one dtype or none with one (Qwen2's q/k/v have
+    biases), one in_features, on one device; the recipe (the
     FP8Linear layers' one, else ``recipe``) "block" or "row"; for "block" every out_features a
     multiple of 128 (so the 128 x 128 weight scales stack)."""
     layers = [getattr(parent, name, None) for name in names]
@@ -82,8 +83,9 @@ def stack_reason(parent: nn.Module, recipe: str = "block", names: tuple[str, ...
     for layer, name in zip(layers, names):
         if type(layer) not in (nn.Linear, FP8Linear):
             return f"{name} is a {type(layer).__name__}, not an nn.Linear or FP8Linear"
-        if layer.bias is not None:
-            return f"{name} has a bias"
+    biases = {None if layer.bias is None else layer.bias.dtype for layer in layers}
+    if len(biases) > 1:
+        return f"biases differ: {[None if layer.bias is None else layer.bias.dtype for layer in layers]}"
     if not calls_on_one_input(type(parent), names):
         return f"{type(parent).__name__}.forward does not call {', '.join(names)} in order on one input"
     if len({layer.in_features for layer in layers}) > 1:
@@ -104,14 +106,15 @@ def stack_reason(parent: nn.Module, recipe: str = "block", names: tuple[str, ...
 class FP8StackedLinear(FP8Linear):
     """The first projection of a stack: ``y = x @ W.T`` with W its rows of the stacked weight.
 
-    Buffers ``stacked_weight`` (sum of out_features, K) e4m3 and ``stacked_weight_scale_inv`` (the
-    recipe's scales of the stacked weight) are what the GEMM reads (not saved); the layer's own
-    ``weight`` / ``weight_scale_inv`` and its members' are views of their rows. forward(x) runs one
+    Buffers ``stacked_weight`` (sum of out_features, K) e4m3, ``stacked_weight_scale_inv`` (the
+    recipe's scales of the stacked weight) and, with ``bias``, ``stacked_bias`` (of ``dtype``) are
+    what the GEMM reads (not saved); the layer's own ``weight`` / ``weight_scale_inv`` / ``bias``
+    and its members' are views of their rows. forward(x) runs one
     GEMM for the whole stack, returns this layer's rows and hands each member its rows for the
     same x. Build with :meth:`stack`.
     """
 
-    def __init__(self, in_features: int, out_features: tuple[int, ...], recipe: str = "block",
+    def __init__(self, in_features: int, out_features: tuple[int, ...], bias: bool = False, recipe: str = "block",
                  dtype: torch.dtype = torch.bfloat16, device=None):
         super().__init__(in_features, out_features[0], False, recipe, dtype, device="meta")
         if recipe not in RECIPES:
@@ -128,20 +131,25 @@ class FP8StackedLinear(FP8Linear):
                                                            device=device), persistent=False)
         self.register_buffer("stacked_weight_scale_inv", torch.ones(scale_rows, scale_cols, dtype=torch.float32,
                                                                     device=device), persistent=False)
+        self.register_buffer("stacked_bias", torch.zeros(total, dtype=dtype, device=device) if bias else None,
+                             persistent=False)
         self.members: list[FP8StackMember] = []  # a plain list: the members are the parent's children
         self._handoff = None  # (x, x._version, [rows per member]) of the last forward
         self._tie(self, 0)
 
     @classmethod
     def stack(cls, layers: list[nn.Module], recipe: str = "block") -> tuple[FP8StackedLinear, ...]:
-        """The stacked layers replacing ``layers`` (nn.Linear without bias, quantized per
-        ``recipe``, or FP8Linear of that recipe, copied bit for bit): the first layer, then one
-        member per further layer, on the first layer's device."""
+        """The stacked layers replacing ``layers`` (nn.Linear, quantized per ``recipe``, or
+        FP8Linear of that recipe, copied bit for bit; all with a bias of one dtype or none): the
+        first layer, then one member per further layer, on the first layer's device."""
         first = layers[0]
-        dtype = first.weight.dtype if first.weight.dtype in (torch.bfloat16, torch.float16, torch.float32) \
-            else torch.bfloat16
-        lead = cls(first.in_features, tuple(layer.out_features for layer in layers), recipe, dtype,
-                   first.weight.device)
+        if first.bias is not None:
+            dtype = first.bias.dtype
+        else:
+            dtype = first.weight.dtype if first.weight.dtype in (torch.bfloat16, torch.float16, torch.float32) \
+                else torch.bfloat16
+        lead = cls(first.in_features, tuple(layer.out_features for layer in layers), first.bias is not None,
+                   recipe, dtype, first.weight.device)
         with torch.no_grad():
             for index, layer in enumerate(layers):
                 if type(layer) is FP8Linear:
@@ -151,6 +159,8 @@ class FP8StackedLinear(FP8Linear):
                 rows, scale_rows = lead._rows(index)
                 lead.stacked_weight[rows].copy_(q)
                 lead.stacked_weight_scale_inv[scale_rows].copy_(scale)
+                if layer.bias is not None:
+                    lead.stacked_bias[rows].copy_(layer.bias)
         lead.members = [FP8StackMember(lead, index) for index in range(1, len(layers))]
         return (lead, *lead.members)
 
@@ -170,6 +180,8 @@ class FP8StackedLinear(FP8Linear):
         rows, scale_rows = self._rows(index)
         layer._buffers["weight"] = self.stacked_weight[rows]
         layer._buffers["weight_scale_inv"] = self.stacked_weight_scale_inv[scale_rows]
+        bias = self.stacked_bias
+        layer._parameters["bias"] = None if bias is None else nn.Parameter(bias[rows], requires_grad=False)
 
     def _tie_all(self) -> None:
         self._tie(self, 0)
@@ -181,8 +193,13 @@ class FP8StackedLinear(FP8Linear):
         layers = (self, *self.members)
         for index, layer in enumerate(layers):
             rows, scale_rows = self._rows(index)
-            for own, stacked in ((layer.weight, self.stacked_weight[rows]),
-                                 (layer.weight_scale_inv, self.stacked_weight_scale_inv[scale_rows])):
+            pairs = [(layer.weight, self.stacked_weight[rows]),
+                     (layer.weight_scale_inv, self.stacked_weight_scale_inv[scale_rows])]
+            if self.stacked_bias is not None:
+                if layer.bias is None:
+                    return False
+                pairs.append((layer.bias, self.stacked_bias[rows]))
+            for own, stacked in pairs:
                 if own.device != stacked.device or own.data_ptr() != stacked.data_ptr() or own.shape != stacked.shape:
                     return False
         return True
@@ -199,7 +216,7 @@ class FP8StackedLinear(FP8Linear):
         recipe_a, recipe_b = SCALED_MM_RECIPES[self.recipe]
         ws = self.stacked_weight_scale_inv
         y = scaled_mm(xq, self.stacked_weight.t(), xs, ws.reshape(-1) if self.recipe == "row" else ws,
-                      out_dtype=x.dtype, scale_recipe_a=recipe_a, scale_recipe_b=recipe_b)
+                      bias=self.stacked_bias, out_dtype=x.dtype, scale_recipe_a=recipe_a, scale_recipe_b=recipe_b)
         parts = [part.reshape(*lead, n) for part, n in zip(y.split(self.out_sizes, dim=1), self.out_sizes)]
         # Eagerly the version counter tells an in-place change of x apart; torch.compile traces
         # functional graphs, where x cannot change between the calls.
@@ -224,9 +241,9 @@ class FP8StackedLinear(FP8Linear):
     # ---------------------------------------------------------------------- module plumbing
 
     def _apply(self, fn, recurse=True):
-        """Device moves and dtype casts: the stacked buffers move once and keep their dtypes, every
-        layer's views are re-derived from them."""
-        self._buffers["weight"] = self._buffers["weight_scale_inv"] = None
+        """Device moves and dtype casts: the stacked buffers move once (the fp8 weight and fp32
+        scales keep their dtypes, the bias is cast), every layer's views are re-derived from them."""
+        self._buffers["weight"] = self._buffers["weight_scale_inv"] = self._parameters["bias"] = None
         self._handoff = None
         try:
             nn.Module._apply(self, keep_dtypes(fn, (self.stacked_weight, self.stacked_weight_scale_inv)), recurse)
@@ -265,7 +282,7 @@ class FP8StackMember(FP8Linear):
     def _apply(self, fn, recurse=True):
         """The views are the first layer's business: re-derived from its buffers wherever they are
         now (if the first layer moves later, it re-ties this one again)."""
-        self._buffers["weight"] = self._buffers["weight_scale_inv"] = None
+        self._buffers["weight"] = self._buffers["weight_scale_inv"] = self._parameters["bias"] = None
         try:
             nn.Module._apply(self, fn, recurse)
         finally:
@@ -286,6 +303,8 @@ def _retie_after_load(parent: nn.Module, incompatible_keys, names: tuple[str, ..
     layers = (first, *first.members)
     first.stacked_weight = torch.cat([layer.weight for layer in layers])
     first.stacked_weight_scale_inv = torch.cat([layer.weight_scale_inv for layer in layers]).float()
+    if first.stacked_bias is not None:
+        first.stacked_bias = torch.cat([layer.bias.detach() for layer in layers]).to(first.stacked_bias.dtype)
     first._tie_all()
 
 

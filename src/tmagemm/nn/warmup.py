@@ -36,7 +36,8 @@ def _layers(model: nn.Module) -> dict[tuple, nn.Module]:
         layers.setdefault(key, m)
     for m in model.modules():
         if isinstance(m, FP8StackedLinear):  # its members are served by its stacked GEMM
-            layers.setdefault(("stack", m.in_features, m.out_sizes, m.recipe, m.weight.device), m)
+            bias = None if m.stacked_bias is None else m.stacked_bias.dtype
+            layers.setdefault(("stack", m.in_features, m.out_sizes, m.recipe, bias, m.weight.device), m)
         elif isinstance(m, FP8Linear) and not isinstance(m, FP8StackMember) and id(m) not in inside:
             bias = None if m.bias is None else m.bias.dtype
             layers.setdefault(("linear", m.in_features, m.out_features, m.recipe, bias, m.weight.device), m)
