@@ -257,3 +257,31 @@ def test_qwen2_biased_projections_stack_and_round_trip(tmp_path, seeded):
         assert set(state) == set(saved) and all(fp8_equal(state[k], saved[k]) for k in saved)
         assert loaded.model.layers[0].self_attn.q_proj.tied()
         assert rel_err(loaded(ids).logits, want) < 2e-2
+
+
+class ValueRegisteredFirst(Attention):
+    """Children registered v, k, q (so ``.to()`` reaches the members before the first layer)."""
+
+    def __init__(self):
+        torch.nn.Module.__init__(self)
+        self.v_proj = torch.nn.Linear(256, 128, bias=True, dtype=HALF, device=DEVICE)
+        self.k_proj = torch.nn.Linear(256, 128, bias=True, dtype=HALF, device=DEVICE)
+        self.q_proj = torch.nn.Linear(256, 256, bias=True, dtype=HALF, device=DEVICE)
+
+
+def test_casts_in_any_child_order_and_deepcopy(seeded):
+    fused = stacked(ValueRegisteredFirst())
+    assert type(fused.q_proj) is FP8StackedLinear
+    fused.float()
+    assert fused.q_proj.tied() and fused.v_proj.bias.dtype == torch.float32
+    twin = copy.deepcopy(fused)
+    assert twin.q_proj.tied() and twin.k_proj.first is twin.q_proj
+    assert twin.q_proj.stacked_weight.data_ptr() != fused.q_proj.stacked_weight.data_ptr()
+    with torch.no_grad():
+        twin.v_proj.bias.add_(1)  # writes through the view into the copy's stacked bias only
+    assert torch.equal(twin.q_proj.stacked_bias[-128:], fused.q_proj.stacked_bias[-128:] + 1)
+    x = torch.randn(3, 256, device=DEVICE, dtype=torch.float32)
+    with torch.no_grad():
+        (q, k, v), (q0, k0, v0) = twin(x), fused(x)
+    assert torch.equal(q, q0) and torch.equal(k, k0) and v.dtype == torch.float32
+    torch.testing.assert_close(v, v0 + 1, rtol=0, atol=1e-5)  # only the copy's v bias moved

@@ -180,8 +180,11 @@ class FP8StackedLinear(FP8Linear):
         rows, scale_rows = self._rows(index)
         layer._buffers["weight"] = self.stacked_weight[rows]
         layer._buffers["weight_scale_inv"] = self.stacked_weight_scale_inv[scale_rows]
-        bias = self.stacked_bias
-        layer._parameters["bias"] = None if bias is None else nn.Parameter(bias[rows], requires_grad=False)
+        if self.stacked_bias is not None:
+            # A buffer, not a Parameter: deepcopy clones a Parameter's data, but keeps a plain
+            # tensor a view of the copied stack (the state-dict key is "bias" either way).
+            layer._parameters.pop("bias", None)
+            layer._buffers["bias"] = self.stacked_bias[rows]
 
     def _tie_all(self) -> None:
         self._tie(self, 0)
@@ -243,7 +246,7 @@ class FP8StackedLinear(FP8Linear):
     def _apply(self, fn, recurse=True):
         """Device moves and dtype casts: the stacked buffers move once (the fp8 weight and fp32
         scales keep their dtypes, the bias is cast), every layer's views are re-derived from them."""
-        self._buffers["weight"] = self._buffers["weight_scale_inv"] = self._parameters["bias"] = None
+        _drop_views(self)
         self._handoff = None
         try:
             nn.Module._apply(self, keep_dtypes(fn, (self.stacked_weight, self.stacked_weight_scale_inv)), recurse)
@@ -282,7 +285,7 @@ class FP8StackMember(FP8Linear):
     def _apply(self, fn, recurse=True):
         """The views are the first layer's business: re-derived from its buffers wherever they are
         now (if the first layer moves later, it re-ties this one again)."""
-        self._buffers["weight"] = self._buffers["weight_scale_inv"] = self._parameters["bias"] = None
+        _drop_views(self)
         try:
             nn.Module._apply(self, fn, recurse)
         finally:
@@ -291,6 +294,13 @@ class FP8StackMember(FP8Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, member {self.index} of a stack"
+
+
+def _drop_views(layer: FP8Linear) -> None:
+    """Unset a stacked layer's views before ``Module._apply`` (they are re-derived after it)."""
+    for name in ("weight", "weight_scale_inv", "bias"):
+        if name in layer._buffers:
+            layer._buffers[name] = None
 
 
 def _retie_after_load(parent: nn.Module, incompatible_keys, names: tuple[str, ...] = QKV) -> None:
@@ -304,7 +314,7 @@ def _retie_after_load(parent: nn.Module, incompatible_keys, names: tuple[str, ..
     first.stacked_weight = torch.cat([layer.weight for layer in layers])
     first.stacked_weight_scale_inv = torch.cat([layer.weight_scale_inv for layer in layers]).float()
     if first.stacked_bias is not None:
-        first.stacked_bias = torch.cat([layer.bias.detach() for layer in layers]).to(first.stacked_bias.dtype)
+        first.stacked_bias = torch.cat([layer.bias for layer in layers]).to(first.stacked_bias.dtype)
     first._tie_all()
 
 
