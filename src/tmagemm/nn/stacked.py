@@ -109,9 +109,9 @@ class FP8StackedLinear(FP8Linear):
     Buffers ``stacked_weight`` (sum of out_features, K) e4m3, ``stacked_weight_scale_inv`` (the
     recipe's scales of the stacked weight) and, with ``bias``, ``stacked_bias`` (of ``dtype``) are
     what the GEMM reads (not saved); the layer's own ``weight`` / ``weight_scale_inv`` / ``bias``
-    and its members' are views of their rows. forward(x) runs one
-    GEMM for the whole stack, returns this layer's rows and hands each member its rows for the
-    same x. Build with :meth:`stack`.
+    and its members' are views of their rows. forward(x) runs one GEMM for the whole stack,
+    returns this layer's rows and hands each member its rows for the same x. Build with
+    :meth:`stack`.
     """
 
     def __init__(self, in_features: int, out_features: tuple[int, ...], bias: bool = False, recipe: str = "block",
@@ -192,7 +192,7 @@ class FP8StackedLinear(FP8Linear):
             self._tie(member, member.index)
 
     def tied(self) -> bool:
-        """Whether every layer's weight and scale are still views of the stacked buffers."""
+        """Whether every layer's weight, scale and bias are still views of the stacked buffers."""
         layers = (self, *self.members)
         for index, layer in enumerate(layers):
             rows, scale_rows = self._rows(index)
