@@ -15,8 +15,8 @@ from .checkpoint import (
 from .convert import convert
 from .linear import FP8Linear
 from .mlp import FP8GatedMLP
-from .stacked import FP8StackedLinear, FP8StackMember
 from .parallel import ColumnParallelFP8Linear, RowParallelFP8Linear, parallelize_linear
+from .stacked import FP8StackedLinear, FP8StackMember
 from .warmup import warmup
 
 __all__ = [

@@ -23,9 +23,9 @@ from torch import nn
 from .convert import high_precision_linears
 from .linear import FP8Linear
 from .mlp import fuse_gated_mlps
-from .stacked import fuse_stacked_projections
 from .parallel import ColumnParallelFP8Linear, RowParallelFP8Linear
 from .quantize import FP8, RECIPES, SCALE_BLOCK, weight_scale_shape
+from .stacked import fuse_stacked_projections
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
