@@ -145,22 +145,30 @@ class FP8Linear(nn.Module):
         """The checks of forward (shapes and dtypes only: static under torch.compile)."""
         check_input(x, self.in_features, type(self).__name__)
 
-    def quantized_mm(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x (..., K) quantized per the recipe, times the fp8 weight, plus ``bias``."""
+    def quantized_mm(self, x: torch.Tensor, bias: torch.Tensor | None, weight: torch.Tensor | None = None,
+                     weight_scale_inv: torch.Tensor | None = None) -> torch.Tensor:
+        """x (..., K) quantized per the recipe, times the fp8 weight, plus ``bias``: (..., N).
+        weight / weight_scale_inv: another (N, K) weight of this recipe and its scales (a stack
+        of layers sharing this input, :mod:`tmagemm.nn.stacked`) instead of the layer's own."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         xq, xs = torch.ops.tmagemm_nn.quantize_activation(x2, self.recipe)
-        return self.quantized_input_mm(xq, xs, bias, x.dtype).reshape(*lead, self.out_features)
+        y = self.quantized_input_mm(xq, xs, bias, x.dtype, weight, weight_scale_inv)
+        return y.reshape(*lead, y.shape[1])
 
     def quantized_input_mm(self, xq: torch.Tensor, xs: torch.Tensor, bias: torch.Tensor | None,
-                           out_dtype: torch.dtype) -> torch.Tensor:
+                           out_dtype: torch.dtype, weight: torch.Tensor | None = None,
+                           weight_scale_inv: torch.Tensor | None = None) -> torch.Tensor:
         """An input already quantized per the recipe (xq (M, K) e4m3 and its scale, e.g. the
-        fused gate/up kernel's output) times the fp8 weight, plus ``bias``: (M, N) of out_dtype."""
+        fused gate/up kernel's output) times the fp8 weight (the layer's, or ``weight`` with its
+        ``weight_scale_inv``), plus ``bias``: (M, N) of out_dtype."""
+        if weight is None:
+            weight, weight_scale_inv = self.weight, self.weight_scale_inv
         recipe_a, recipe_b = SCALED_MM_RECIPES[self.recipe]
-        ws = self.weight_scale_inv.reshape(-1) if self.recipe == "row" else self.weight_scale_inv
-        return scaled_mm(xq, self.weight.t(), xs, ws, bias=bias, out_dtype=out_dtype,
+        ws = weight_scale_inv.reshape(-1) if self.recipe == "row" else weight_scale_inv
+        return scaled_mm(xq, weight.t(), xs, ws, bias=bias, out_dtype=out_dtype,
                          scale_recipe_a=recipe_a, scale_recipe_b=recipe_b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -31,9 +31,8 @@ import textwrap
 import torch
 from torch import nn
 
-from ..api import scaled_mm
-from .linear import FP8Linear, keep_dtypes
-from .quantize import SCALE_BLOCK, SCALED_MM_RECIPES, quantize_weight
+from .linear import ACTIVATION_DTYPES, FP8Linear, keep_dtypes
+from .quantize import SCALE_BLOCK, quantize_weight
 
 # The projections stacked per attention module, in the order its forward calls them.
 QKV = ("q_proj", "k_proj", "v_proj")
@@ -93,7 +92,7 @@ def stack_reason(parent: nn.Module, recipe: str = "block", names: tuple[str, ...
     recipes = {layer.recipe for layer in layers if type(layer) is FP8Linear}
     if len(recipes) > 1:
         return f"the FP8Linear projections have several recipes ({sorted(recipes)})"
-    recipe = recipes.pop() if recipes else recipe
+    recipe = _stack_recipe(layers, recipe)
     if recipe not in RECIPES:
         return f"recipe {recipe!r}: only 'block' and 'row' weights stack (tensor-wise layers have a scale each)"
     if recipe == "block" and any(layer.out_features % SCALE_BLOCK for layer in layers):
@@ -101,6 +100,12 @@ def stack_reason(parent: nn.Module, recipe: str = "block", names: tuple[str, ...
     if len({layer.weight.device for layer in layers}) > 1:
         return "the projections are on several devices"
     return None
+
+
+def _stack_recipe(layers, recipe: str) -> str:
+    """The recipe of a stack: its FP8Linear layers' one, else ``recipe`` (nn.Linear layers are
+    quantized with it)."""
+    return next((layer.recipe for layer in layers if type(layer) is FP8Linear), recipe)
 
 
 class FP8StackedLinear(FP8Linear):
@@ -123,7 +128,7 @@ class FP8StackedLinear(FP8Linear):
         if recipe == "block" and any(n % SCALE_BLOCK for n in out_features):
             raise ValueError(f"{type(self).__name__}: out_features {out_features} must be multiples of {SCALE_BLOCK} "
                              "(each layer's rows cover whole 128 x 128 scale blocks)")
-        self.out_sizes, self.bias_dtype = tuple(out_features), dtype
+        self.out_sizes = tuple(out_features)
         total = sum(out_features)
         scale_rows = total // SCALE_BLOCK if recipe == "block" else total
         scale_cols = -(-in_features // SCALE_BLOCK) if recipe == "block" else 1
@@ -146,8 +151,7 @@ class FP8StackedLinear(FP8Linear):
         if first.bias is not None:
             dtype = first.bias.dtype
         else:
-            dtype = first.weight.dtype if first.weight.dtype in (torch.bfloat16, torch.float16, torch.float32) \
-                else torch.bfloat16
+            dtype = first.weight.dtype if first.weight.dtype in ACTIVATION_DTYPES else torch.bfloat16
         lead = cls(first.in_features, tuple(layer.out_features for layer in layers), first.bias is not None,
                    recipe, dtype, first.weight.device)
         with torch.no_grad():
@@ -211,16 +215,8 @@ class FP8StackedLinear(FP8Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.check_input(x)
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        xq, xs = torch.ops.tmagemm_nn.quantize_activation(x2, self.recipe)
-        recipe_a, recipe_b = SCALED_MM_RECIPES[self.recipe]
-        ws = self.stacked_weight_scale_inv
-        y = scaled_mm(xq, self.stacked_weight.t(), xs, ws.reshape(-1) if self.recipe == "row" else ws,
-                      bias=self.stacked_bias, out_dtype=x.dtype, scale_recipe_a=recipe_a, scale_recipe_b=recipe_b)
-        parts = [part.reshape(*lead, n) for part, n in zip(y.split(self.out_sizes, dim=1), self.out_sizes)]
+        y = self.quantized_mm(x, self.stacked_bias, self.stacked_weight, self.stacked_weight_scale_inv)
+        parts = y.split(self.out_sizes, dim=-1)
         # Eagerly the version counter tells an in-place change of x apart; torch.compile traces
         # functional graphs, where x cannot change between the calls.
         version = None if torch.compiler.is_compiling() else x._version
@@ -264,8 +260,8 @@ class FP8StackMember(FP8Linear):
     computed for this same x, or runs its own GEMM (another input, or x changed in place)."""
 
     def __init__(self, first: FP8StackedLinear, index: int):
-        super().__init__(first.in_features, first.out_sizes[index], False, first.recipe, first.bias_dtype,
-                         device="meta")
+        # No bias of its own (a biased stack ties a view of the stacked bias in): dtype unused.
+        super().__init__(first.in_features, first.out_sizes[index], False, first.recipe, device="meta")
         self.index = index
         # Not a child module (the first layer is the parent's child already; the state dict
         # holds each projection once): a reference only.
@@ -331,12 +327,11 @@ def fuse_stacked_projections(model: nn.Module, skip=(), quantize: bool = True, r
         if stack_reason(parent, recipe, names) is not None:
             continue
         layers = [getattr(parent, n) for n in names]
-        fp8 = [layer for layer in layers if type(layer) is FP8Linear]
-        if (not quantize and len(fp8) < len(layers)) or any(matches(f"{name}.{n}" if name else n, skip)
-                                                            for n in names):
+        if not quantize and any(type(layer) is not FP8Linear for layer in layers):
             continue
-        layer_recipe = fp8[0].recipe if fp8 else recipe
-        for n, layer in zip(names, FP8StackedLinear.stack(layers, layer_recipe)):
+        if any(matches(f"{name}.{n}" if name else n, skip) for n in names):
+            continue
+        for n, layer in zip(names, FP8StackedLinear.stack(layers, _stack_recipe(layers, recipe))):
             setattr(parent, n, layer)
         parent.register_load_state_dict_post_hook(functools.partial(_retie_after_load, names=names))
     return model

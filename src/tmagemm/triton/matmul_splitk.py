@@ -394,18 +394,19 @@ def build(args: GemmArgs, config: SplitKConfig | None = None) -> Plan:
     if config is not None and args.block_scaling is not None and (config.block_k != 128 or config.block_n > 128):
         raise ValueError(f"triton.splitk: block-scaled problems need block_k = 128 (one scale block per K step) "
                          f"and block_n <= 128 (a tile inside one 128-row weight block), got {config}")
+    forced = config is not None
     if config is None:
         sms = device.sms_of(args.out.device)
         if args.block_scaling is not None:
             config = choose_block_config(args.m, args.n, args.k, sms)
         else:
             config = choose_config(args.m, args.n, args.k, itemsize, sms)
-            if config.a_tma and tma.operand_reason(args.a, "a", True) is not None:
-                config = dataclasses.replace(config, a_tma=False)
-    elif config.a_tma:
-        reason = tma.operand_reason(args.a, "a", True)
-        if reason is not None:
+    reason = tma.operand_reason(args.a, "a", True) if config.a_tma else None
+    if reason is not None:
+        # The heuristic falls back to pointer loads; a forced config is refused.
+        if forced:
             raise ValueError(f"triton.splitk: config {config} loads a through TMA, but {reason}")
+        config = dataclasses.replace(config, a_tma=False)
     on_gpu = args.out.is_cuda
     if on_gpu:
         reason = config.gpu_reason(itemsize)
