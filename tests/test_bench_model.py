@@ -140,7 +140,7 @@ def test_variants_share_the_bf16_models_tensors():
     assert static_decode.step_weight_bytes(built["no-proj"]) == head
     fp8 = static_decode.step_weight_bytes(built["fp8-tmagemm"])
     assert proj // 2 + head < fp8 < proj // 2 + head + 4096  # + the 128x128 block scales
-    if model_variants.fused_available():  # gate/up and q/k/v views of stacked weights count once
+    if model_variants.fused_available("fp8-tmagemm-fused"):  # gate/up and q/k/v views of stacked weights count once
         fused = model_variants.build_variant("fp8-tmagemm-fused", m, built)
         mlp, twin = fused.model.layers[0].mlp, built["fp8-tmagemm"].model.layers[0]
         assert type(mlp).__name__ == "FP8GatedMLP" and fused.lm_head.weight is m.lm_head.weight
@@ -151,6 +151,14 @@ def test_variants_share_the_bf16_models_tensors():
         assert torch.equal(attn.v_proj.weight.view(torch.uint8), twin.self_attn.v_proj.weight.view(torch.uint8))
         assert torch.equal(mlp.gate_proj.weight.view(torch.uint8), twin.mlp.gate_proj.weight.view(torch.uint8))
         assert static_decode.step_weight_bytes(fused) == fp8
+    if model_variants.fused_available("fp8-tmagemm-fused-norms"):  # + each layer's two norms, linked
+        fused = model_variants.build_variant("fp8-tmagemm-fused-norms", m, built)
+        layer = fused.model.layers[1]
+        assert type(layer.input_layernorm) is tnn.FP8RMSNorm and type(layer.post_attention_layernorm) is tnn.FP8RMSNorm
+        assert layer.self_attn.q_proj.input_norm is layer.input_layernorm
+        assert layer.mlp.input_norm is layer.post_attention_layernorm
+        assert type(fused.model.norm) is not tnn.FP8RMSNorm  # the final norm feeds the bf16 lm_head
+        assert static_decode.step_weight_bytes(fused) == fp8  # the norms' weights, copied: as many bytes
 
 
 def test_fused_variant_follows_converts_signature(monkeypatch):
@@ -163,6 +171,9 @@ def test_fused_variant_follows_converts_signature(monkeypatch):
     def convert_with(model, recipe="block", skip=("lm_head",), fuse_gate_up=False, fuse_qkv=False):
         return model
 
+    def convert_all(model, recipe="block", skip=("lm_head",), fuse_gate_up=False, fuse_qkv=False, fuse_norms=False):
+        return model
+
     for older in (convert_without, convert_gate_up_only):
         monkeypatch.setattr(model_variants.tnn, "convert", older)
         assert "fp8-tmagemm-fused" not in model.default_variants()
@@ -170,7 +181,12 @@ def test_fused_variant_follows_converts_signature(monkeypatch):
             model.parse_variants(["bf16", "fp8-tmagemm-fused"])
     monkeypatch.setattr(model_variants.tnn, "convert", convert_with)
     assert "fp8-tmagemm-fused" in model.default_variants()
+    assert "fp8-tmagemm-fused-norms" not in model.default_variants()
+    with pytest.raises(ValueError, match="fused-norms needs .*fuse_qkv=True, fuse_norms=True"):
+        model.parse_variants(["bf16", "fp8-tmagemm-fused-norms"])
     assert model.parse_variants(["fp8-tmagemm-fused", "bf16"]) == ("bf16", "fp8-tmagemm-fused")
+    monkeypatch.setattr(model_variants.tnn, "convert", convert_all)
+    assert {"fp8-tmagemm-fused", "fp8-tmagemm-fused-norms"} <= set(model.default_variants())
 
 
 def test_check_linears_passes_and_catches_a_wrong_scale():
@@ -261,7 +277,7 @@ def test_eager_run_of_the_tiny_model_on_cpu(tmp_path, capsys):
         if not name.startswith("fp8-torch"):
             assert by[name]["status"] == "ok", by[name]
             assert by[name]["timing"] == "eager" and by[name]["step_us"] > 0 and by[name]["graph_equal"] is True
-    for name in ("fp8-tmagemm", "fp8-tmagemm-fused"):
+    for name in ("fp8-tmagemm", "fp8-tmagemm-fused", "fp8-tmagemm-fused-norms"):
         if name in by:
             ours = by[name]
             assert ours["gemm_max_rel_err"] <= ours["gemm_tolerance"] and ours["greedy_equal"] == 1.0, ours

@@ -105,8 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "--preset model: the model's depth (default its own, 32 for llama3-8b)")
     bench.add_argument("--variants", type=lambda s: [p for p in s.split(",") if p],
                        help="--preset model: comma-separated variants (default all: bf16, fp8-tmagemm, "
-                            "fp8-tmagemm-fused where tmagemm.nn.convert has fuse_gate_up, fp8-torch-block, "
-                            "fp8-tmagemm-row, fp8-torch-row, no-proj)")  # fmt: skip
+                            "fp8-tmagemm-fused and fp8-tmagemm-fused-norms where tmagemm.nn.convert has their "
+                            "flags, fp8-torch-block, fp8-tmagemm-row, fp8-torch-row, no-proj)")  # fmt: skip
     bench.add_argument("--context", type=int, default=None,
                        help="--preset model: tokens in the KV cache when the timed step runs (default 512)")
     bench.add_argument("--new-tokens", type=int, default=None,

@@ -10,6 +10,7 @@ sequence) and differ in their linear layers only:
 * ``bf16``: the model as built (nn.Linear, cuBLAS);
 * ``fp8-tmagemm``: ``tmagemm.nn.convert(copy, recipe="block")`` (lm_head kept bf16 by default);
 * ``fp8-tmagemm-fused``: ``convert(..., fuse_gate_up=True, fuse_qkv=True)``, where this tmagemm has it;
+* ``fp8-tmagemm-fused-norms``: the same plus ``fuse_norms=True`` (RMSNorms quantizing for the layers);
 * ``fp8-torch-block``: fp8-tmagemm's fp8 weights (shared, not copied) and activation quantizer,
   the GEMM on ``torch.nn.functional.scaled_mm`` (BlockWise1x128 x BlockWise128x128);
 * ``fp8-tmagemm-row`` / ``fp8-torch-row``: ``convert(copy, recipe="row")``, the GEMM on tmagemm /
@@ -39,7 +40,7 @@ from typing import Any, TextIO
 
 from . import graphed
 from .graphed import fmt, table
-from .model_variants import VARIANTS, build_variant, check_linears, fused_available, rel_err
+from .model_variants import FUSED_FLAGS, VARIANTS, build_variant, check_linears, fused_available, rel_err
 from .results import FAILED, OK, UNSUPPORTED, WRONG, BenchResult, error_text, geomean
 from .static_decode import SPECS
 
@@ -49,7 +50,7 @@ DEFAULT_BATCHES = (1, 2, 4, 8, 16)
 DEFAULT_CONTEXT = 512
 DEFAULT_NEW_TOKENS = 16
 DEFAULT_BUDGET_MS = 300.0
-TMAGEMM_VARIANTS = ("fp8-tmagemm", "fp8-tmagemm-fused", "fp8-tmagemm-row")
+TMAGEMM_VARIANTS = ("fp8-tmagemm", "fp8-tmagemm-fused", "fp8-tmagemm-fused-norms", "fp8-tmagemm-row")
 # Logits farther than this from the bf16 model's are wrong (independent logits give sqrt(2)).
 # fp8 rounding grows through a random model's depth: on the 32-layer Llama-3-8B shape (init std
 # 0.02, H100) every fp8 variant, PyTorch's cuBLAS ones included, lands 0.58-0.67 from bf16; the
@@ -62,7 +63,7 @@ HF_ROWS = 4  # sequences of the transformers reference
 
 
 def default_variants() -> tuple[str, ...]:
-    return tuple(v for v in VARIANTS if v != "fp8-tmagemm-fused" or fused_available())
+    return tuple(v for v in VARIANTS if v not in FUSED_FLAGS or fused_available(v))
 
 
 def parse_models(names: list[str] | None) -> tuple[str, ...]:
@@ -82,9 +83,10 @@ def parse_variants(names: list[str] | None) -> tuple[str, ...]:
     if unknown:
         raise ValueError(f"unknown variant {', '.join(unknown)} for --preset model; choose from "
                          f"{', '.join(VARIANTS)}")  # fmt: skip
-    if "fp8-tmagemm-fused" in names and not fused_available():
-        raise ValueError("variant fp8-tmagemm-fused needs tmagemm.nn.convert(..., fuse_gate_up=True, fuse_qkv=True), "
-                         "which this tmagemm does not have")
+    for name in names:
+        if name in FUSED_FLAGS and not fused_available(name):
+            flags = ", ".join(f"{flag}=True" for flag in FUSED_FLAGS[name])
+            raise ValueError(f"variant {name} needs tmagemm.nn.convert(..., {flags}), which this tmagemm does not have")
     return tuple(v for v in VARIANTS if v in names)  # the canonical order: bf16 first (the reference)
 
 
@@ -519,7 +521,7 @@ def _check_logits(rec: dict[str, Any], logits, reference, hf_logits) -> None:
 
 # Not fp8-torch-block: dynamo refuses to trace its F.scaled_mm call (torch 2.11, "Attempted to
 # call function marked as skipped").
-COMPILED_VARIANTS = ("bf16", "fp8-tmagemm", "fp8-tmagemm-fused")
+COMPILED_VARIANTS = ("bf16", "fp8-tmagemm", "fp8-tmagemm-fused", "fp8-tmagemm-fused-norms")
 
 
 def _compile_check(variants: dict[str, _Variant], spec_name: str, batch: int, config: ModelBenchConfig, prompts,

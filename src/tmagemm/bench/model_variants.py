@@ -30,6 +30,8 @@ VARIANTS = {
     "fp8-tmagemm-fused": "tmagemm.nn.convert(recipe='block', fuse_gate_up=True, fuse_qkv=True) of fp8-tmagemm's "
                          "layers: FP8GatedMLP (quantize, fused gate/up + SiLU*mul + quantize, down) and q/k/v "
                          "as one stacked GEMM",
+    "fp8-tmagemm-fused-norms": "fp8-tmagemm-fused plus fuse_norms=True: each decoder layer's two RMSNorms as "
+                               "FP8RMSNorm, quantizing their output for q/k/v and the MLP in the norm's kernel",
     "fp8-torch-block": "fp8-tmagemm's weights and activation quantizer; GEMM on torch.nn.functional.scaled_mm "
                        "(BlockWise1x128 x BlockWise128x128, cuBLAS)",
     "fp8-tmagemm-row": "tmagemm.nn.convert(recipe='row'): per-token x per-channel scales, tmagemm.scaled_mm",
@@ -39,10 +41,15 @@ VARIANTS = {
 }  # fmt: skip
 
 
-def fused_available() -> bool:
-    """Whether this tmagemm's ``tmagemm.nn.convert`` takes ``fuse_gate_up`` and ``fuse_qkv``."""
+# The convert flags each fused variant sets (a before/after run may import an older tmagemm).
+FUSED_FLAGS = {"fp8-tmagemm-fused": ("fuse_gate_up", "fuse_qkv"),
+               "fp8-tmagemm-fused-norms": ("fuse_gate_up", "fuse_qkv", "fuse_norms")}
+
+
+def fused_available(variant: str) -> bool:
+    """Whether this tmagemm's ``tmagemm.nn.convert`` takes every flag of fused ``variant``."""
     parameters = inspect.signature(tnn.convert).parameters
-    return "fuse_gate_up" in parameters and "fuse_qkv" in parameters
+    return all(flag in parameters for flag in FUSED_FLAGS[variant])
 
 
 # ------------------------------------------------------------------------ torch fp8 layers
@@ -148,10 +155,11 @@ def build_variant(name: str, model: nn.Module, built: dict[str, nn.Module]) -> n
         return quantized("block")
     if name == "fp8-tmagemm-row":
         return quantized("row")
-    if name == "fp8-tmagemm-fused":
+    if name in FUSED_FLAGS:
         # From fp8-tmagemm's layers: the same fp8 bits, o_proj and down_proj shared, gate/up and
-        # q/k/v copied once into the stacked buffers.
-        return tnn.convert(shared_copy(quantized("block")), recipe="block", fuse_gate_up=True, fuse_qkv=True)
+        # q/k/v copied once into the stacked buffers (fused norms: their weights copied).
+        flags = dict.fromkeys(FUSED_FLAGS[name], True)
+        return tnn.convert(shared_copy(quantized("block")), recipe="block", **flags)
     if name == "fp8-torch-block":
         return swapped(quantized("block"), FP8Linear, TorchBlockFP8Linear)
     if name == "fp8-torch-row":

@@ -1,8 +1,9 @@
 """FP8 linear layers for real models: ``FP8Linear`` (quantized weight, activations quantized on
 the fly, ``tmagemm.scaled_mm``), ``FP8GatedMLP`` (a gated SiLU MLP with its gate/up projection,
 SiLU-and-multiply and quantization fused), ``FP8StackedLinear`` (an attention's q/k/v
-projections as one GEMM), ``convert`` (swap a model's nn.Linear layers and, optionally, fuse its
-MLPs and attention projections), FP8 checkpoints in the Hugging Face layout, tensor-parallel shards, and
+projections as one GEMM), ``FP8RMSNorm`` (an RMSNorm that quantizes its output for the FP8 layers
+it feeds), ``convert`` (swap a model's nn.Linear layers and, optionally, fuse its MLPs, attention
+projections and norms), FP8 checkpoints in the Hugging Face layout, tensor-parallel shards, and
 ``warmup`` (compile and plan a converted model's kernels at start-up). docs/nn.md walks through
 them."""
 
@@ -15,6 +16,7 @@ from .checkpoint import (
 from .convert import convert
 from .linear import FP8Linear
 from .mlp import FP8GatedMLP
+from .norm import FP8RMSNorm
 from .parallel import ColumnParallelFP8Linear, RowParallelFP8Linear, parallelize_linear
 from .stacked import FP8StackedLinear, FP8StackMember
 from .warmup import warmup
@@ -23,6 +25,7 @@ __all__ = [
     "ColumnParallelFP8Linear",
     "FP8GatedMLP",
     "FP8Linear",
+    "FP8RMSNorm",
     "FP8StackMember",
     "FP8StackedLinear",
     "RowParallelFP8Linear",

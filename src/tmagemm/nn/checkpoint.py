@@ -25,6 +25,7 @@ from .linear import FP8Linear
 from .mlp import fuse_gated_mlps
 from .parallel import ColumnParallelFP8Linear, RowParallelFP8Linear
 from .quantize import FP8, RECIPES, SCALE_BLOCK, weight_scale_shape
+from .norm import fuse_norms as fuse_rms_norms
 from .stacked import fuse_stacked_projections
 
 CONFIG_NAME = "config.json"
@@ -186,7 +187,7 @@ def _build_model(config, device, dtype):
 
 
 def load_fp8_checkpoint(model_or_config, path, *, device=None, dtype=None, strict: bool = True,
-                        fuse_gate_up: bool = False, fuse_qkv: bool = False) -> nn.Module:
+                        fuse_gate_up: bool = False, fuse_qkv: bool = False, fuse_norms: bool = False) -> nn.Module:
     """Load the FP8 checkpoint directory ``path`` into a model and return it.
 
     model_or_config: a model (its nn.Linear layers that the checkpoint stores in fp8 become
@@ -202,6 +203,8 @@ def load_fp8_checkpoint(model_or_config, path, *, device=None, dtype=None, stric
     ``fuse_gate_up=True``) loads either way: the checkpoint's names are the same.
     fuse_qkv: likewise, attention q/k/v projections stored in fp8 become one stacked layer
     (:mod:`tmagemm.nn.stacked`, as ``convert(..., fuse_qkv=True)``) before the copy.
+    fuse_norms: then the RMSNorms feeding fp8 layers become :class:`~tmagemm.nn.FP8RMSNorm`
+    (as ``convert(..., fuse_norms=True)``; a block- or row-scaled checkpoint).
     """
     path = Path(path)
     read_quantization_config(path)  # refuse what cannot be loaded before building anything
@@ -226,6 +229,8 @@ def load_fp8_checkpoint(model_or_config, path, *, device=None, dtype=None, stric
         model = fuse_gated_mlps(model, quantize=False)
     if fuse_qkv:
         model = fuse_stacked_projections(model, quantize=False)
+    if fuse_norms:
+        model = fuse_rms_norms(model)
     _copy_tensors(model, where, path, strict)
     return model
 
@@ -284,9 +289,10 @@ def _copy_tensors(model: nn.Module, where: dict, path: Path, strict: bool) -> No
 
 
 def from_pretrained_fp8(path, *, device=None, dtype=None, strict: bool = True,
-                        fuse_gate_up: bool = False, fuse_qkv: bool = False) -> nn.Module:
+                        fuse_gate_up: bool = False, fuse_qkv: bool = False, fuse_norms: bool = False) -> nn.Module:
     """A transformers causal LM built from the ``config.json`` in ``path`` and loaded from its
-    FP8 checkpoint (see :func:`load_fp8_checkpoint`, also for ``fuse_gate_up`` and ``fuse_qkv``),
+    FP8 checkpoint (see :func:`load_fp8_checkpoint`, also for ``fuse_gate_up``, ``fuse_qkv`` and
+    ``fuse_norms``),
     in eval mode.
     Reads local files only."""
     try:
@@ -295,4 +301,4 @@ def from_pretrained_fp8(path, *, device=None, dtype=None, strict: bool = True,
         raise ImportError("from_pretrained_fp8 needs transformers (pip install transformers)") from exc
     config = AutoConfig.from_pretrained(str(path))
     return load_fp8_checkpoint(config, path, device=device, dtype=dtype, strict=strict,
-                               fuse_gate_up=fuse_gate_up, fuse_qkv=fuse_qkv).eval()
+                               fuse_gate_up=fuse_gate_up, fuse_qkv=fuse_qkv, fuse_norms=fuse_norms).eval()

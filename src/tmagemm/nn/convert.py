@@ -1,6 +1,7 @@
 """``convert``: swap a model's nn.Linear layers for FP8Linear in place, quantizing their weights (and,
 with ``fuse_gate_up``, its gated SiLU MLPs for FP8GatedMLP; with ``fuse_qkv``, its attention
-projections for one stacked GEMM)."""
+projections for one stacked GEMM; with ``fuse_norms``, the RMSNorms feeding them for FP8RMSNorm,
+which quantizes their input)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def aligned(linear: nn.Linear) -> bool:
 
 
 def convert(model: nn.Module, recipe: str = "block", skip: Iterable[str] = DEFAULT_SKIP,
-            fuse_gate_up: bool = False, fuse_qkv: bool = False) -> nn.Module:
+            fuse_gate_up: bool = False, fuse_qkv: bool = False, fuse_norms: bool = False) -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` (recursively, in place) with an
     :class:`FP8Linear` holding its quantized weight, and return the model.
 
@@ -59,16 +60,24 @@ def convert(model: nn.Module, recipe: str = "block", skip: Iterable[str] = DEFAU
     (:mod:`tmagemm.nn.stacked`): one quantization and one GEMM for the three, each projection
     keeping its own state-dict names. "block" and "row" recipes; projections with mixed biases,
     or (block) out_features not multiples of 128, are converted one by one.
+
+    fuse_norms: last, replace every RMSNorm whose output a module's forward passes straight to
+    converted layers (transformers' decoder layers: ``input_layernorm`` -> q/k/v,
+    ``post_attention_layernorm`` -> the MLP) with an :class:`FP8RMSNorm`, which quantizes its
+    output for them in the same kernel (:mod:`tmagemm.nn.norm`; "block" and "row" recipes; norms
+    matching ``skip`` are kept). The state dict is unchanged.
     """
     check_recipe(recipe)
     if isinstance(skip, str):
         skip = (skip,)
     skip = tuple(skip)
-    for flag, value in (("fuse_gate_up", fuse_gate_up), ("fuse_qkv", fuse_qkv)):
+    for flag, value in (("fuse_gate_up", fuse_gate_up), ("fuse_qkv", fuse_qkv), ("fuse_norms", fuse_norms)):
         if not isinstance(value, bool):
             raise TypeError(f"{flag} must be a bool, got {type(value).__name__}")
     if fuse_qkv and recipe == "tensor":
         raise ValueError("fuse_qkv=True needs recipe='block' or 'row' (tensor-wise layers have one scale each)")
+    if fuse_norms and recipe == "tensor":
+        raise ValueError("fuse_norms=True needs recipe='block' or 'row' (a tensor-wise scale needs every row's amax)")
     if fuse_gate_up:
         if recipe != "block":
             raise ValueError(f"fuse_gate_up=True needs recipe='block' (the fused kernel is block-scaled), got {recipe!r}")
@@ -95,6 +104,10 @@ def convert(model: nn.Module, recipe: str = "block", skip: Iterable[str] = DEFAU
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, converted[id(linear)])
+    if fuse_norms:
+        from .norm import fuse_norms as fuse
+
+        model = fuse(model, skip)
     return model
 
 

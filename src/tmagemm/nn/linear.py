@@ -42,6 +42,19 @@ def check_input(x, in_features: int, what: str) -> None:
                          f"in_features = {in_features}")
 
 
+def quantize_input(x: torch.Tensor, width: int, recipe: str, norm=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., width) as a 2-D fp8 activation and its scales per ``recipe``: what ``norm`` (the
+    :class:`~tmagemm.nn.FP8RMSNorm` feeding the layer, or None) computed for this very x, else
+    ``quantize_activation`` of it (bit for bit the same values either way)."""
+    handed = None if norm is None else norm.take(x)
+    if handed is not None:
+        return handed
+    x2 = x.reshape(-1, width)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return torch.ops.tmagemm_nn.quantize_activation(x2, recipe)
+
+
 def keep_dtypes(fn, tensors):
     """``fn`` of ``Module._apply`` that casts every floating tensor (``.half()``, ``.to(dtype)``)
     except ``tensors`` (fp8 weights, fp32 scales), which only follow device moves."""
@@ -82,7 +95,13 @@ class FP8Linear(nn.Module):
     Buffers ``weight`` (N, K) e4m3 and ``weight_scale_inv`` (fp32: (ceil(N/128), ceil(K/128))
     block, (N, 1) row, (1,) tensor) keep their dtypes through ``module.to(dtype)`` / ``.half()``;
     loading a state dict checks their dtypes instead of casting a high-precision weight.
+
+    ``input_norm``: the :class:`~tmagemm.nn.FP8RMSNorm` whose output this layer takes, if
+    ``tmagemm.nn.convert(..., fuse_norms=True)`` linked one (it then hands over that output's
+    quantization); None otherwise.
     """
+
+    input_norm = None  # set with object.__setattr__: a reference, not a child module
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, recipe: str = "block",
                  dtype: torch.dtype = torch.bfloat16, device=None):
@@ -150,13 +169,9 @@ class FP8Linear(nn.Module):
         """x (..., K) quantized per the recipe, times the fp8 weight, plus ``bias``: (..., N).
         weight / weight_scale_inv: another (N, K) weight of this recipe and its scales (a stack
         of layers sharing this input, :mod:`tmagemm.nn.stacked`) instead of the layer's own."""
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        xq, xs = torch.ops.tmagemm_nn.quantize_activation(x2, self.recipe)
+        xq, xs = quantize_input(x, self.in_features, self.recipe, self.input_norm)
         y = self.quantized_input_mm(xq, xs, bias, x.dtype, weight, weight_scale_inv)
-        return y.reshape(*lead, y.shape[1])
+        return y.reshape(*x.shape[:-1], y.shape[1])
 
     def quantized_input_mm(self, xq: torch.Tensor, xs: torch.Tensor, bias: torch.Tensor | None,
                            out_dtype: torch.dtype, weight: torch.Tensor | None = None,

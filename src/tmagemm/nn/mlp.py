@@ -29,7 +29,7 @@ from torch import nn
 
 from ..api import scaled_mm
 from ..gate_up import GROUP, gate_up_silu_quant
-from .linear import FP8Linear, check_features, check_input, keep_dtypes
+from .linear import FP8Linear, check_features, check_input, keep_dtypes, quantize_input
 from .quantize import FP8, quantize_weight
 
 # The forward this module replaces, as transformers writes it (LlamaMLP, MistralMLP, Qwen2MLP,
@@ -127,7 +127,10 @@ class FP8GatedMLP(nn.Module):
 
     forward(x): x (..., H) bfloat16, float16 or float32 -> (..., H) of x's dtype; the checks and
     errors of FP8Linear. No host synchronisation; traces under torch.compile(fullgraph=True).
+    ``input_norm``: as FP8Linear's (the norm feeding the MLP, or None).
     """
+
+    input_norm = None  # set with object.__setattr__: a reference, not a child module
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
                  dtype: torch.dtype = torch.bfloat16, device=None):
@@ -198,12 +201,8 @@ class FP8GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_input(x, self.hidden_size, type(self).__name__)
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.hidden_size)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        xq, xs = torch.ops.tmagemm_nn.quantize_activation(x2, "block")
-        if x2.shape[0] <= FUSED_MAX_TOKENS:
+        xq, xs = quantize_input(x, self.hidden_size, "block", self.input_norm)
+        if xq.shape[0] <= FUSED_MAX_TOKENS:
             hq, hs = gate_up_silu_quant(xq, xs, self.gate_up_weight, self.gate_up_weight_scale_inv)
         else:
             # Past decode sizes the stacked gate/up GEMM, SiLU-and-multiply and a quantizer are
@@ -213,7 +212,7 @@ class FP8GatedMLP(nn.Module):
             g, u = gu.split(self.intermediate_size, dim=1)
             hq, hs = torch.ops.tmagemm_nn.quantize_activation(nn.functional.silu(g) * u, "block")
         y = self.down_proj.quantized_input_mm(hq, hs, self.down_proj.bias, x.dtype)
-        return y.reshape(*lead, self.hidden_size)
+        return y.reshape(*x.shape[:-1], self.hidden_size)
 
     # ---------------------------------------------------------------------- module plumbing
 

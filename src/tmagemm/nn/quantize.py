@@ -3,6 +3,8 @@
 Activations go through ``torch.ops.tmagemm_nn.quantize_activation``, an opaque custom op with a
 fake implementation, so torch.compile(fullgraph=True) traces the layer; it quantizes without the
 quantizers' Inf/NaN read-back (``check_finite=False``), so a forward pass never syncs the host.
+``torch.ops.tmagemm_nn.rms_norm_quantize_activation`` is the same for an RMSNorm's output,
+computed with the norm in one kernel (:mod:`tmagemm.nn.norm`).
 
 Recipes (the ``recipe`` of :class:`~tmagemm.nn.FP8Linear`):
 
@@ -21,6 +23,7 @@ import torch
 
 from .. import envs
 from ..quant import quantize_fp8
+from ..triton.norm_quantize import rms_norm_quantize
 from ..triton.quantize import SCALE_BLOCK, quantize_128x128
 
 RECIPES = ("block", "row", "tensor")
@@ -53,14 +56,18 @@ def activation_scale_shape(recipe: str, m: int, k: int) -> tuple[int, int]:
 # ------------------------------------------------------------------------------- activations
 
 
+def _check_device(x: torch.Tensor, what: str) -> None:
+    if x.device.type != "cuda" and not envs.interpret():
+        # The Triton kernels would fail with a launcher error; say what is wrong instead.
+        raise ValueError(f"{what} input is on {x.device}; tmagemm's FP8 layers need CUDA tensors on a Hopper "
+                         "GPU (CPU tensors run only under the Triton interpreter, TRITON_INTERPRET=1, for testing)")
+
+
 @torch.library.custom_op("tmagemm_nn::quantize_activation", mutates_args=())
 def quantize_activation(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x_fp8, scale)`` of a 2-D activation with a contiguous last dimension and K % 16 == 0
     (so x_fp8 is contiguous, as the fake implementation says)."""
-    if x.device.type != "cuda" and not envs.interpret():
-        # The Triton quantizer would fail with a launcher error; say what is wrong instead.
-        raise ValueError(f"FP8Linear input is on {x.device}; tmagemm's FP8 layers need CUDA tensors on a Hopper "
-                         "GPU (CPU tensors run only under the Triton interpreter, TRITON_INTERPRET=1, for testing)")
+    _check_device(x, "FP8Linear")
     # No Inf/NaN read-back per forward pass (a host sync on every layer): a non-finite activation
     # shows as an Inf scale in its group and propagates to the output, as in other engines.
     return quantize_fp8(x, "1x128" if recipe == "block" else recipe, check_finite=False)
@@ -70,6 +77,24 @@ def quantize_activation(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor, tor
 def _(x, recipe):
     m, k = x.shape
     return x.new_empty((m, k), dtype=FP8), x.new_empty(activation_scale_shape(recipe, m, k), dtype=torch.float32)
+
+
+@torch.library.custom_op("tmagemm_nn::rms_norm_quantize_activation", mutates_args=())
+def rms_norm_quantize_activation(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                                 recipe: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, y_fp8, scale)``: transformers' RMSNorm of a 2-D activation (contiguous last dimension,
+    K % 16 == 0) and y quantized per ``recipe`` ("block" or "row") exactly as
+    :func:`quantize_activation` would quantize it, in one kernel
+    (:func:`tmagemm.triton.norm_quantize.rms_norm_quantize`)."""
+    _check_device(x, "FP8RMSNorm")
+    return rms_norm_quantize(x, weight, eps, "1x128" if recipe == "block" else recipe)
+
+
+@rms_norm_quantize_activation.register_fake
+def _(x, weight, eps, recipe):
+    m, k = x.shape
+    return (x.new_empty((m, k), dtype=torch.promote_types(weight.dtype, x.dtype)), x.new_empty((m, k), dtype=FP8),
+            x.new_empty(activation_scale_shape(recipe, m, k), dtype=torch.float32))
 
 
 # ----------------------------------------------------------------------------------- weights

@@ -3,9 +3,10 @@ can run, so no request stalls on a compile (docs/nn.md, "Warm-up").
 
 ``tmagemm.warmup`` does this for bare GEMM shapes; a model's layers also run their activation
 quantizers (whose Triton launch specializes on the token count: one, a multiple of 16, other)
-and, with fused MLPs, ``gate_up_silu_quant``. Here each distinct layer (FP8Linear, FP8GatedMLP)
-runs its own forward once per token-count bucket (``tmagemm.startup.m_buckets``), so exactly the
-kernels, configs and plans of the model's calls are built.
+and, with fused MLPs, ``gate_up_silu_quant``; fused norms their norm-and-quantize kernel. Here each
+distinct layer (FP8Linear, FP8GatedMLP, a stack, FP8RMSNorm) runs its own computation once per
+token-count bucket (``tmagemm.startup.m_buckets``), so exactly the kernels, configs and plans of
+the model's calls are built.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ from torch import nn
 from ..startup import Summary, m_buckets
 from .linear import FP8Linear
 from .mlp import FP8GatedMLP
+from .norm import FP8RMSNorm
 from .stacked import FP8StackedLinear, FP8StackMember
 
 
 def _layers(model: nn.Module) -> dict[tuple, nn.Module]:
-    """One module per distinct call signature: FP8GatedMLPs, stacked projections, and FP8Linears
+    """One module per distinct call signature: FP8GatedMLPs, stacked projections, FP8Linears
     outside them (a fused MLP's gate/up children and a stack's members are not called on their
-    own)."""
+    own) and FP8RMSNorms."""
     fused = [m for m in model.modules() if isinstance(m, FP8GatedMLP)]
     inside = {id(child) for m in fused for child in (m.gate_proj, m.up_proj, m.down_proj)}
     layers: dict[tuple, nn.Module] = {}
@@ -41,7 +43,18 @@ def _layers(model: nn.Module) -> dict[tuple, nn.Module]:
         elif isinstance(m, FP8Linear) and not isinstance(m, FP8StackMember) and id(m) not in inside:
             bias = None if m.bias is None else m.bias.dtype
             layers.setdefault(("linear", m.in_features, m.out_features, m.recipe, bias, m.weight.device), m)
+    for m in model.modules():
+        if isinstance(m, FP8RMSNorm):
+            layers.setdefault(("norm", m.hidden_size, m.recipe, m.weight.dtype, m.weight.device), m)
     return layers
+
+
+def _run(layer: nn.Module, x: torch.Tensor) -> None:
+    if isinstance(layer, FP8RMSNorm):
+        # The norm's kernel without its forward, which would keep a hand-off for its layers.
+        torch.ops.tmagemm_nn.rms_norm_quantize_activation(x, layer.weight, layer.variance_epsilon, layer.recipe)
+    else:
+        layer(x)
 
 
 def warmup(model: nn.Module, *, dtype: torch.dtype = torch.bfloat16, max_tokens: int = 8192,
@@ -70,7 +83,7 @@ def warmup(model: nn.Module, *, dtype: torch.dtype = torch.bfloat16, max_tokens:
             inputs = torch.randn(values[-1], width, device=device).to(dtype)
             for m in values:
                 t0 = time.perf_counter()
-                layer(inputs[:m])
+                _run(layer, inputs[:m])
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 spent = time.perf_counter() - t0

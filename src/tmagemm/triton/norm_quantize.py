@@ -1,0 +1,118 @@
+"""RMSNorm and FP8 quantization in one kernel: the norm before a model's FP8 layers writes its
+output and that output's fp8 values and scales, so the layers need no quantizer of their own.
+
+The norm is transformers' (``LlamaRMSNorm``, Qwen2/3, Mistral, ...)::
+
+    normed = (x.float() * rsqrt(mean(x.float() ** 2) + eps)).to(x.dtype)
+    y = weight * normed                      # dtype: torch.promote_types(weight, x)
+
+and the quantization is the FP8 layers' own, of y as stored (``quantize_fp8(y, "1x128")`` or
+``"row"``): the same steps (:func:`tmagemm.triton.quantize.quantize_row_groups`) on the same
+values, so the fp8 output is bit for bit what the layers would have computed from y. One program
+normalizes one row: it holds the whole row in registers, so x is read once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import let_next_kernel_launch, wait_for_previous_kernel
+from .launch import pdl
+from .quantize import SCALE_BLOCK, fp8_grid, quantize_row_groups
+
+RECIPES = ("1x128", "row")
+# A program holds one row in registers: 32768 fp32 values are 64 per thread with 16 warps.
+MAX_HIDDEN = 32768
+_IN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _rms_norm_quantize_kernel(
+    x_ptr, w_ptr, y_ptr, q_ptr, s_ptr,
+    H, stride_x, stride_y, stride_q, stride_s, eps,
+    FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, F32_TINY: tl.constexpr,
+    BLOCK_H: tl.constexpr, PER_GROUP: tl.constexpr, PDL: tl.constexpr,
+):
+    """One program: row ``program_id(0)`` of x, BLOCK_H (a power of two, >= 128) columns wide."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    valid = cols < H
+    # The weight never comes from the kernel before: load it before waiting on that kernel.
+    w = tl.load(w_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+    wait_for_previous_kernel(PDL)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=valid, other=0.0)
+    let_next_kernel_launch(PDL)  # what is left is arithmetic and three small stores
+
+    # ---- the norm, rounded where transformers rounds: to x's dtype, then the product to y's
+    xf = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    y = (w * normed).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * stride_y + cols, y, mask=valid)
+
+    # ---- fp8 values and scales of y as stored: rows of GROUP columns, one scale each (padding
+    # columns are 0: they never raise an amax)
+    GROUP: tl.constexpr = 128 if PER_GROUP else BLOCK_H
+    q, scale = quantize_row_groups(tl.reshape(y.to(tl.float32), (BLOCK_H // GROUP, GROUP)),
+                                   FP8_MAX, MANT_BITS, MIN_EXP, F32_TINY, False)
+    group = tl.arange(0, BLOCK_H // GROUP)
+    tl.store(s_ptr + row * stride_s + group, scale, mask=group * GROUP < H)
+    tl.store(q_ptr + row * stride_q + cols, tl.reshape(q, (BLOCK_H,)).to(q_ptr.dtype.element_ty), mask=valid)
+
+
+def rms_norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float, recipe: str = "1x128",
+                      dtype: torch.dtype = torch.float8_e4m3fn):
+    """``(y, y_fp8, scale)``: transformers' RMSNorm of ``x`` (M, H) with ``weight`` (H,) and
+    ``eps``, and y quantized per ``recipe`` ("1x128": scale (M, ceil(H/128)); "row": (M, 1)), as
+    ``quantize_fp8(y, recipe)`` would, in one kernel.
+
+    x: float16/bfloat16/float32, 2-D, contiguous last dimension; weight: one of those dtypes,
+    on x's device; y has dtype ``torch.promote_types(weight.dtype, x.dtype)``. y_fp8's row stride
+    is H rounded up to 16 (as the quantizers'). No Inf/NaN check (a host sync): a row or group
+    holding one gets an infinite scale. TypeError / ValueError name the offending argument.
+    """
+    _check(x, weight, eps, recipe, dtype)
+    rows, h = x.shape
+    y = torch.empty(rows, h, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    q = torch.empty(rows, -(-h // 16) * 16, dtype=dtype, device=x.device)[:, :h]
+    per_group = recipe == "1x128"
+    scale = torch.empty(rows, -(-h // SCALE_BLOCK) if per_group else 1, dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return y, q, scale
+    block_h = max(SCALE_BLOCK, triton.next_power_of_2(h))
+    use_pdl = pdl(q)
+    _rms_norm_quantize_kernel[(rows,)](
+        x, weight, y, q, scale, h, x.stride(0), y.stride(0), q.stride(0), scale.stride(0), float(eps),
+        **fp8_grid(dtype), BLOCK_H=block_h, PER_GROUP=per_group, PDL=use_pdl,
+        # 8-32 fp32 values per thread for the rows of today's models (H = 2048-8192).
+        num_warps=min(16, max(4, block_h // 512)), **({"launch_pdl": True} if use_pdl else {}),
+    )
+    return y, q, scale
+
+
+def _check(x, weight, eps, recipe, dtype) -> None:
+    fn = "rms_norm_quantize"
+    for name, t in (("x", x), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _IN_DTYPES:
+            raise TypeError(f"{fn}: {name} must be float16/bfloat16/float32, got {t.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"{fn}: x must be 2-D (tokens, hidden), got shape {tuple(x.shape)}")
+    h = x.shape[1]
+    if weight.shape != (h,):
+        raise ValueError(f"{fn}: weight has shape {tuple(weight.shape)}; x {tuple(x.shape)} needs ({h},)")
+    if not 0 < h <= MAX_HIDDEN:
+        raise ValueError(f"{fn}: x's hidden size {h} must be in 1..{MAX_HIDDEN} (one row per program)")
+    if h > 1 and x.stride(1) != 1:
+        raise ValueError(f"{fn}: x {tuple(x.shape)} needs a contiguous last dimension (stride {tuple(x.stride())})")
+    if weight.device != x.device:
+        raise ValueError(f"{fn}: weight is on {weight.device}, x on {x.device}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"{fn}: eps must be a non-negative float, got {eps!r}")
+    if recipe not in RECIPES:
+        raise ValueError(f"{fn}: recipe must be one of {', '.join(repr(r) for r in RECIPES)}, got {recipe!r}")
+    if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(f"{fn}: dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
