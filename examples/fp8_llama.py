@@ -7,6 +7,7 @@ round trip is bit-exact, and generate greedily next to the unquantized model.
     python examples/fp8_llama.py --device cpu    # no GPU: float16 under the Triton interpreter
     python examples/fp8_llama.py --fuse-gate-up  # MLPs as tnn.FP8GatedMLP (fused gate/up kernel)
     python examples/fp8_llama.py --fuse-gate-up --fuse-qkv  # and attention q/k/v as one stacked GEMM
+    python examples/fp8_llama.py --fuse-gate-up --fuse-qkv --fuse-norms  # and norms quantizing for them
 
 On the CPU the script sets TRITON_INTERPRET=1 itself (before tmagemm is imported) and runs in
 float16; it takes seconds (each FP8 GEMM is interpreted). Needs transformers and safetensors.
@@ -34,11 +35,15 @@ def main() -> None:
                              "projection's input quantization in one kernel), converted and reloaded so")
     parser.add_argument("--fuse-qkv", action="store_true",
                         help="block or row recipe: each attention's q/k/v projections as one stacked GEMM")
+    parser.add_argument("--fuse-norms", action="store_true",
+                        help="block or row recipe: each decoder layer's RMSNorms as tnn.FP8RMSNorm, quantizing "
+                             "their output for the FP8 layers they feed in the norm's own kernel")
     args = parser.parse_args()
     if args.fuse_gate_up and args.recipe != "block":
         parser.error("--fuse-gate-up needs --recipe block")
-    if args.fuse_qkv and args.recipe == "tensor":
-        parser.error("--fuse-qkv needs --recipe block or row")
+    for flag, wanted in (("--fuse-qkv", args.fuse_qkv), ("--fuse-norms", args.fuse_norms)):
+        if wanted and args.recipe == "tensor":
+            parser.error(f"{flag} needs --recipe block or row")
     if args.device == "cpu":
         # Must be set before tmagemm (and its @triton.jit kernels) is imported.
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -55,20 +60,22 @@ def main() -> None:
     reference = LlamaForCausalLM(config).to(device=args.device, dtype=dtype).eval()
 
     # lm_head (vocab 1000) stays high precision
-    model = tnn.convert(copy.deepcopy(reference), args.recipe, fuse_gate_up=args.fuse_gate_up, fuse_qkv=args.fuse_qkv)
+    fusions = {"fuse_gate_up": args.fuse_gate_up, "fuse_qkv": args.fuse_qkv, "fuse_norms": args.fuse_norms}
+    model = tnn.convert(copy.deepcopy(reference), args.recipe, **fusions)
     fp8 = [name for name, m in model.named_modules() if isinstance(m, tnn.FP8Linear)]
     fused = [name for name, m in model.named_modules() if isinstance(m, tnn.FP8GatedMLP)]
     stacks = [name for name, m in model.named_modules() if isinstance(m, tnn.FP8StackedLinear)]
+    norms = [name for name, m in model.named_modules() if isinstance(m, tnn.FP8RMSNorm)]
     print(f"{args.device}, {dtype}: {len(fp8)} linear layers in FP8 ({args.recipe}), e.g. {fp8[0]}: "
           f"{model.get_submodule(fp8[0])}" + (f"; {len(fused)} fused MLPs, e.g. {fused[0]}" if fused else "")
-          + (f"; {len(stacks)} stacked q/k/v, e.g. {stacks[0]}" if stacks else ""))
+          + (f"; {len(stacks)} stacked q/k/v, e.g. {stacks[0]}" if stacks else "")
+          + (f"; {len(norms)} fused norms, e.g. {norms[0]}" if norms else ""))
 
     with tempfile.TemporaryDirectory() as tmp:
         path = tnn.save_fp8_checkpoint(model, args.save_dir or tmp)
         sizes = ", ".join(f"{f.name} {f.stat().st_size / 2**20:.2f} MiB" for f in sorted(Path(path).iterdir()))
         print(f"saved {path}: {sizes}")
-        loaded = tnn.from_pretrained_fp8(path, device=args.device, dtype=dtype, fuse_gate_up=args.fuse_gate_up,
-                                         fuse_qkv=args.fuse_qkv)
+        loaded = tnn.from_pretrained_fp8(path, device=args.device, dtype=dtype, **fusions)
     want, got = model.state_dict(), loaded.state_dict()
     same = want.keys() == got.keys() and all(
         torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)) if want[k].dtype == torch.float8_e4m3fn

@@ -13,8 +13,9 @@ pytest.importorskip("safetensors")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("flags", [[], ["--fuse-gate-up"], ["--fuse-gate-up", "--fuse-qkv"]],
-                         ids=["linears", "fused-mlp", "fused-mlp-stacked-qkv"])
+@pytest.mark.parametrize("flags", [[], ["--fuse-gate-up"], ["--fuse-gate-up", "--fuse-qkv"],
+                                   ["--fuse-gate-up", "--fuse-qkv", "--fuse-norms"]],
+                         ids=["linears", "fused-mlp", "fused-mlp-stacked-qkv", "every-fusion"])
 def test_fp8_llama_example_runs_on_cpu(flags):
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT / "src")}
     done = subprocess.run([sys.executable, str(ROOT / "examples" / "fp8_llama.py"), "--device", "cpu", "--tokens", "2",
@@ -23,6 +24,7 @@ def test_fp8_llama_example_runs_on_cpu(flags):
     assert "bit-exact round trip: True" in done.stdout, done.stdout
     assert ("fused MLPs" in done.stdout) == ("--fuse-gate-up" in flags), done.stdout
     assert ("stacked q/k/v" in done.stdout) == ("--fuse-qkv" in flags), done.stdout
+    assert ("fused norms" in done.stdout) == ("--fuse-norms" in flags), done.stdout
 
 
 def test_fused_mlp_flag_needs_the_block_recipe():
@@ -33,3 +35,6 @@ def test_fused_mlp_flag_needs_the_block_recipe():
     done = subprocess.run([sys.executable, str(ROOT / "examples" / "fp8_llama.py"), "--device", "cpu", "--recipe",
                            "tensor", "--fuse-qkv"], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 2 and "--fuse-qkv needs --recipe block or row" in done.stderr
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "fp8_llama.py"), "--device", "cpu", "--recipe",
+                           "tensor", "--fuse-norms"], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2 and "--fuse-norms needs --recipe block or row" in done.stderr

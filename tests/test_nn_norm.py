@@ -49,7 +49,8 @@ def test_kernel_matches_the_norm_and_the_layers_quantizer(rows, hidden, recipe, 
     step = ulp(torch.promote_types(w_dtype, x_dtype)) + ulp(x_dtype) + 16 * ulp(torch.float32)
     worst = ((y.cpu().double() - want.double()).abs() / want.double().abs().clamp_min(1e-30)).max().item()
     assert worst <= step, (worst, step)
-    exact = x.cpu().double() * torch.rsqrt(x.cpu().double().pow(2).mean(-1, keepdim=True) + 1e-5) * weight.cpu().double()
+    xd = x.cpu().double()
+    exact = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.cpu().double()
     assert rel_err(y, exact) < 2 * step
     q_want, s_want = quantize_fp8(y, recipe, check_finite=False)
     assert fp8_equal(q, q_want) and torch.equal(scale, s_want)
