@@ -713,20 +713,43 @@ def test_gpu_gated_mlp_against_unfused(m, seeded):
     assert rel_err(y, y_ref) < 0.1
 
 
+def assert_graph_replays_match_eager(model, check=None, steps: int = 3) -> None:
+    """torch.compile(fullgraph=True) of a causal LM replayed as CUDA graphs (cudagraphs back end,
+    eager's kernels): over ``steps`` greedy steps its logits equal eager's bit for bit;
+    ``check(ids, eager_logits)`` adds a step's own assertions."""
+    torch.compiler.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="cudagraphs", dynamic=False)
+    ids = torch.tensor([[1, 17, 42, 99, 7, 3, 250, 11]], device="cuda")
+    with torch.no_grad():
+        for _ in range(steps):
+            eager = model(ids, use_cache=False).logits
+            assert torch.equal(compiled(ids, use_cache=False).logits.clone(), eager)
+            if check is not None:
+                check(ids, eager)
+            ids = torch.cat([ids, eager[:, -1].argmax(-1, keepdim=True)], dim=1)
+
+
+def traced(module, *inputs):
+    """(module(*inputs) compiled with torch.compile(fullgraph=True) through a back end that runs
+    the traced graphs as they are, the graphs' code)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with torch.no_grad():
+        out = torch.compile(module, fullgraph=True, backend=backend)(*inputs)
+    return out, "\n".join(gm.code for gm in graphs)
+
+
 @pytest.mark.gpu
 def test_gpu_compiled_fused_llama_matches_eager(seeded, monkeypatch):
     """torch.compile(fullgraph=True) of a Llama with fused MLPs, replayed as CUDA graphs
     (cudagraphs back end, eager's kernels): logits bit-identical to eager."""
-    torch.compiler.reset()
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 16)
-    model = tnn.convert(tiny_llama(layers=2, hidden=256, intermediate=512, vocab=1000), fuse_gate_up=True)
-    compiled = torch.compile(model, fullgraph=True, backend="cudagraphs", dynamic=False)
-    ids = torch.tensor([[1, 17, 42, 99, 7, 3, 250, 11]], device="cuda")
-    with torch.no_grad():
-        for _ in range(3):
-            eager = model(ids, use_cache=False).logits
-            assert torch.equal(compiled(ids, use_cache=False).logits.clone(), eager)
-            ids = torch.cat([ids, eager[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert_graph_replays_match_eager(tnn.convert(tiny_llama(layers=2, hidden=256, intermediate=512, vocab=1000),
+                                                 fuse_gate_up=True))
 
 
 # ------------------------------------------------------------------------ warm-up

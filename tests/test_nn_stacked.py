@@ -10,7 +10,7 @@ import torch
 
 import tmagemm.nn as tnn
 import tmagemm.nn.linear as linear_module
-from test_nn import CUDA, DEVICE, HALF, emulate, fp8_equal, rel_err, tiny_llama
+from test_nn import CUDA, DEVICE, HALF, emulate, fp8_equal, rel_err, tiny_llama, traced
 from tmagemm.nn.stacked import FP8StackedLinear, FP8StackMember, calls_on_one_input, stack_reason
 from tmagemm.nn.warmup import _layers
 
@@ -163,19 +163,12 @@ def test_compile_traces_one_gemm_for_the_stack(seeded):
     """torch.compile(fullgraph=True): the traced graph holds one scaled_mm for q/k/v (the
     members' hand-off is resolved while tracing), and runs to the eager result."""
     fused = stacked(Attention())
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    compiled = torch.compile(fused, fullgraph=True, backend=backend)
     x = torch.randn(4, 256, device=DEVICE, dtype=HALF)
     with torch.no_grad():
         want = fused(x)
-        for got, w in zip(compiled(x), want):
-            assert torch.equal(got, w)
-    code = "\n".join(gm.code for gm in graphs)
+    out, code = traced(fused, x)
+    for got, w in zip(out, want):
+        assert torch.equal(got, w)
     assert code.count("tmagemm.scaled_mm") == 1, code
     assert fused.q_proj._handoff is None
 
