@@ -222,6 +222,39 @@ def test_graph_capture_on_second_gpu(how, monkeypatch, seeded):
             check(outs[1], *bf16, what=f"{how}: bf16 replay {replay}")
 
 
+@pytest.mark.parametrize("data,current", [(1, 0), (0, 1)], ids=["data1-current0", "data0-current1"])
+def test_quantizers_and_fp8_layers_on_the_other_gpu(data, current, seeded):
+    """The quantizers (row, 1x128, 128x128), the fused RMSNorm and an FP8 layer with their tensors
+    on one GPU and the other current: bit for bit what they give with their own GPU current."""
+    import copy
+
+    import tmagemm.nn as tnn
+    from tmagemm.triton.norm_quantize import rms_norm_quantize
+
+    x = torch.randn(17, 512, dtype=torch.bfloat16) * 3
+    norm_weight = torch.rand(512, dtype=torch.bfloat16) + 0.5
+    layer = tnn.FP8Linear.from_linear(torch.nn.Linear(512, 256, dtype=torch.bfloat16, device=f"cuda:{data}"))
+
+    def results():
+        xd = x.to(f"cuda:{data}")
+        out = [t for g in ("row", "1x128", "128x128") for t in tmagemm.quantize_fp8(xd, g)]
+        out += rms_norm_quantize(xd, norm_weight.to(f"cuda:{data}"), 1e-5)
+        out.append(layer(xd))
+        assert all(t.device == torch.device(f"cuda:{data}") for t in out)
+        return [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in out]
+
+    with torch.cuda.device(data):
+        want = results()
+    with torch.cuda.device(current):
+        got = results()
+        assert torch.cuda.current_device() == current
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    moved = copy.deepcopy(layer).to(f"cuda:{current}")  # and the layer's values are the same on the other GPU
+    with torch.cuda.device(data):
+        assert torch.equal(moved(x.to(f"cuda:{current}")).cpu(), want[-1].cpu())
+
+
 def test_cublas_still_works_on_both_gpus(seeded):
     """After tmagemm calls with the other GPU current (here and in the tests before: this one runs
     last), cuBLAS's bf16 GEMM and fp8 torch._scaled_mm still run and are right on each GPU: the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -32,6 +33,15 @@ def sms_of(dev: torch.device, cpu: int = H100_SMS) -> int:
     if dev.type != "cuda":
         return cpu
     return sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+def on_device(dev: torch.device):
+    """A context that makes ``dev`` the current CUDA device when it is not already: planning
+    compiles and loads kernels on the current device, and Triton launches on it (a pointer of
+    another GPU is refused there). A no-op for CPU tensors."""
+    if dev.type != "cuda" or dev.index is None or dev.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(dev.index)
 
 
 def is_hopper(device: torch.device) -> bool:

@@ -30,7 +30,8 @@ from typing import NamedTuple
 import torch
 
 from .api import check_runtime_device
-from .plan import Plan, cached, cached_calls, on_device, remember, tensor_key
+from .device import on_device
+from .plan import Plan, cached, cached_calls, remember, tensor_key
 
 FP8 = torch.float8_e4m3fn
 GROUP = 128  # channels per 1x128 group of h = rows per 128x128 weight block = k-block depth

@@ -29,7 +29,8 @@ import torch
 
 from . import tma
 from .api import check_runtime_device, parse_recipe, pick_recipe
-from .plan import Plan, cached, cached_calls, on_device, remember, tensor_key
+from .device import on_device
+from .plan import Plan, cached, cached_calls, remember, tensor_key
 
 _HALF = (torch.bfloat16, torch.float16)
 _OUT = (torch.bfloat16, torch.float16, torch.float32)

@@ -15,7 +15,6 @@ Backend modules are imported lazily: importing ``tmagemm`` compiles and probes n
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import functools
 import importlib
@@ -404,19 +403,11 @@ def choose(args: GemmArgs, backend: str = "auto") -> Variant:
     )
 
 
-def on_device(dev: torch.device):
-    """A context that makes ``dev`` the current CUDA device when it is not already (planning
-    compiles and loads kernels on the current device); a no-op for CPU tensors."""
-    if dev.type != "cuda" or dev.index is None or dev.index == torch.cuda.current_device():
-        return contextlib.nullcontext()
-    return torch.cuda.device(dev.index)
-
-
 def build(args: GemmArgs, backend: str = "auto", variant: str | None = None, config: Any = None) -> Plan:
     """A plan for ``args``: the ``variant`` named, or the one :func:`choose` picks for ``backend``.
     Not cached (the public API caches through :func:`cached`); compiles what it needs on the
     operands' device."""
-    with on_device(args.out.device):
+    with device.on_device(args.out.device):
         chosen = get(variant) if variant is not None else choose(args, backend)
         return chosen.build(args, config)
 

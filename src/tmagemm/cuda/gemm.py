@@ -39,7 +39,7 @@ import torch
 from .. import device as _device
 from .. import envs, tma
 from ..jit.runtime import stream_getter
-from ..plan import GemmArgs, Plan, Scaling, Variant, on_device
+from ..plan import GemmArgs, Plan, Scaling, Variant
 from ..tma import MapsByAddress, params_for_tensor
 
 _AB_TYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
@@ -424,7 +424,7 @@ def run(
     c: (M, N) row-major in the output dtype (needed when beta != 0; may alias ``out``, since each
     element of c is read before the tile holding it is written).
     """
-    with on_device(args.out.device):
+    with _device.on_device(args.out.device):
         _Launch(args, config or NATIVE_CONFIGS["cuda.warp_specialized"], alpha, beta, c).operands(*args.operands, c)
 
 

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..device import on_device
 from .common import let_next_kernel_launch, wait_for_previous_kernel
 from .launch import pdl
 from .quantize import SCALE_BLOCK, fp8_grid, quantize_row_groups
@@ -83,12 +84,13 @@ def rms_norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float, recipe:
         return y, q, scale
     block_h = max(SCALE_BLOCK, triton.next_power_of_2(h))
     use_pdl = pdl(q)
-    _rms_norm_quantize_kernel[(rows,)](
-        x, weight, y, q, scale, h, x.stride(0), y.stride(0), q.stride(0), scale.stride(0), float(eps),
-        **fp8_grid(dtype), BLOCK_H=block_h, PER_GROUP=per_group, PDL=use_pdl,
-        # 8-32 fp32 values per thread for the rows of today's models (H = 2048-8192).
-        num_warps=min(16, max(4, block_h // 512)), **({"launch_pdl": True} if use_pdl else {}),
-    )
+    with on_device(x.device):  # Triton launches on the current GPU: make it x's
+        _rms_norm_quantize_kernel[(rows,)](
+            x, weight, y, q, scale, h, x.stride(0), y.stride(0), q.stride(0), scale.stride(0), float(eps),
+            **fp8_grid(dtype), BLOCK_H=block_h, PER_GROUP=per_group, PDL=use_pdl,
+            # 8-32 fp32 values per thread for the rows of today's models (H = 2048-8192).
+            num_warps=min(16, max(4, block_h // 512)), **({"launch_pdl": True} if use_pdl else {}),
+        )
     return y, q, scale
 
 

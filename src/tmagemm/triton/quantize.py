@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..device import on_device
 from .common import let_next_kernel_launch, wait_for_previous_kernel
 from .launch import pdl
 
@@ -197,10 +198,11 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn):
     # 1024-wide steps); the interpreter runs each program as numpy calls: fewer, larger ones.
     block_r = 1 if x.is_cuda else 16
     use_pdl = pdl(q)
-    _row_quantize_kernel[(triton.cdiv(rows, block_r),)](
-        x, q, scale, rows, k, x.stride(0), q.stride(0), **fp8_grid(dtype), BLOCK_R=block_r, BLOCK_K=1024,
-        PDL=use_pdl, num_warps=4, **({"launch_pdl": True} if use_pdl else {}),
-    )
+    with on_device(x.device):  # Triton launches on the current GPU: make it x's
+        _row_quantize_kernel[(triton.cdiv(rows, block_r),)](
+            x, q, scale, rows, k, x.stride(0), q.stride(0), **fp8_grid(dtype), BLOCK_R=block_r, BLOCK_K=1024,
+            PDL=use_pdl, num_warps=4, **({"launch_pdl": True} if use_pdl else {}),
+        )
     return q, scale
 
 
@@ -235,13 +237,15 @@ def _quantize(x, dtype, pow2_scale, per_row: bool, fn: str, name: str, check_fin
         return q, scale
     grid = (triton.cdiv(rows, block_r), kb)
     use_pdl = pdl(q)
-    _block_quantize_kernel[grid](
-        x, q, scale, rows, k, x.stride(0), q.stride(0), scale.stride(0),
-        **fp8_grid(dtype), BLOCK_R=block_r, BLOCK_K=SCALE_BLOCK, PER_ROW=per_row, POW2=bool(pow2_scale), PDL=use_pdl,
-        # 4 warps hold a 16x128 tile in 16 fp32 registers per thread; the 128x128 weight tile
-        # is spread over 16 warps (32 per thread: 1.35-1.47 TB/s against 1.1-1.2 with 8).
-        num_warps=4 if per_row else 16, **({"launch_pdl": True} if use_pdl else {}),
-    )
+    with on_device(x.device):  # Triton launches on the current GPU: make it x's
+        _block_quantize_kernel[grid](
+            x, q, scale, rows, k, x.stride(0), q.stride(0), scale.stride(0),
+            **fp8_grid(dtype), BLOCK_R=block_r, BLOCK_K=SCALE_BLOCK, PER_ROW=per_row, POW2=bool(pow2_scale),
+            PDL=use_pdl,
+            # 4 warps hold a 16x128 tile in 16 fp32 registers per thread; the 128x128 weight tile
+            # is spread over 16 warps (32 per thread: 1.35-1.47 TB/s against 1.1-1.2 with 8).
+            num_warps=4 if per_row else 16, **({"launch_pdl": True} if use_pdl else {}),
+        )
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     if check_finite and not capturing and not bool(torch.isfinite(scale).all()):
         raise ValueError(_non_finite_message(x, scale, per_row, fn, name))
