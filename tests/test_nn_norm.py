@@ -144,7 +144,7 @@ def count_quantizers(monkeypatch):
 
 @pytest.mark.parametrize("fusions", [{}, {"fuse_qkv": True}, {"fuse_qkv": True, "fuse_gate_up": True}])
 @pytest.mark.parametrize("recipe", ["block", "row"])
-@pytest.mark.parametrize("lead", [(1,), (17,), (2, 9)])
+@pytest.mark.parametrize("lead", [(1,), (17,), (2, 9), (0,)])
 def test_linked_layers_take_the_norms_quantization(lead, recipe, fusions, seeded, count_quantizers):
     """Both norms become FP8RMSNorm linked to what they feed; the layers quantize nothing
     themselves (unfused MLP: only down_proj's input), and the block gives the layers-converted
