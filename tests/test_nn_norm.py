@@ -246,6 +246,33 @@ def test_linking_rules_and_refusals(seeded):
         norm(torch.zeros(2, 128, device=DEVICE, dtype=HALF))
 
 
+# (config, model, extra config, norms fused in its 2 layers): Qwen3-MoE's MLP is a block of
+# experts (only the attention's norm feeds FP8 layers it links); Gemma2's norm is (1 + weight) in
+# float32 and OLMo2's its own formula, so theirs stay.
+FAMILIES = [("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 64}, 4),
+            ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+             {"head_dim": 64, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 256}, 2),
+            ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 64}, 0),
+            ("Olmo2Config", "Olmo2ForCausalLM", {"eos_token_id": 2, "pad_token_id": 0}, 0)]
+
+
+@pytest.mark.parametrize("config_name,model_name,extra,fused_norms", FAMILIES, ids=[f[1] for f in FAMILIES])
+def test_transformers_families(config_name, model_name, extra, fused_norms, seeded):
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, model_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
+    config = getattr(transformers, config_name)(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                                num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+                                                max_position_embeddings=128, **extra)
+    base = getattr(transformers, model_name)(config).to(device=DEVICE, dtype=HALF).eval()
+    plain = tnn.convert(copy.deepcopy(base), fuse_qkv=True)
+    fused = tnn.convert(base, fuse_qkv=True, fuse_norms=True)
+    assert sum(isinstance(m, FP8RMSNorm) for m in fused.modules()) == fused_norms
+    ids = torch.tensor([[1, 17, 42, 99, 7]], device=DEVICE)
+    with torch.no_grad():
+        assert rel_err(fused(ids).logits, plain(ids).logits) < 1e-2
+
+
 def test_compile_traces_no_quantizer_for_linked_layers(seeded):
     """torch.compile(fullgraph=True) of the block with every fusion: the graph holds the two norm
     kernels and no standalone quantizer (the hand-off is resolved while tracing), runs to the
