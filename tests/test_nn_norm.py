@@ -161,6 +161,8 @@ def test_linked_layers_take_the_norms_quantization(lead, recipe, fusions, seeded
     assert first.consumers == len(takers) == (1 if fusions.get("fuse_qkv") else 3)
     assert all(layer.input_norm is first for layer in takers)
     assert fused.state_dict().keys() == plain.state_dict().keys()
+    twin = copy.deepcopy(fused)  # links follow the copy (the model preset's variants are copies)
+    assert all(layer.input_norm is twin.input_layernorm for layer in quantizing_layers(twin.attn))
     x = torch.randn(*lead, 256, device=DEVICE, dtype=HALF) * 2
     with torch.no_grad():
         want = plain(x)
