@@ -171,10 +171,11 @@ def test_linked_layers_take_the_norms_quantization(lead, recipe, fusions, seeded
         h = first(x)
         same_norm = torch.equal(h, plain.input_layernorm(x))
     assert count_quantizers == ([] if fusions.get("fuse_gate_up") else [(x.numel() // 256, 256)])  # down_proj's h
-    assert first._handoff is not None  # the last call (h above) is held for its takers...
+    assert first.handoff.holding()  # the last call (h above) is held for its takers...
     with torch.no_grad():
         fused.attn(h)
-    assert first._handoff is None and second._handoff is None  # ...and released once they took it
+    # ...and released once they took it
+    assert not first.handoff.holding() and not second.handoff.holding()
     assert torch.equal(got, want) if same_norm else rel_err(got, want) < 1e-2
 
 
@@ -187,9 +188,9 @@ def test_other_inputs_and_in_place_changes_are_quantized_by_the_layer(seeded, co
         twin = h.clone()
         assert count_quantizers == []
         other = block.attn(twin)  # another tensor with the same values: quantized by the stack itself
-        assert len(count_quantizers) == 1 and norm._handoff is not None
+        assert len(count_quantizers) == 1 and norm.handoff.holding()
         handed = block.attn(h)
-        assert len(count_quantizers) == 1 and norm._handoff is None
+        assert len(count_quantizers) == 1 and not norm.handoff.holding()
         for a, b in zip(handed, other):
             assert torch.equal(a, b)  # the norm's quantization is the layer's, bit for bit
         h = norm(x)
@@ -287,7 +288,7 @@ def test_compile_traces_no_quantizer_for_linked_layers(seeded):
     assert torch.equal(out, want)
     assert code.count("tmagemm_nn.rms_norm_quantize_activation(") == 2, code
     assert "tmagemm_nn.quantize_activation(" not in code, code
-    assert block.input_layernorm._handoff is None and block.post_attention_layernorm._handoff is None
+    assert not any(norm.handoff.holding() for norm in (block.input_layernorm, block.post_attention_layernorm))
 
 
 def test_llama_checkpoint_loads_with_fused_norms_and_warms_them_up(tmp_path, seeded):
@@ -314,7 +315,7 @@ def test_llama_checkpoint_loads_with_fused_norms_and_warms_them_up(tmp_path, see
     assert keys == [("norm", 256, "block", HALF, layer.input_layernorm.weight.device)]
     summary = tnn.warmup(model, dtype=HALF, m_values=[1, 3], progress=False)
     assert summary.calls == 2 * len(_layers(model))
-    assert all(m._handoff is None for m in model.modules() if isinstance(m, FP8RMSNorm))
+    assert all(not m.handoff.holding() for m in model.modules() if isinstance(m, FP8RMSNorm))
 
 
 @pytest.mark.gpu

@@ -23,9 +23,9 @@ from torch import nn
 from .convert import high_precision_linears
 from .linear import FP8Linear
 from .mlp import fuse_gated_mlps
+from .norm import fuse_norms as fuse_rms_norms
 from .parallel import ColumnParallelFP8Linear, RowParallelFP8Linear
 from .quantize import FP8, RECIPES, SCALE_BLOCK, weight_scale_shape
-from .norm import fuse_norms as fuse_rms_norms
 from .stacked import fuse_stacked_projections
 
 CONFIG_NAME = "config.json"
@@ -292,9 +292,7 @@ def from_pretrained_fp8(path, *, device=None, dtype=None, strict: bool = True,
                         fuse_gate_up: bool = False, fuse_qkv: bool = False, fuse_norms: bool = False) -> nn.Module:
     """A transformers causal LM built from the ``config.json`` in ``path`` and loaded from its
     FP8 checkpoint (see :func:`load_fp8_checkpoint`, also for ``fuse_gate_up``, ``fuse_qkv`` and
-    ``fuse_norms``),
-    in eval mode.
-    Reads local files only."""
+    ``fuse_norms``), in eval mode. Reads local files only."""
     try:
         from transformers import AutoConfig
     except ImportError as exc:

@@ -46,7 +46,7 @@ def quantize_input(x: torch.Tensor, width: int, recipe: str, norm=None) -> tuple
     """x (..., width) as a 2-D fp8 activation and its scales per ``recipe``: what ``norm`` (the
     :class:`~tmagemm.nn.FP8RMSNorm` feeding the layer, or None) computed for this very x, else
     ``quantize_activation`` of it (bit for bit the same values either way)."""
-    handed = None if norm is None else norm.take(x)
+    handed = None if norm is None else norm.handoff.take(x)
     if handed is not None:
         return handed
     x2 = x.reshape(-1, width)

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import ast
 import functools
-import inspect
-import textwrap
 
 import torch
 from torch import nn
@@ -31,6 +29,7 @@ from ..api import scaled_mm
 from ..gate_up import GROUP, gate_up_silu_quant
 from .linear import FP8Linear, check_features, check_input, keep_dtypes, quantize_input
 from .quantize import FP8, quantize_weight
+from .source import forward_def, statements
 
 # The forward this module replaces, as transformers writes it (LlamaMLP, MistralMLP, Qwen2MLP,
 # Qwen3MLP and many more): ``return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))``,
@@ -48,14 +47,10 @@ _GATED = ast.dump(ast.parse("self.down_proj(self.act_fn(self.gate_proj(x)) * sel
 def has_gated_forward(cls: type) -> bool:
     """Whether ``cls.forward(self, x)`` computes exactly ``down_proj(act_fn(gate_proj(x)) *
     up_proj(x))`` and returns it (read from its source: nothing else may happen in it)."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
-    except (OSError, TypeError, SyntaxError):
-        return False
-    fn = tree.body[0] if tree.body and isinstance(tree.body[0], ast.FunctionDef) else None
+    fn = forward_def(cls)
     if fn is None or [a.arg for a in fn.args.args] != ["self", "x"] or fn.args.vararg or fn.args.kwarg:
         return False
-    body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]  # docstring
+    body = statements(fn)
     if len(body) == 1 and isinstance(body[0], ast.Return) and body[0].value is not None:
         return ast.dump(body[0].value) == _GATED
     if len(body) == 2 and isinstance(body[0], ast.Assign) and isinstance(body[1], ast.Return):

@@ -28,15 +28,15 @@ from __future__ import annotations
 
 import ast
 import functools
-import inspect
-import textwrap
 
 import torch
 from torch import nn
 
-from ..triton.norm_quantize import MAX_HIDDEN
+from ..triton.norm_quantize import MAX_HIDDEN, valid_eps
+from .handoff import Handoff
 from .linear import ACTIVATION_DTYPES, ALIGN, FP8Linear, check_input
 from .mlp import FP8GatedMLP
+from .source import forward_def, statements
 from .stacked import QKV, FP8StackedLinear, calls_on_one_input
 
 GATE_UP = ("gate_proj", "up_proj")
@@ -53,29 +53,20 @@ def forward(self, hidden_states):
 """
 
 
-def _body(fn: ast.FunctionDef) -> str:
-    """The statements of a function (its docstring left out), as one AST dump."""
-    body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-    return "\n".join(ast.dump(s) for s in body)
-
-
-def _forward_def(cls: type) -> ast.FunctionDef | None:
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
-    except (OSError, TypeError, SyntaxError):
-        return None
-    fn = tree.body[0] if tree.body else None
-    return fn if isinstance(fn, ast.FunctionDef) else None
-
-
 @functools.lru_cache(maxsize=None)
 def has_rms_norm_forward(cls: type) -> bool:
     """Whether ``cls.forward(self, hidden_states)`` is transformers' RMSNorm, statement for
     statement (read from its source; False where there is none)."""
-    fn = _forward_def(cls)
+    fn = forward_def(cls)
     want = ast.parse(_RMS_NORM).body[0]
     return (fn is not None and [a.arg for a in fn.args.args] == ["self", "hidden_states"]
-            and not fn.args.vararg and not fn.args.kwarg and _body(fn) == _body(want))
+            and not fn.args.vararg and not fn.args.kwarg
+            and [ast.dump(s) for s in statements(fn)] == [ast.dump(s) for s in statements(want)])
+
+
+def _valid_hidden(size) -> bool:
+    """A positive int, a multiple of 16 (the FP8 layers' rows), at most MAX_HIDDEN (one row per program)."""
+    return not isinstance(size, bool) and isinstance(size, int) and 0 < size <= MAX_HIDDEN and size % ALIGN == 0
 
 
 def rms_norm_reason(norm: nn.Module) -> str | None:
@@ -91,9 +82,9 @@ def rms_norm_reason(norm: nn.Module) -> str | None:
         return f"{type(norm).__name__} has no 1-D weight"
     if weight.dtype not in ACTIVATION_DTYPES:
         return f"its weight has dtype {weight.dtype}, not bfloat16, float16 or float32"
-    if weight.shape[0] % ALIGN or weight.shape[0] > MAX_HIDDEN:
+    if not _valid_hidden(weight.shape[0]):
         return f"hidden size {weight.shape[0]} is not a multiple of {ALIGN} up to {MAX_HIDDEN}"
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+    if not valid_eps(eps):
         return f"variance_epsilon is {eps!r}, not a non-negative number"
     return None
 
@@ -111,7 +102,7 @@ def norm_feeds(cls: type) -> tuple[tuple[str, str], ...]:
     """(norm, consumer) child names from ``cls.forward``: a statement ``v = self.<norm>(u)``
     whose next statement calls ``self.<consumer>`` with ``v`` as an argument (read from its
     source; empty where there is none)."""
-    fn = _forward_def(cls)
+    fn = forward_def(cls)
     if fn is None:
         return ()
     pairs = []
@@ -174,11 +165,10 @@ class FP8RMSNorm(nn.Module):
                  device=None):
         super().__init__()
         name = type(self).__name__
-        if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size <= 0 \
-                or hidden_size % ALIGN or hidden_size > MAX_HIDDEN:
+        if not _valid_hidden(hidden_size):
             raise ValueError(f"{name}: hidden_size must be a positive multiple of {ALIGN} up to {MAX_HIDDEN}, "
                              f"got {hidden_size!r}")
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        if not valid_eps(eps):
             raise ValueError(f"{name}: eps must be a non-negative number, got {eps!r}")
         if recipe not in RECIPES:
             raise ValueError(f"{name}: recipe must be one of {', '.join(repr(r) for r in RECIPES)}, got {recipe!r}")
@@ -187,7 +177,7 @@ class FP8RMSNorm(nn.Module):
         self.hidden_size, self.variance_epsilon, self.recipe = hidden_size, float(eps), recipe
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
         self.consumers = 0  # linked layers that take each output's quantization (set by link)
-        self._handoff = None  # [y, y._version, y_fp8, scale, takers left] of the last forward
+        self.handoff = Handoff()  # (y_fp8, scale) of the last forward's y, once per linked layer
 
     @classmethod
     def from_norm(cls, norm: nn.Module, recipe: str = "block") -> FP8RMSNorm:
@@ -202,16 +192,23 @@ class FP8RMSNorm(nn.Module):
             fused.weight.copy_(weight)
         return fused
 
-    def link(self, layers: list[nn.Module]) -> None:
-        """Make ``layers`` (FP8Linear / FP8GatedMLP of this recipe and width, not linked yet) take
-        this norm's quantized output."""
+    def link_reason(self, layers: list[nn.Module]) -> str | None:
+        """None when :meth:`link` takes ``layers``, else why not: each an FP8Linear or FP8GatedMLP
+        taking this recipe's activations of this width, not linked to a norm yet."""
         for layer in layers:
             if not isinstance(layer, (FP8Linear, FP8GatedMLP)) or _input_recipe(layer) != self.recipe \
                     or _input_width(layer) != self.hidden_size:
-                raise ValueError(f"{type(self).__name__}.link: {layer!r} does not take {self.recipe!r} activations "
-                                 f"of width {self.hidden_size}")
+                return f"{layer!r} does not take {self.recipe!r} activations of width {self.hidden_size}"
             if layer.input_norm is not None:
-                raise ValueError(f"{type(self).__name__}.link: {type(layer).__name__} is linked to a norm already")
+                return f"{type(layer).__name__} is linked to a norm already"
+        return None
+
+    def link(self, layers: list[nn.Module]) -> None:
+        """Make ``layers`` take this norm's quantized output (ValueError where :meth:`link_reason`
+        says why not)."""
+        reason = self.link_reason(layers)
+        if reason:
+            raise ValueError(f"{type(self).__name__}.link: {reason}")
         for layer in layers:
             object.__setattr__(layer, "input_norm", self)  # a reference: the layer is not this norm's child
         self.consumers += len(layers)
@@ -227,27 +224,11 @@ class FP8RMSNorm(nn.Module):
                                                                          self.recipe)
         y = y.reshape(x.shape)
         if self.consumers:
-            # Eagerly the version counter tells an in-place change of y apart; torch.compile
-            # traces functional graphs, where y cannot change between the calls.
-            version = None if torch.compiler.is_compiling() else y._version
-            self._handoff = [y, version, q, scale, self.consumers]
+            self.handoff.hold(y, [(q, scale)] * self.consumers)
         return y
 
-    def take(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(x_fp8, scale) of the last forward's output when ``x`` is that very tensor, unchanged
-        since; None otherwise. After ``consumers`` takes the norm holds nothing."""
-        handoff = self._handoff
-        if handoff is None or handoff[0] is not x:
-            return None
-        if not torch.compiler.is_compiling() and handoff[1] != x._version:
-            return None
-        handoff[4] -= 1
-        if handoff[4] <= 0:
-            self._handoff = None
-        return handoff[2], handoff[3]
-
     def _apply(self, fn, recurse=True):
-        self._handoff = None  # a device move or cast leaves no quantization of the old tensors
+        self.handoff.clear()  # a device move or cast leaves no quantization of the old tensors
         return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
@@ -272,11 +253,10 @@ def fuse_norms(model: nn.Module, skip=()) -> nn.Module:
                 continue
             layers = quantizing_layers(consumer)
             recipes = {_input_recipe(layer) for layer in layers}
-            if (not layers or len(recipes) > 1 or not recipes <= set(RECIPES) or any(layer.input_norm is not None
-                                                                                    for layer in layers)
-                    or {_input_width(layer) for layer in layers} != {norm.weight.shape[0]}):
+            if len(recipes) != 1 or not recipes <= set(RECIPES):
                 continue
             fused = FP8RMSNorm.from_norm(norm, recipes.pop())
-            fused.link(layers)
-            setattr(parent, norm_name, fused)
+            if fused.link_reason(layers) is None:
+                fused.link(layers)
+                setattr(parent, norm_name, fused)
     return model

@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import ast
 import functools
-import inspect
-import textwrap
 
 import torch
 from torch import nn
 
+from .handoff import Handoff
 from .linear import ACTIVATION_DTYPES, FP8Linear, keep_dtypes
 from .quantize import SCALE_BLOCK, quantize_weight
+from .source import forward_def
 
 # The projections stacked per attention module, in the order its forward calls them.
 QKV = ("q_proj", "k_proj", "v_proj")
@@ -44,9 +44,8 @@ def calls_on_one_input(cls: type, names: tuple[str, ...] = QKV) -> bool:
     """Whether ``cls.forward`` calls ``self.<name>(v)`` for each of ``names`` exactly once, in that
     order, on the same variable ``v``, with no assignment to ``v`` between the first call and the
     last (read from its source; False where there is none)."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
-    except (OSError, TypeError, SyntaxError):
+    tree = forward_def(cls)
+    if tree is None:
         return False
     calls: dict[str, list[tuple[int, int, str]]] = {name: [] for name in names}
     stores: list[tuple[int, int, str]] = []
@@ -139,7 +138,7 @@ class FP8StackedLinear(FP8Linear):
         self.register_buffer("stacked_bias", torch.zeros(total, dtype=dtype, device=device) if bias else None,
                              persistent=False)
         self.members: list[FP8StackMember] = []  # a plain list: the members are the parent's children
-        self._handoff = None  # (x, x._version, [rows per member]) of the last forward
+        self.handoff = Handoff()  # the members' rows of the last forward, for the same x
         self._tie(self, 0)
 
     @classmethod
@@ -217,25 +216,8 @@ class FP8StackedLinear(FP8Linear):
         self.check_input(x)
         y = self.quantized_mm(x, self.stacked_bias, self.stacked_weight, self.stacked_weight_scale_inv)
         parts = y.split(self.out_sizes, dim=-1)
-        # Eagerly the version counter tells an in-place change of x apart; torch.compile traces
-        # functional graphs, where x cannot change between the calls.
-        version = None if torch.compiler.is_compiling() else x._version
-        self._handoff = (x, version, [None, *parts[1:]])
+        self.handoff.hold(x, list(parts[1:]))  # member i takes value i - 1
         return parts[0]
-
-    def take(self, x: torch.Tensor, index: int) -> torch.Tensor | None:
-        """Member ``index``'s rows of the last forward when it ran on this very ``x`` (unchanged
-        since), once; None otherwise."""
-        handoff = self._handoff
-        if handoff is None or handoff[0] is not x:
-            return None
-        if not torch.compiler.is_compiling() and handoff[1] != x._version:
-            return None
-        rows = handoff[2][index]
-        handoff[2][index] = None
-        if all(r is None for r in handoff[2]):
-            self._handoff = None  # every member served: hold no activation
-        return rows
 
     # ---------------------------------------------------------------------- module plumbing
 
@@ -243,7 +225,7 @@ class FP8StackedLinear(FP8Linear):
         """Device moves and dtype casts: the stacked buffers move once (the fp8 weight and fp32
         scales keep their dtypes, the bias is cast), every layer's views are re-derived from them."""
         _drop_views(self)
-        self._handoff = None
+        self.handoff.clear()
         try:
             nn.Module._apply(self, keep_dtypes(fn, (self.stacked_weight, self.stacked_weight_scale_inv)), recurse)
         finally:
@@ -273,7 +255,7 @@ class FP8StackMember(FP8Linear):
         raise TypeError(f"{cls.__name__} is a member of a stack: build the stack with FP8StackedLinear.stack([...])")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = self.first.take(x, self.index)
+        rows = self.first.handoff.take(x, self.index - 1)
         if rows is not None:
             return rows
         return super().forward(x)

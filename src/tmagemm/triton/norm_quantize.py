@@ -29,6 +29,11 @@ MAX_HIDDEN = 32768
 _IN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def valid_eps(eps) -> bool:
+    """Whether ``eps`` is a non-negative int or float (not a bool)."""
+    return not isinstance(eps, bool) and isinstance(eps, (int, float)) and eps >= 0
+
+
 @triton.jit
 def _rms_norm_quantize_kernel(
     x_ptr, w_ptr, y_ptr, q_ptr, s_ptr,
@@ -112,7 +117,7 @@ def _check(x, weight, eps, recipe, dtype) -> None:
         raise ValueError(f"{fn}: x {tuple(x.shape)} needs a contiguous last dimension (stride {tuple(x.stride())})")
     if weight.device != x.device:
         raise ValueError(f"{fn}: weight is on {weight.device}, x on {x.device}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+    if not valid_eps(eps):
         raise ValueError(f"{fn}: eps must be a non-negative float, got {eps!r}")
     if recipe not in RECIPES:
         raise ValueError(f"{fn}: recipe must be one of {', '.join(repr(r) for r in RECIPES)}, got {recipe!r}")
