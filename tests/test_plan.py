@@ -34,13 +34,16 @@ def _args(m, n, k, dtype=F8):
         (256, 4096, 4096, torch.bfloat16, "triton.tma"),
         (512, 4096, 4096, torch.bfloat16, "cuda.persistent_coop"),
         (8, 4096, 4096, torch.bfloat16, "triton.splitk"),  # 16-bit at M <= 32, K-major weight: split-K
-        (32, 2560, 8192, torch.float16, "triton.splitk"),
-        (33, 4096, 4096, torch.bfloat16, "triton.splitk"),  # 64 weight tiles: K cut in two
-        (64, 3584, 3584, torch.bfloat16, "triton.splitk"),
-        (64, 4096, 14336, torch.bfloat16, "triton.splitk"),
-        (64, 6144, 4096, torch.bfloat16, "triton.tma"),  # 96 tiles: no split, the tile kernel was ahead
-        (64, 4096, 256, torch.bfloat16, "triton.tma"),  # 4 k-steps: nothing to split
-        (65, 4096, 4096, torch.bfloat16, "triton.tma"),  # above 64 tokens: the tile kernel
+        (16, 4096, 4096, torch.bfloat16, "triton.splitk"),
+        (17, 4096, 4096, torch.bfloat16, "triton.tma"),  # from 17 tokens: the 6-stage tile kernel
+        (32, 2560, 8192, torch.float16, "triton.splitk"),  # ... but long K on 40 weight tiles: 3 slices
+        (64, 2048, 8192, torch.bfloat16, "triton.splitk"),
+        (64, 3072, 8192, torch.bfloat16, "triton.tma"),  # 48 tiles: 2 slices
+        (64, 2048, 4096, torch.bfloat16, "triton.tma"),  # K < 8192
+        (65, 2048, 8192, torch.bfloat16, "triton.tma"),
+        (64, 3584, 3584, torch.bfloat16, "triton.tma"),
+        (64, 4096, 14336, torch.bfloat16, "triton.tma"),
+        (65, 4096, 4096, torch.bfloat16, "triton.tma"),
         (4096, 4096, 4096, torch.bfloat16, "cuda.persistent_coop"),
     ],
 )
@@ -75,7 +78,7 @@ def test_16bit_split_k_first_for_either_weight_layout():
     assert plan.preference(GemmArgs(a, n_major, out))[0] == "triton.splitk"
     a64 = torch.empty(64, 4096, dtype=torch.bfloat16, device="meta")
     out64 = torch.empty(64, 4096, dtype=torch.bfloat16, device="meta")
-    assert plan.preference(GemmArgs(a64, n_major, out64))[0] == "triton.splitk"  # K cut in two
+    assert plan.preference(GemmArgs(a64, n_major, out64))[0] == "triton.tma"  # from 33 tokens: the tile kernel
     a128 = torch.empty(128, 4096, dtype=torch.bfloat16, device="meta")
     out128 = torch.empty(128, 4096, dtype=torch.bfloat16, device="meta")
     assert plan.preference(GemmArgs(a128, n_major, out128))[0] == "triton.tma"  # M > 64: the tile kernel

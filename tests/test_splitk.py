@@ -288,7 +288,10 @@ def test_heuristic_table(row):
 TMA_FP8_TABLE = [
     # m, n, expected (block_m, block_n, block_k, num_stages, num_warps); K=4096, H100 (132 SMs)
     (16, 4096, (64, 64, 256, 6, 4)),  # 64 CTAs: 0.95x cuBLAS
-    (64, 4096, (64, 64, 256, 6, 4)),  # 1.00x
+    (32, 4096, (64, 64, 256, 6, 4)),
+    (33, 4096, (64, 32, 256, 6, 4)),  # 33-64 tokens, 64 x 64 tiles on half the SMs: 64 x 32
+    (64, 4096, (64, 32, 256, 6, 4)),
+    (64, 4608, (64, 64, 256, 6, 4)),  # 72 tiles
     (128, 4096, (64, 64, 256, 6, 4)),  # 2 x 64 tiles: 1.00x
     (256, 4096, (64, 128, 256, 4, 4)),  # 4 x 32 tiles: 1.00x
     (512, 4096, (128, 64, 128, 4, 4)),  # 256 tiles, two CTAs per SM: 0.95x
@@ -331,18 +334,87 @@ def test_tma_fp8_heuristic_invariants(m, n, out_dtype):
         assert tiles <= 132 or cfg.block_n == 128, f"{tiles} tiles of {cfg} overflow one wave on 132 SMs"
 
 
+TMA_FP8_EXACT_TABLE = [
+    # m, n, expected tiles with use_fast_accum=False; K=4096, H100 (132 SMs)
+    (16, 4096, (64, 32, 256, 6, 4)),  # 64 tiles of 64 x 64: half a wave -> 64 x 32 tiles
+    (64, 4096, (64, 32, 256, 6, 4)),
+    (64, 4608, (64, 64, 128, 10, 4)),  # 72 tiles: one wave, 10 stages deep
+    (64, 8192, (64, 64, 128, 10, 4)),  # 128 tiles: one wave, 10 stages deep
+    (128, 4096, (64, 64, 128, 10, 4)),
+    (128, 8192, (64, 64, 128, 6, 4)),  # 256 tiles: two CTAs per SM
+    (256, 4096, (64, 64, 128, 6, 4)),
+    (64, 28672, (64, 128, 256, 4, 4)),  # 448 tiles, past two waves: the fast-accumulation tiles
+]
+
+
+@pytest.mark.parametrize("row", TMA_FP8_EXACT_TABLE, ids=lambda r: f"m{r[0]}n{r[1]}")
+def test_tma_fp8_exact_heuristic_table(row):
+    m, n, want = row
+    args = _fp8_args(m, n, 4096)
+    cfg = matmul_tma.heuristic(GemmArgs(args.a, args.b, args.out, fast_accum=False))
+    assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages, cfg.num_warps) == want
+    assert cfg in matmul_tma.CONFIGS, "tuning must see the heuristic's tiles"
+
+
+TMA_16BIT_TABLE = [
+    # m, n, expected (block_m, block_n, block_k, num_stages, num_warps); K=4096, H100 (132 SMs)
+    (33, 4096, (64, 64, 128, 6, 4)),  # 64 tiles of 64 x 64 fit a wave: 6 stages deep
+    (64, 6144, (64, 64, 128, 6, 4)),  # 96 tiles
+    (128, 4096, (64, 64, 128, 6, 4)),  # 2 x 64 tiles
+    (64, 14336, (64, 128, 128, 4, 4)),  # 224 narrow tiles, 112 wide ones: one wave of 64 x 128
+    (128, 6144, (64, 128, 128, 4, 4)),
+    (96, 14336, (64, 128, 64, 4, 4)),  # 224 wide tiles on two rows: 64-deep, two CTAs per SM
+    (128, 14336, (64, 128, 64, 4, 4)),
+    (192, 6144, (64, 128, 128, 4, 4)),  # three rows of tiles: the 2026-11-23 sweep's tiles
+    (256, 14336, (64, 128, 128, 4, 4)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("row", TMA_16BIT_TABLE, ids=lambda r: f"m{r[0]}n{r[1]}")
+def test_tma_16bit_heuristic_table(row, dtype):
+    m, n, want = row
+    a, b = _operands(m, n, 4096, dtype, device="cpu")
+    cfg = matmul_tma.heuristic(GemmArgs(a, b, torch.empty(m, n, dtype=dtype)))
+    assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages, cfg.num_warps) == want
+    assert cfg in matmul_tma.CONFIGS, "tuning must see the heuristic's tiles"
+    assert cfg.is_valid(2, 2, 2)
+
+
 @interpreter_only
-@pytest.mark.parametrize("m", [1, 17, 70])
+@pytest.mark.parametrize(
+    "m, n, sms, want",
+    [(40, 72, 4, (32, 256, 6)), (17, 72, 2, (64, 128, 10)), (70, 200, 4, (64, 128, 6)), (130, 72, 4, (64, 128, 6))],
+)
+def test_tma_fp8_exact_tiles_ragged(m, n, sms, want, seeded):
+    """Each exact-mode tile (64 x 32 x 256; 64 x 64 x 128 at 10 and 6 stages), chosen here for a
+    device of ``sms`` SMs, under the interpreter: ragged M, N and K, use_fast_accum=False."""
+    k = 592
+    a, b = _operands(m, n, k, F8)
+    scale_a, scale_b = torch.rand(m) + 0.5, torch.rand(n) + 0.5
+    out = torch.full((m, n), float("nan"), dtype=torch.float32)
+    args = GemmArgs(a, b, out, scale_a, scale_b, None, fast_accum=False)
+    config = matmul_tma._fp8_exact_small_m(-(-m // 64) * -(-n // 64), sms)
+    assert (config.block_n, config.block_k, config.num_stages) == want
+    layout = tma_layout(args)
+    assert not isinstance(layout, str), layout
+    matmul_tma.kernel_call(args, config.fitted(1, 1, 4), layout).launch()
+    _assert_close(out, _reference(a, b, scale_a, scale_b), rtol=1e-5, atol=1e-4)
+
+
+@interpreter_only
+@pytest.mark.parametrize("m", [1, 17, 40, 70])
 def test_tma_fp8_small_m_tiles_ragged(m, seeded):
-    """The heuristic's 64x64x256 tile under the interpreter: ragged M, N and K (K=592 is 2.3 K
-    steps of 256, so the last TMA box is mostly zero-fill)."""
+    """The heuristic's 64x64x256 tile (64x32x256 at 33-64 tokens on few tiles) under the
+    interpreter: ragged M, N and K (K=592 is 2.3 K steps of 256, so the last TMA box is mostly
+    zero-fill)."""
     n, k = 72, 592
     a, b = _operands(m, n, k, F8)
     scale_a, scale_b = torch.rand(1) + 0.5, torch.rand(n) + 0.5
     out = torch.full((m, n), float("nan"), dtype=torch.float32)
     args = GemmArgs(a, b, out, scale_a, scale_b, None)
     config = matmul_tma.heuristic(args)
-    assert (config.block_m, config.block_n, config.block_k) == (64, 64, 256)
+    assert (config.block_m, config.block_n, config.block_k) == (64, 32 if 32 < m <= 64 else 64, 256)
     layout = tma_layout(args)
     assert not isinstance(layout, str), layout
     matmul_tma.kernel_call(args, config, layout).launch()

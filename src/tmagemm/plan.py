@@ -222,13 +222,14 @@ def get(name: str) -> Variant:
 MID_M = 256
 
 
-# bf16/fp16 at 33-64 tokens: split-K (64-token swap-AB tiles, the activation through TMA too)
-# where its config cuts K in two or more slices (its 64-row weight tiles cover at most half the
-# SMs); elsewhere the tile kernel. H100, graph-timed, L2 flushed, M = 64 (BENCHMARKS.md): N = K =
-# 4096 25.9 -> 24.2 us (N-major weight) and 25.6 -> 24.9 (K-major), 4096 x 14336 62.5 -> 59.0,
-# 3584 x 3584 22.0 -> 21.5; at 6144-14336 rows unsplit split-K tiles were 3-6% behind, and at
-# M = 128 no split-K config was ahead of the tile kernel.
+# bf16/fp16 from 17 to 64 tokens: the tile kernel (6-stage 64 x 64 tiles, matmul_tma), except
+# on long K (>= SPLITK_16BIT_LONG_K) over weights so narrow that split-K cuts K in >= 3 slices
+# (its 64-row tiles cover at most a third of the SMs). H100, graph-timed, L2 flushed, both weight
+# layouts, M = 24-64 (BENCHMARKS.md): the tile kernel 0.94-1.05x cuBLAS where split-K ran
+# 0.82-1.01x (N = K = 4096, 3584, 3072, 2048 x 2048, 1024 x 4096, 4096 x 14336); split-K
+# 0.93-1.03x where the tile kernel ran 0.85-0.92x (2048 and 2560 x 8192).
 SPLITK_16BIT_MAX_M = 64
+SPLITK_16BIT_LONG_K = 8192
 
 
 def _splitk_first(args: GemmArgs) -> bool:
@@ -237,22 +238,23 @@ def _splitk_first(args: GemmArgs) -> bool:
     long-K projections 0.97-1.04x vs 0.73-0.88x; Qwen2.5-7B's K = 3584 projections on an H100:
     1-12% faster; with a short K, e.g. K = 512-1536 and N =
     24-32K, the tile kernel was ahead), fp8 at M <= 32 with K > 8192 (the tile kernel then walks
-    a long K on few CTAs), any M <= 32 with >= 100 MB of weight (earlier H100 sweep), and bf16 /
-    fp16 at M <= 32 (H100, 12 Llama-3 / Qwen2.5 projections with K-major weights, ``w.t()``:
-    split-K 0.92-1.03x cuBLAS where the tile kernel ran 0.69-0.99x, at M = 64 the tile kernel was
-    ahead; N-major weights, N = K = 4096, graph-timed: split-K 0.92-1.02x where the tile kernel
-    ran 0.81-0.90x at M = 1-32), and bf16 / fp16 up to SPLITK_16BIT_MAX_M where the split-K
-    config (``matmul_splitk.choose_config``) cuts K in two or more slices."""
+    a long K on few CTAs), any M <= 32 with >= 100 MB of weight (earlier H100 sweep), bf16 /
+    fp16 at M <= 16 (H100, M = 8 and 16 on N = K = 4096, 3584, 6144 / 14336 x 4096 and 4096 x
+    14336, either weight layout: split-K ahead of the tile kernel's heuristic tiles at 14 of 20
+    points, by up to 15%, and behind at 6 by at most 3%), and bf16 / fp16 up to
+    SPLITK_16BIT_MAX_M on long K over narrow weights (above)."""
     if args.m <= 32 and args.n * args.k * args.b.element_size() >= 100e6:
         return True
-    if args.m <= 32 and not args.is_fp8:
-        return True
-    if args.m <= SPLITK_16BIT_MAX_M and not args.is_fp8:
+    if not args.is_fp8:
+        if args.m <= 16:
+            return True
+        if args.m > SPLITK_16BIT_MAX_M or args.k < SPLITK_16BIT_LONG_K:
+            return False
         from .triton.matmul_splitk import choose_config  # a backend module: imported lazily
 
         sms = device.sms_of(args.out.device)
-        return choose_config(args.m, args.n, args.k, args.a.element_size(), sms).split_k >= 2
-    return args.is_fp8 and ((args.m <= 16 and args.k >= 3072) or (args.m <= 32 and args.k > 8192))
+        return choose_config(args.m, args.n, args.k, args.a.element_size(), sms).split_k >= 3
+    return (args.m <= 16 and args.k >= 3072) or (args.m <= 32 and args.k > 8192)
 
 
 # Block-scaled fp8 at decode-sized M. The split-K kernel (swap-AB, 64 weight rows per tile) wins

@@ -122,6 +122,9 @@ CONFIGS = tuple(
         (64, 64, 256, 6, 4),
         (64, 128, 256, 4, 4),
         (64, 64, 128, 4, 4),
+        (64, 64, 128, 6, 4),
+        (64, 64, 128, 10, 4),
+        (64, 128, 64, 4, 4),
     )
 )
 
@@ -144,8 +147,20 @@ def _fp8_small_m(args: GemmArgs, sms: int) -> TritonGemmConfig:
     33-64 tokens (one row of tiles) with K >= 3072, where the 256-deep steps stay ahead over
     several waves: 36864 x 7168 115.8 -> 108.6 us, 37888 x 3584 66.9 -> 63.6, 28672 x 4096
     56.5 -> 56.1 at M = 64 (at K = 1536 they were 4% behind; H100, 2026-11-25).
+    At 33-64 tokens, where the 64 x 64 tiles fill at most half the SMs, 64 x 32 tiles (twice the
+    CTAs): on the decode stacks' 2112-4096-row weights 0.4-2.8% faster per GEMM (0.948-1.015x
+    cuBLAS) and 0.4-1.1 us faster per layer at M = 64; at M = 32 the layers were 1-3 us slower
+    with them (H100, 2026-11-25, BENCHMARKS.md). Without fast accumulation:
+    :func:`_fp8_exact_small_m`.
     """
     tiles_m = triton.cdiv(args.m, _SMALL_M_BLOCK)
+    tiles_64 = tiles_m * triton.cdiv(args.n, 64)
+    if not args.fast_accum:
+        exact = _fp8_exact_small_m(tiles_64, sms)
+        if exact is not None:
+            return exact
+    elif args.m > 32 and tiles_m == 1 and 2 * tiles_64 <= sms:
+        return TritonGemmConfig(_SMALL_M_BLOCK, 32, 256, 8, 6, 4)
     for block_n, stages in _FP8_SMALL_M_TILES:
         if tiles_m * triton.cdiv(args.n, block_n) <= sms:
             return TritonGemmConfig(_SMALL_M_BLOCK, block_n, 256, 8, stages, 4)
@@ -154,14 +169,40 @@ def _fp8_small_m(args: GemmArgs, sms: int) -> TritonGemmConfig:
     return TritonGemmConfig(_SMALL_M_BLOCK, 128, 128, 8, 4, 4)
 
 
+def _fp8_exact_small_m(tiles_64: int, sms: int) -> TritonGemmConfig | None:
+    """fp8 with use_fast_accum=False at M <= 256 (``tiles_64``: the problem's 64 x 64 tiles). Each
+    128-deep product is promoted into fp32 as soon as its wgmma retires, so a CTA waits on every
+    k-step: more CTAs, or more stages, hide that wait. Up to half a wave of 64 x 64 tiles, 64 x 32
+    tiles (twice the CTAs); up to a wave, 64 x 64 tiles 10 stages deep; up to two waves, 64 x 64
+    tiles 6 stages deep, two CTAs per SM. H100, graph-timed, L2 flushed, against
+    ``torch._scaled_mm(use_fast_accum=False)`` at M = 64 / 128 / 256, N and K in {4096, 8192}
+    (BENCHMARKS.md): 0.93-0.99x where the fast-accumulation tiles ran 0.88-0.98x. None past two
+    waves (not measured): the fast-accumulation tiles, promoting every 128 deep."""
+    if 2 * tiles_64 <= sms:
+        return TritonGemmConfig(_SMALL_M_BLOCK, 32, 256, 8, 6, 4)
+    if tiles_64 <= sms:
+        return TritonGemmConfig(_SMALL_M_BLOCK, 64, 128, 8, 10, 4)
+    if tiles_64 <= 2 * sms:
+        return TritonGemmConfig(_SMALL_M_BLOCK, 64, 128, 8, 6, 4)
+    return None
+
+
 def _16bit_small_m(args: GemmArgs, sms: int) -> TritonGemmConfig:
-    """bf16/fp16 at 64 < M <= 256: 64-row tiles with 128-deep K steps, 64 wide while one wave of
-    them fits on the SMs, else 128. A graph-timed sweep of every candidate on an H100 (M = 96-256,
-    N = 4096-14336, K = 2048-14336) had these within 3% of the best tile at every point, and
-    1.2-2.7x faster than the 64 x 128 x 64 / 128 x 256 x 64 tiles used before."""
+    """bf16/fp16 at M <= 256 (split-K takes M <= 32, :func:`tmagemm.plan.preference`): 64-row tiles.
+    While the 64 x 64 tiles fit one wave on the SMs, 64 x 64 x 128 six stages deep (192 KB in
+    flight per SM, one CTA each); past a wave, 64 x 128 tiles: 128-deep with 4 stages while they
+    fit a wave, 64-deep with 4 stages (two CTAs per SM) where two rows of them fit twice the SMs.
+    H100, graph-timed, L2 flushed, against torch.matmul (BENCHMARKS.md): at M = 40-128 on N = K =
+    4096 0.92-1.04x where the 4-stage 64 x 64 tiles and split-K ran 0.84-0.89x; 14336 x 4096 at
+    M = 80-128 0.97-1.03x where the 128-deep 64 x 128 tiles ran 0.83-0.97x. Past that (M > 128
+    on wide weights) the 128-deep 64 x 128 tiles of the 2026-11-23 sweep stay."""
     tiles_m = triton.cdiv(args.m, _SMALL_M_BLOCK)
-    block_n = 64 if tiles_m * triton.cdiv(args.n, 64) <= sms else 128
-    return TritonGemmConfig(_SMALL_M_BLOCK, block_n, 128, 8, 4, 4)
+    if tiles_m * triton.cdiv(args.n, 64) <= sms:
+        return TritonGemmConfig(_SMALL_M_BLOCK, 64, 128, 8, 6, 4)
+    wide = tiles_m * triton.cdiv(args.n, 128)
+    if wide > sms and tiles_m <= 2 and wide <= 2 * sms:
+        return TritonGemmConfig(_SMALL_M_BLOCK, 128, 64, 8, 4, 4)
+    return TritonGemmConfig(_SMALL_M_BLOCK, 128, 128, 8, 4, 4)
 
 
 def heuristic(args: GemmArgs) -> TritonGemmConfig:
@@ -175,8 +216,6 @@ def heuristic(args: GemmArgs) -> TritonGemmConfig:
             # Two 112 KB CTAs per SM: 256 tiles of 128x64 all resident at once.
             return TritonGemmConfig(128, 64, 128, 8, 4, 4)
         return TritonGemmConfig(128, 256, 128, 8, 3, 8)
-    if args.m <= 64:
-        return TritonGemmConfig(64, 64, 128, 8, 4, 4)
     if args.m <= 256:
         return _16bit_small_m(args, sms)
     return TritonGemmConfig(128, 256, 64, 8, 3, 8)
