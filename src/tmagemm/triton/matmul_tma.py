@@ -149,8 +149,8 @@ def _fp8_small_m(args: GemmArgs, sms: int) -> TritonGemmConfig:
     56.5 -> 56.1 at M = 64 (at K = 1536 they were 4% behind; H100, 2026-11-25).
     At 33-64 tokens, where the 64 x 64 tiles fill at most half the SMs, 64 x 32 tiles (twice the
     CTAs): on the decode stacks' 2112-4096-row weights 0.4-2.8% faster per GEMM (0.948-1.015x
-    cuBLAS) and 0.4-1.1 us faster per layer at M = 64; at M = 32 the layers were 1-3 us slower
-    with them (H100, 2026-11-25, BENCHMARKS.md). Without fast accumulation:
+    cuBLAS) and 0.4-1.1 us faster per layer at M = 64; at M = 32 the layers were 0.4-3 us
+    slower with them (H100, 2026-11-25, BENCHMARKS.md). Without fast accumulation:
     :func:`_fp8_exact_small_m`.
     """
     tiles_m = triton.cdiv(args.m, _SMALL_M_BLOCK)
@@ -188,12 +188,13 @@ def _fp8_exact_small_m(tiles_64: int, sms: int) -> TritonGemmConfig | None:
 
 
 def _16bit_small_m(args: GemmArgs, sms: int) -> TritonGemmConfig:
-    """bf16/fp16 at M <= 256 (split-K takes M <= 32, :func:`tmagemm.plan.preference`): 64-row tiles.
+    """bf16/fp16 at M <= 256 (split-K takes M <= 16 and long K on narrow weights up to 64 tokens,
+    :func:`tmagemm.plan.preference`): 64-row tiles.
     While the 64 x 64 tiles fit one wave on the SMs, 64 x 64 x 128 six stages deep (192 KB in
     flight per SM, one CTA each); past a wave, 64 x 128 tiles: 128-deep with 4 stages while they
     fit a wave, 64-deep with 4 stages (two CTAs per SM) where two rows of them fit twice the SMs.
-    H100, graph-timed, L2 flushed, against torch.matmul (BENCHMARKS.md): at M = 40-128 on N = K =
-    4096 0.92-1.04x where the 4-stage 64 x 64 tiles and split-K ran 0.84-0.89x; 14336 x 4096 at
+    H100, graph-timed, L2 flushed, against torch.matmul (BENCHMARKS.md): at M = 32-128 on N = K =
+    4096 0.94-1.03x where the 4-stage 64 x 64 tiles and split-K ran 0.84-0.97x; 14336 x 4096 at
     M = 80-128 0.97-1.03x where the 128-deep 64 x 128 tiles ran 0.83-0.97x. Past that (M > 128
     on wide weights) the 128-deep 64 x 128 tiles of the 2026-11-23 sweep stay."""
     tiles_m = triton.cdiv(args.m, _SMALL_M_BLOCK)
