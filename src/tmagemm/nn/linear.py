@@ -42,6 +42,12 @@ def check_input(x, in_features: int, what: str) -> None:
                          f"in_features = {in_features}")
 
 
+def as_rows(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x (..., width) as (tokens, width) with a contiguous last dimension (what the kernels take)."""
+    x2 = x.reshape(-1, width)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
 def quantize_input(x: torch.Tensor, width: int, recipe: str, norm=None) -> tuple[torch.Tensor, torch.Tensor]:
     """x (..., width) as a 2-D fp8 activation and its scales per ``recipe``: what ``norm`` (the
     :class:`~tmagemm.nn.FP8RMSNorm` feeding the layer, or None) computed for this very x, else
@@ -49,10 +55,7 @@ def quantize_input(x: torch.Tensor, width: int, recipe: str, norm=None) -> tuple
     handed = None if norm is None else norm.handoff.take(x)
     if handed is not None:
         return handed
-    x2 = x.reshape(-1, width)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    return torch.ops.tmagemm_nn.quantize_activation(x2, recipe)
+    return torch.ops.tmagemm_nn.quantize_activation(as_rows(x, width), recipe)
 
 
 def keep_dtypes(fn, tensors):

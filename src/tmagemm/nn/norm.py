@@ -34,9 +34,9 @@ from torch import nn
 
 from ..triton.norm_quantize import MAX_HIDDEN, valid_eps
 from .handoff import Handoff
-from .linear import ACTIVATION_DTYPES, ALIGN, FP8Linear, check_input
+from .linear import ACTIVATION_DTYPES, ALIGN, FP8Linear, as_rows, check_input
 from .mlp import FP8GatedMLP
-from .source import forward_def, statements
+from .source import forward_def, self_call, statements
 from .stacked import QKV, FP8StackedLinear, calls_on_one_input
 
 GATE_UP = ("gate_proj", "up_proj")
@@ -89,14 +89,6 @@ def rms_norm_reason(norm: nn.Module) -> str | None:
     return None
 
 
-def _self_call(node: ast.AST) -> tuple[str, list[ast.AST]] | None:
-    """(child, arguments) of a call ``self.<child>(...)``, else None."""
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
-            and node.func.value.id == "self"):
-        return node.func.attr, [*node.args, *(k.value for k in node.keywords)]
-    return None
-
-
 @functools.lru_cache(maxsize=None)
 def norm_feeds(cls: type) -> tuple[tuple[str, str], ...]:
     """(norm, consumer) child names from ``cls.forward``: a statement ``v = self.<norm>(u)``
@@ -109,12 +101,12 @@ def norm_feeds(cls: type) -> tuple[tuple[str, str], ...]:
     for stmt, following in zip(fn.body, fn.body[1:]):
         if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
             continue
-        norm = _self_call(stmt.value)
+        norm = self_call(stmt.value)
         if norm is None or len(norm[1]) != 1:
             continue
         variable = stmt.targets[0].id
         for node in ast.walk(following):
-            call = _self_call(node)
+            call = self_call(node)
             if call and any(isinstance(a, ast.Name) and a.id == variable for a in call[1]):
                 pairs.append((norm[0], call[0]))
                 break
@@ -217,11 +209,8 @@ class FP8RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_input(x, self.hidden_size, type(self).__name__)
-        x2 = x.reshape(-1, self.hidden_size)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        y, q, scale = torch.ops.tmagemm_nn.rms_norm_quantize_activation(x2, self.weight, self.variance_epsilon,
-                                                                         self.recipe)
+        y, q, scale = torch.ops.tmagemm_nn.rms_norm_quantize_activation(as_rows(x, self.hidden_size), self.weight,
+                                                                         self.variance_epsilon, self.recipe)
         y = y.reshape(x.shape)
         if self.consumers:
             self.handoff.hold(y, [(q, scale)] * self.consumers)

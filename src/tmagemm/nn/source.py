@@ -21,3 +21,11 @@ def forward_def(cls: type) -> ast.FunctionDef | None:
 def statements(fn: ast.FunctionDef) -> list[ast.stmt]:
     """The statements of a function, its docstring left out."""
     return [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+
+
+def self_call(node: ast.AST) -> tuple[str, list[ast.AST]] | None:
+    """(child, arguments, keyword values included) of a call ``self.<child>(...)``, else None."""
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "self"):
+        return node.func.attr, [*node.args, *(k.value for k in node.keywords)]
+    return None

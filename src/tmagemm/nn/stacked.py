@@ -32,7 +32,7 @@ from torch import nn
 from .handoff import Handoff
 from .linear import ACTIVATION_DTYPES, FP8Linear, keep_dtypes
 from .quantize import SCALE_BLOCK, quantize_weight
-from .source import forward_def
+from .source import forward_def, self_call
 
 # The projections stacked per attention module, in the order its forward calls them.
 QKV = ("q_proj", "k_proj", "v_proj")
@@ -50,10 +50,10 @@ def calls_on_one_input(cls: type, names: tuple[str, ...] = QKV) -> bool:
     calls: dict[str, list[tuple[int, int, str]]] = {name: [] for name in names}
     stores: list[tuple[int, int, str]] = []
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in calls
-                and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"):
+        call = self_call(node)
+        if call is not None and call[0] in calls:
             arg = node.args[0].id if len(node.args) == 1 and isinstance(node.args[0], ast.Name) else ""
-            calls[node.func.attr].append((node.lineno, node.col_offset, "" if node.keywords else arg))
+            calls[call[0]].append((node.lineno, node.col_offset, "" if node.keywords else arg))
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
             stores.append((node.lineno, node.col_offset, node.id))
     if any(len(found) != 1 for found in calls.values()):

@@ -21,12 +21,11 @@ import triton.language as tl
 from ..device import on_device
 from .common import let_next_kernel_launch, wait_for_previous_kernel
 from .launch import pdl
-from .quantize import SCALE_BLOCK, fp8_grid, quantize_row_groups
+from .quantize import IN_DTYPES, SCALE_BLOCK, check_input, fp8_grid, fp8_rows, quantize_row_groups
 
 RECIPES = ("1x128", "row")
 # A program holds one row in registers: 32768 fp32 values are 64 per thread with 16 warps.
 MAX_HIDDEN = 32768
-_IN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def valid_eps(eps) -> bool:
@@ -82,7 +81,7 @@ def rms_norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float, recipe:
     _check(x, weight, eps, recipe, dtype)
     rows, h = x.shape
     y = torch.empty(rows, h, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    q = torch.empty(rows, -(-h // 16) * 16, dtype=dtype, device=x.device)[:, :h]
+    q = fp8_rows(rows, h, dtype, x.device)
     per_group = recipe == "1x128"
     scale = torch.empty(rows, -(-h // SCALE_BLOCK) if per_group else 1, dtype=torch.float32, device=x.device)
     if rows == 0:
@@ -101,25 +100,19 @@ def rms_norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float, recipe:
 
 def _check(x, weight, eps, recipe, dtype) -> None:
     fn = "rms_norm_quantize"
-    for name, t in (("x", x), ("weight", weight)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in _IN_DTYPES:
-            raise TypeError(f"{fn}: {name} must be float16/bfloat16/float32, got {t.dtype}")
-    if x.dim() != 2:
-        raise ValueError(f"{fn}: x must be 2-D (tokens, hidden), got shape {tuple(x.shape)}")
+    check_input(x, dtype, "x", fn)
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{fn}: weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dtype not in IN_DTYPES:
+        raise TypeError(f"{fn}: weight must be float16/bfloat16/float32, got {weight.dtype}")
     h = x.shape[1]
     if weight.shape != (h,):
         raise ValueError(f"{fn}: weight has shape {tuple(weight.shape)}; x {tuple(x.shape)} needs ({h},)")
     if not 0 < h <= MAX_HIDDEN:
         raise ValueError(f"{fn}: x's hidden size {h} must be in 1..{MAX_HIDDEN} (one row per program)")
-    if h > 1 and x.stride(1) != 1:
-        raise ValueError(f"{fn}: x {tuple(x.shape)} needs a contiguous last dimension (stride {tuple(x.stride())})")
     if weight.device != x.device:
         raise ValueError(f"{fn}: weight is on {weight.device}, x on {x.device}")
     if not valid_eps(eps):
         raise ValueError(f"{fn}: eps must be a non-negative float, got {eps!r}")
     if recipe not in RECIPES:
         raise ValueError(f"{fn}: recipe must be one of {', '.join(repr(r) for r in RECIPES)}, got {recipe!r}")
-    if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
-        raise TypeError(f"{fn}: dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")

@@ -28,7 +28,7 @@ from .launch import pdl
 
 SCALE_BLOCK = 128  # the recipe's group width along K (and height along N for weights)
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-_IN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+IN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _F32_TINY = torch.finfo(torch.float32).tiny
 # (mantissa bits, smallest normal exponent) of each fp8 format
 _FP8_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
@@ -188,9 +188,9 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn):
     on the GPU and under the interpreter). Returns ``(x_fp8, scale)``: x_fp8 (M, K) with its row
     stride rounded up to 16 bytes (as :func:`quantize_1x128`'s), scale (M, 1) fp32 = max(amax /
     fp8_max, smallest normal). A row holding Inf or NaN gets an infinite scale (the caller checks)."""
-    _check(x, dtype, "x", "quantize_fp8")
+    check_input(x, dtype, "x", "quantize_fp8")
     rows, k = x.shape
-    q = torch.empty(rows, -(-k // 16) * 16, dtype=dtype, device=x.device)[:, :k]
+    q = fp8_rows(rows, k, dtype, x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if rows == 0:
         return q, scale
@@ -206,12 +206,21 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn):
     return q, scale
 
 
-def _check(x: torch.Tensor, dtype: torch.dtype, name: str, fn: str) -> None:
+def fp8_rows(rows: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty (rows, k) fp8 output whose row stride is k rounded up to 16 elements: the GEMM
+    reads it through TMA, which needs 16-byte row strides (a no-op for every real checkpoint's
+    K, all multiples of 16)."""
+    return torch.empty(rows, -(-k // 16) * 16, dtype=dtype, device=device)[:, :k]
+
+
+def check_input(x: torch.Tensor, dtype: torch.dtype, name: str, fn: str) -> None:
+    """TypeError / ValueError naming ``name`` of ``fn`` unless x is a 2-D float16/bfloat16/float32
+    tensor with a contiguous last dimension and dtype an fp8 type."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{fn} expects a torch.Tensor {name}, got {type(x).__name__}")
     if x.dim() != 2:
         raise ValueError(f"{fn}: {name} must be 2-D, got shape {tuple(x.shape)}")
-    if x.dtype not in _IN_DTYPES:
+    if x.dtype not in IN_DTYPES:
         raise TypeError(f"{fn}: {name} must be float16/bfloat16/float32, got {x.dtype}")
     if dtype not in _FP8_DTYPES:
         raise TypeError(f"{fn}: dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
@@ -221,7 +230,7 @@ def _check(x: torch.Tensor, dtype: torch.dtype, name: str, fn: str) -> None:
 
 
 def _quantize(x, dtype, pow2_scale, per_row: bool, fn: str, name: str, check_finite: bool = True):
-    _check(x, dtype, name, fn)
+    check_input(x, dtype, name, fn)
     rows, k = x.shape
     kb = triton.cdiv(k, SCALE_BLOCK)
     # 1x128: 16 rows per program (4-8 KB read; many small programs keep the most bytes in
@@ -229,9 +238,7 @@ def _quantize(x, dtype, pow2_scale, per_row: bool, fn: str, name: str, check_fin
     # and 1.5-1.7 with 64); 128x128: one whole block per program (its amax needs all of it).
     # The interpreter (CPU tensors) runs each program as numpy calls: fewer, larger ones.
     block_r = 16 if per_row and x.is_cuda else SCALE_BLOCK
-    # Rows padded to whole 16 bytes: the GEMM reads q through TMA, which needs 16-byte row
-    # strides (a no-op for every real checkpoint's K, all multiples of 16).
-    q = torch.empty(rows, -(-k // 16) * 16, dtype=dtype, device=x.device)[:, :k]
+    q = fp8_rows(rows, k, dtype, x.device)
     scale = torch.empty(rows if per_row else triton.cdiv(rows, SCALE_BLOCK), kb, dtype=torch.float32, device=x.device)
     if rows == 0 or k == 0:
         return q, scale
