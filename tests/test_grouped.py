@@ -555,8 +555,11 @@ def _native_config(base, e, **changes):
     return replace(base, groups=e, **changes)
 
 
-SIZES = [0, 300, 1, 513, 129]  # contiguous group sizes; 37 rows after the last group stay untouched
-MASKED = [300, 0, 129, 1, 255]  # masked counts of max_m = 300
+# Contiguous group sizes (37 rows after the last group stay untouched) and masked counts of
+# max_m = 300. Groups end 1, 44, 64 and 65 rows into a 128-row tile: the tile's second 64 rows
+# (the native kernel's second consumer), or a 2x1 cluster tile's second CTA, hold none or one.
+SIZES = [0, 300, 1, 513, 129, 192, 65]
+MASKED = [300, 0, 129, 1, 255, 64, 65]
 
 
 def _native_operands(dtype, layout, k, n, k_major=True):
