@@ -126,14 +126,15 @@ def test_masked_padding_rows_are_not_counted():
 # ------------------------------------------------------------------------ records and tables
 
 
-def _records(ours_us=100.0, torch_us=130.0, loop_us=300.0, torch_status="ok"):
+def _records(ours_us=100.0, torch_us=130.0, loop_us=300.0, torch_status="ok", loop_zipf=1.0):
     config = moe.MoEConfig(models=("mixtral-8x7b",), dtypes=("fp8",), m_values=(16,))
     recs = []
     for case in config.cases():
         if case.projection != "down":
             continue
         zipf = case.routing == "zipf"
-        for provider, us in (("tmagemm", ours_us * (1.1 if zipf else 1.0)), ("torch", torch_us), ("loop", loop_us)):
+        for provider, us in (("tmagemm", ours_us * (1.1 if zipf else 1.0)), ("torch", torch_us),
+                             ("loop", loop_us * (loop_zipf if zipf else 1.0))):
             rec = moe.new_record(case, provider)
             if provider == "torch" and case.layout == "masked":
                 rec.update(status="unsupported", reason="torch refuses: RuntimeError: scale_a must be 1-D")
@@ -172,6 +173,19 @@ def test_geomeans_per_dtype_and_layout():
     both = rows["fp8", "all"]  # the preset's geomean: both layouts
     assert both["rows"] == 4 and both["speedup_vs_torch_n"] == 2
     assert both["speedup_vs_loop_n"] == cont["speedup_vs_loop_n"] + rows["fp8", "masked"]["speedup_vs_loop_n"]
+
+
+def test_geomeans_give_the_peers_own_skew():
+    recs = moe.derive(_records(loop_zipf=1.25), 3000.0)
+    rows = {(g["dtype"], g["layout"]): g for g in moe.geomeans(recs)}
+    cont, masked, both = rows["fp8", "contiguous"], rows["fp8", "masked"], rows["fp8", "all"]
+    assert cont["skew_ratio"] == pytest.approx(1 / 1.1)  # ours
+    assert cont["torch_skew"] == pytest.approx(1.0) and cont["loop_skew"] == pytest.approx(1 / 1.25)
+    assert masked["torch_skew"] is None and masked["torch_skew_min"] is None  # torch refused the masked rows
+    assert both["loop_skew_min"] == pytest.approx(1 / 1.25)
+    header, _, *lines = moe.tables(recs)["moe geomeans (tmagemm)"].splitlines()
+    assert "torch skew" in header and "loop skew" in header
+    assert any(f"{1 / 1.25:.3f}" in line for line in lines)
 
 
 def test_tables_show_times_speedups_and_why_a_row_did_not_run():

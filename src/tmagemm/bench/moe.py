@@ -330,7 +330,8 @@ def derive(records: list[dict[str, Any]], copy_gbs: float | None) -> list[dict[s
 def geomeans(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (dtype, layout), and per dtype over both layouts (layout "all", the issue's "over the
     preset"), over tmagemm's records: geomean and minimum of each speedup, geomean %copy, geomean
-    and minimum skew ratio (zipf rows)."""
+    and minimum skew ratio (zipf rows); and the peers' own skew ratios (``torch_skew``,
+    ``loop_skew``: what skewed routing costs them on the same cases)."""
     rows = []
     groups = []
     for dtype in dict.fromkeys(r["dtype"] for r in records):
@@ -345,6 +346,10 @@ def geomeans(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             values = [r[what] for r in ours if r[what] is not None]
             row[f"{what}_n"], row[what], row[f"{what}_min"] = len(values), geomean(values), min(values, default=None)
         row["pct_copy"] = geomean([r["pct_copy"] for r in ours])
+        for peer in ("torch", "loop"):
+            values = [r["skew_ratio"] for r in records if r["provider"] == peer and r["dtype"] == dtype
+                      and r["layout"] in members and r["skew_ratio"] is not None]
+            row[f"{peer}_skew"], row[f"{peer}_skew_min"] = geomean(values), min(values, default=None)
         rows.append(row)
     return rows
 
@@ -388,9 +393,10 @@ def geomean_table(records: list[dict[str, Any]]) -> str:
             return [f"{g[what + '_n']}/{g['rows']}", fmt(g[what], spec), fmt(g[what + "_min"], spec)]
 
         rows.append([g["dtype"], g["layout"], *pair("speedup_vs_torch"), *pair("speedup_vs_loop"),
-                     fmt(g["pct_copy"], ".0f"), *pair("skew_ratio")])  # fmt: skip
+                     fmt(g["pct_copy"], ".0f"), *pair("skew_ratio"),
+                     *(fmt(g[f"{peer}_skew{end}"], ".3f") for peer in ("torch", "loop") for end in ("", "_min"))])  # fmt: skip
     headers = ["dtype", "layout", "vs torch n", "vs torch", "min", "vs loop n", "vs loop", "min", "%copy",
-               "skew n", "skew", "min"]  # fmt: skip
+               "skew n", "skew", "min", "torch skew", "min", "loop skew", "min"]  # fmt: skip
     return table(headers, rows)
 
 
@@ -402,7 +408,8 @@ NOTES = (
     "same graph (contiguous: each expert's rows, empty experts skipped; masked: all max_m rows). "
     "vs X = X's time / tmagemm's. MB and %copy count the weights of experts with rows + row-wise "
     "scales + activation rows read + bf16 output rows written, vs the measured copy rate (read + "
-    "written). skew = balanced time / zipf time at the same total rows. TFLOP/s from 2 x rows x N x K. "
+    "written). skew = balanced time / zipf time at the same total rows (torch skew, loop skew: the "
+    "peers' own on the same cases). TFLOP/s from 2 x rows x N x K. "
     f"err = max|out - ref| / max|ref| vs float64 on up to {CHECK_EXPERTS} experts (busiest, lightest, "
     f"seeded others), first {CHECK_ROWS} rows of each, every provider."
 )
