@@ -196,6 +196,12 @@ def test_tables_show_times_speedups_and_why_a_row_did_not_run():
     assert len(lines) == 2 + 4  # header, rule, (contiguous, masked) x (balanced, zipf)
     row = next(line for line in lines if "contiguous" in line and "balanced" in line)
     assert "100.0" in row and "130.0" in row and "300.0" in row and "1.30x" in row and "3.00x" in row
+    # %copy, ours then the loop's: the loop took 3x our time over the same bytes.
+    ours = next(r for r in recs if r["provider"] == "tmagemm" and r["layout"] == "contiguous" and r["routing"] == "balanced")
+    cells = row.split()
+    at = cells.index("3.00x")
+    assert cells[at + 1: at + 3] == [f"{ours['pct_copy']:.0f}", f"{ours['pct_copy'] / 3:.0f}"]
+    assert "loop %copy" in lines[0]
     masked = next(line for line in lines if "masked" in line and "balanced" in line)
     assert masked.rstrip().endswith("torch unsupported")
     assert "scale_a must be 1-D" in text["moe not run / not correct"]
