@@ -197,6 +197,105 @@ def test_public_api_caches_and_counts_stay_on_device(seeded):
     assert torch.allclose(res.double().cpu()[written], ref[written], rtol=1e-4, atol=1e-4)
 
 
+def _traced(fn):
+    """fn compiled with fullgraph=True, and the FX graphs Dynamo hands the back end (aot_eager
+    runs them: no compiler back end runs the interpreter's CPU tensors)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    return torch.compile(fn, fullgraph=True, backend=backend), graphs
+
+
+def test_compile_fullgraph_traces_the_grouped_ops(seeded):
+    """torch.compile(fullgraph=True) traces grouped_mm as torch.ops.tmagemm.grouped_mm (and its
+    out= form as grouped_mm_out): no graph break, the results of eager calls, new counts served
+    by the same graph."""
+    torch._dynamo.reset()
+    e, m, k, n = 3, 40, 32, 24
+    a = torch.randn(m, k, device=DEV).to(HALF)
+    b = weights(e, k, n, HALF)
+    a3 = torch.randn(e, 8, k, device=DEV).to(HALF)
+
+    def layer(a, b, offs, a3, masked_m, out):
+        grouped_mm(a, b, offs=offs, out=out)
+        return out.float() * 2, grouped_mm(a3, b, masked_m=masked_m, out_dtype=torch.float32)
+
+    compiled, graphs = _traced(layer)
+    for offs, masked in (([10, 25, 40], [8, 0, 5]), ([0, 33, 35], [1, 8, 0])):
+        doubled, res = compiled(a, b, counts_tensor(offs), a3, counts_tensor(masked), poisoned((m, n), HALF))
+        ref = reference(a.double().cpu(), b.double().cpu(), offs, GroupLayout.CONTIGUOUS) * 2
+        check(doubled, ref, REL_HALF_OUT, f"compiled offs={offs}")
+        ref = reference(a3.double().cpu(), b.double().cpu(), masked, GroupLayout.MASKED)
+        res = torch.where(torch.isnan(ref), float("nan"), res.double().cpu())  # rows no group covers: uninitialised
+        check(res, ref, 1e-5, f"compiled masked {masked}")
+    assert len(graphs) == 1, f"{len(graphs)} graphs for two sets of counts"
+    code = graphs[0].code
+    assert "tmagemm.grouped_mm_out" in code and "tmagemm.grouped_mm(" in code
+    torch._dynamo.reset()
+
+
+def test_compile_fullgraph_traces_the_grouped_scaled_ops(seeded):
+    """grouped_scaled_mm traces as torch.ops.tmagemm.grouped_scaled_mm (recipes passed as the
+    op's strings, torch's ScalingType names accepted) and grouped_scaled_mm_out, with bias."""
+    torch._dynamo.reset()
+    e, m, k, n = 2, 24, 208, 32  # K: a partial last 128-deep block
+    a, b = fp8_operands((m, k), e, k, n)
+    kb = -(-k // 128)
+    sa = torch.rand(m, kb, device=DEV) + 0.5  # 1x128
+    sb = torch.rand(e, n, kb, device=DEV) + 0.5  # 1x128 per output channel
+    bias = torch.randn(e, n, device=DEV)
+    offs = counts_tensor([10, 24])
+
+    def layer(a, b, sa, sb, offs, bias, out):
+        y = grouped_scaled_mm(a, b, sa, sb, offs=offs, bias=bias, out_dtype=torch.float32,
+                              scale_recipe_a="BlockWise1x128", scale_recipe_b="1x128")
+        grouped_scaled_mm(a, b, sa, sb, offs=offs, out=out, out_dtype=torch.float32, scale_recipe_a="1x128",
+                          scale_recipe_b="1x128")
+        return y, out
+
+    compiled, graphs = _traced(layer)
+    y, out = compiled(a, b, sa, sb, offs, bias, poisoned((m, n)))
+    cols = torch.arange(k) // 128
+    a_deq = a.double().cpu() * sa.double().cpu()[:, cols]
+    b_deq = b.double().cpu() * sb.double().cpu()[:, :, cols].transpose(1, 2)
+    check(y, reference(a_deq, b_deq, [10, 24], GroupLayout.CONTIGUOUS, bias.cpu()), REL8, "compiled, bias")  # every row
+    check(out, reference(a_deq, b_deq, [10, 24], GroupLayout.CONTIGUOUS), REL8, "compiled, out=")
+    code = graphs[0].code
+    assert "tmagemm.grouped_scaled_mm(" in code and "tmagemm.grouped_scaled_mm_out" in code
+    torch._dynamo.reset()
+
+
+def test_compile_fails_with_the_eager_message(seeded):
+    """A bad argument fails the compile at trace time with the eager check's message (Dynamo
+    wraps the TypeError; the message is ours)."""
+    torch._dynamo.reset()
+    e, m, k, n = 2, 20, 32, 16
+    a, b = torch.randn(m, k, device=DEV).to(HALF), weights(e, k, n, HALF)
+    compiled = torch.compile(lambda a, b, offs, out: grouped_mm(a, b, offs=offs, out=out), fullgraph=True,
+                             backend="aot_eager")
+    with pytest.raises(Exception, match="out has dtype torch.float32 but out_dtype is"):
+        compiled(a, b, counts_tensor([7, 20]), poisoned((m, n)))
+    torch._dynamo.reset()
+
+
+def test_grouped_ops_called_directly_check_like_the_functions(seeded):
+    """The torch ops take the public functions' defaults and raise their errors."""
+    e, m, k, n = 2, 20, 32, 16
+    a = torch.randn(m, k, device=DEV).to(HALF)
+    b = weights(e, k, n, HALF)
+    offs = counts_tensor([7, 20])
+    out = torch.ops.tmagemm.grouped_mm(a, b, offs)  # offs covers every row: all written
+    check(out, reference(a.double().cpu(), b.double().cpu(), [7, 20], GroupLayout.CONTIGUOUS), REL_HALF_OUT, "op")
+    assert out.dtype == HALF
+    with pytest.raises(ValueError, match="offs must be 1-D with one entry per expert"):
+        torch.ops.tmagemm.grouped_mm(a, b, counts_tensor([7, 10, 20]))
+    with pytest.raises(TypeError, match="a must be float8_e4m3fn"):
+        torch.ops.tmagemm.grouped_scaled_mm(a, b, torch.ones(m), torch.ones(e, n), offs)
+
+
 # ---------------------------------------------------------------------------------- fp8
 
 
@@ -524,6 +623,35 @@ def test_gpu_cuda_graph_masked_counts_change_between_replays(seeded):
         graph.replay()
         torch.cuda.synchronize()
         check(out, reference(a.double().cpu(), b.double().cpu(), counts, GroupLayout.MASKED), 1e-2, f"replay {counts}")
+
+
+@gpu
+def test_gpu_compile_reduce_overhead_masked_counts_change(seeded):
+    """torch.compile(mode="reduce-overhead", fullgraph=True) over a masked fp8 expert layer: the
+    grouped op inside cudagraph trees, new counts each step (no recapture, right rows)."""
+    torch._dynamo.reset()
+    e, max_m, k, n = 8, 32, 512, 768
+    a, b = fp8_operands((e, max_m, k), e, k, n)
+    sa, sb = torch.rand(e, max_m, device=DEV) + 0.5, torch.rand(e, n, device=DEV) + 0.5
+    masked = counts_tensor([max_m] * e)
+
+    def experts(a, b, sa, sb, masked_m):
+        return grouped_scaled_mm(a, b, sa, sb, masked_m=masked_m, use_fast_accum=True) * 0.5
+
+    compiled = torch.compile(experts, mode="reduce-overhead", fullgraph=True)
+    a_deq = a.double().cpu() * sa.double().cpu()[..., None]
+    b_deq = b.double().cpu() * sb.double().cpu()[:, None, :]
+    for counts in ([32] * e, [1, 0, 32, 5, 17, 31, 2, 3], [0] * e, [9, 9, 1, 1, 0, 0, 32, 32]):
+        masked.copy_(counts_tensor(counts))
+        torch.compiler.cudagraph_mark_step_begin()
+        got = compiled(a, b, sa, sb, masked).clone()
+        torch.cuda.synchronize()
+        ref = reference(a_deq, b_deq, counts, GroupLayout.MASKED) * 0.5
+        written = ~torch.isnan(ref)
+        if written.any():
+            err = (got.double().cpu()[written] - ref[written]).norm() / ref[written].norm()
+            assert err < 1e-2, f"counts {counts}: relative error {err:.2e}"
+    torch._dynamo.reset()
 
 
 @gpu

@@ -12,11 +12,14 @@ Drop-ins for ``torch._grouped_mm`` / ``torch._scaled_grouped_mm`` where the cont
 * batched (neither given): a (E, M, K) x b (E, K, N) -> (E, M, N), every row valid.
 
 Counts stay on the device: no call reads them on the host, so a call captures into a CUDA graph
-and replays with new counts. Checks that need no sync (dtypes, devices, shapes, layouts) raise
-TypeError / ValueError naming the argument; counts that are wrong at run time are clamped in the
-kernel as above (never an out-of-bounds access). Each call signature is checked and planned
-once (a key built like ``plan.call_key``, stored in the plan layer's one cache through
-``plan.remember`` / ``plan.cached``); later calls with it go straight to the launch.
+and replays with new counts. Under torch.compile both functions trace as the torch ops
+``torch.ops.tmagemm.grouped_mm`` / ``grouped_scaled_mm`` (and their ``_out`` forms, ops.py), so
+``fullgraph=True`` and ``mode="reduce-overhead"`` work. Checks that need no sync (dtypes,
+devices, shapes, layouts) raise TypeError / ValueError naming the argument; counts that are
+wrong at run time are clamped in the kernel as above (never an out-of-bounds access). Each call
+signature is checked and planned once (a key built like ``plan.call_key``, stored in the plan
+layer's one cache through ``plan.remember`` / ``plan.cached``); later calls with it go straight
+to the launch.
 docs/grouped.md has the contracts, the scheduler and the limitations.
 """
 
@@ -132,8 +135,9 @@ def _counts(t, name: str, e: int, dev: torch.device) -> None:
     _same_device(t, name, dev)
 
 
-def _layout(a, b, offs, masked_m, fp8: bool):
-    """(GroupLayout, b_k_major, counts) of checked operands; raises naming the argument."""
+def _layout(a, b, offs, masked_m, fp8: bool, tracing: bool = False):
+    """(GroupLayout, b_k_major, counts) of checked operands; raises naming the argument.
+    ``tracing``: torch.compile's fake tensors, which have no base address to check yet."""
     _tensor(a, "a")
     _tensor(b, "b")
     if b.dim() != 3:
@@ -173,17 +177,18 @@ def _layout(a, b, offs, masked_m, fp8: bool):
     b_k_major = k_major and (fp8 or not n_major or (k > 1 and b.stride(1) == 1))
     if k > 0 and min(a.shape[:-1] + (n,)) > 0:
         for t, name, dims in ((a, "a", tuple(range(a.dim()))), (b, "b", (0, 2, 1) if b_k_major else (0, 1, 2))):
-            reason = tma.map_reason(t, name, dims)
+            reason = tma.map_reason(t, name, dims, address=not tracing)
             if reason:
                 raise ValueError(reason)
     return layout, b_k_major, counts
 
 
-def _out(out, shape: tuple, out_dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+def _out(out, shape: tuple, out_dtype: torch.dtype, dev: torch.device,
+         allocate: bool = True) -> torch.Tensor | None:
     if out_dtype not in _OUT:
         raise TypeError(f"out_dtype must be one of torch.bfloat16, torch.float16, torch.float32; got {out_dtype}")
     if out is None:
-        return torch.empty(shape, dtype=out_dtype, device=dev)
+        return torch.empty(shape, dtype=out_dtype, device=dev) if allocate else None
     _tensor(out, "out")
     if tuple(out.shape) != shape:
         raise ValueError(f"out has shape {tuple(out.shape)} but the result is {shape}")
@@ -202,16 +207,18 @@ def _no_grad(a, b) -> None:
         raise ValueError("grouped GEMMs do not support automatic differentiation; call them under torch.no_grad()")
 
 
-def mm_args(a, b, *, offs=None, masked_m=None, out_dtype=None, out=None) -> GroupedArgs:
-    """Check the arguments of :func:`grouped_mm` and return the problem (``out`` allocated)."""
+def mm_args(a, b, *, offs=None, masked_m=None, out_dtype=None, out=None, tracing=False) -> GroupedArgs:
+    """Check the arguments of :func:`grouped_mm` and return the problem (``out`` allocated).
+    ``tracing``: torch.compile is tracing (fake tensors): no base addresses are checked and no
+    output is allocated (the problem's ``out`` is the caller's, maybe None)."""
     _tensor(a, "a")
     _tensor(b, "b")
     if a.dtype not in _HALF or b.dtype != a.dtype:
         raise TypeError(f"a and b must both be bfloat16 or both float16, got a {a.dtype} and b {b.dtype}"
                         + ("; use grouped_scaled_mm for fp8" if a.element_size() == 1 else ""))
-    layout, b_k_major, counts = _layout(a, b, offs, masked_m, fp8=False)
+    layout, b_k_major, counts = _layout(a, b, offs, masked_m, fp8=False, tracing=tracing)
     _no_grad(a, b)
-    out = _out(out, _out_shape(a, b), a.dtype if out_dtype is None else out_dtype, a.device)
+    out = _out(out, _out_shape(a, b), a.dtype if out_dtype is None else out_dtype, a.device, allocate=not tracing)
     return GroupedArgs(a, b, out, counts, None, None, None, layout, b_k_major)
 
 
@@ -266,8 +273,10 @@ def scale_strides(scale_a, scale_b, layout: GroupLayout, e: int, m: int, n: int,
 
 
 def scaled_mm_args(a, b, scale_a, scale_b, *, offs=None, masked_m=None, bias=None, out_dtype=torch.bfloat16,
-                   out=None, scale_recipe_a=None, scale_recipe_b=None, use_fast_accum=False) -> GroupedArgs:
-    """Check the arguments of :func:`grouped_scaled_mm` and return the problem (``out`` allocated)."""
+                   out=None, scale_recipe_a=None, scale_recipe_b=None, use_fast_accum=False,
+                   tracing=False) -> GroupedArgs:
+    """Check the arguments of :func:`grouped_scaled_mm` and return the problem (``out``
+    allocated; ``tracing`` as in :func:`mm_args`)."""
     _tensor(a, "a")
     _tensor(b, "b")
     if a.dtype != _FP8:
@@ -277,7 +286,7 @@ def scaled_mm_args(a, b, scale_a, scale_b, *, offs=None, masked_m=None, bias=Non
         raise TypeError(f"b must be float8_e4m3fn, got {b.dtype}")
     if not isinstance(use_fast_accum, bool):
         raise TypeError(f"use_fast_accum must be a bool, got {type(use_fast_accum).__name__}")
-    layout, b_k_major, counts = _layout(a, b, offs, masked_m, fp8=True)
+    layout, b_k_major, counts = _layout(a, b, offs, masked_m, fp8=True, tracing=tracing)
     dev = a.device
     e, k, n = b.shape
     _scale_tensor(scale_a, "scale_a", dev)
@@ -292,7 +301,7 @@ def scaled_mm_args(a, b, scale_a, scale_b, *, offs=None, masked_m=None, bias=Non
             raise TypeError(f"bias must be bfloat16, float16 or float32, got {bias.dtype}")
         _same_device(bias, "bias", dev)
     _no_grad(a, b)
-    out = _out(out, _out_shape(a, b), out_dtype, dev)
+    out = _out(out, _out_shape(a, b), out_dtype, dev, allocate=not tracing)
     return GroupedArgs(a, b, out, counts, scale_a, scale_b, bias, layout, b_k_major, scaling, sa_strides,
                        sb_strides, per_channel, use_fast_accum)
 
@@ -363,7 +372,14 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, *, offs: torch.Tensor | None = 
     out_dtype: defaults to a.dtype; bfloat16, float16 or float32. out: preallocated result;
     rows no group covers keep their values (with out=None they are uninitialised).
     Strides: every non-innermost stride of a and b a multiple of 16 bytes (TMA), as torch requires.
+    Under torch.compile the call traces as ``torch.ops.tmagemm.grouped_mm`` (``_out`` with out=).
     """
+    if torch.compiler.is_compiling():
+        mm_args(a, b, offs=offs, masked_m=masked_m, out_dtype=out_dtype, out=out, tracing=True)
+        if out is None:
+            return torch.ops.tmagemm.grouped_mm(a, b, offs, masked_m, out_dtype)
+        torch.ops.tmagemm.grouped_mm_out(a, b, offs, masked_m, out)
+        return out
     counts = offs if masked_m is None else masked_m
     try:
         grad = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
@@ -395,8 +411,20 @@ def grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, s
     "1x128", "128x128" (or torch's ScalingType), for shapes two recipes fit. bias: (E, N).
     use_fast_accum: tensor/row-wise only: keep wgmma's fp8 accumulation across all of K (False,
     the default as in torch, adds each k-tile's sum into fp32). out_dtype: bfloat16 (default),
-    float16 or float32. out: as in :func:`grouped_mm`.
+    float16 or float32. out: as in :func:`grouped_mm`. Under torch.compile the call traces as
+    ``torch.ops.tmagemm.grouped_scaled_mm`` (``_out`` with out=).
     """
+    if torch.compiler.is_compiling():
+        scaled_mm_args(a, b, scale_a, scale_b, offs=offs, masked_m=masked_m, bias=bias, out_dtype=out_dtype, out=out,
+                       scale_recipe_a=scale_recipe_a, scale_recipe_b=scale_recipe_b, use_fast_accum=use_fast_accum,
+                       tracing=True)
+        recipes = parse_recipe(scale_recipe_a, "scale_recipe_a"), parse_recipe(scale_recipe_b, "scale_recipe_b")
+        if out is None:
+            return torch.ops.tmagemm.grouped_scaled_mm(a, b, scale_a, scale_b, offs, masked_m, bias, out_dtype,
+                                                        *recipes, use_fast_accum)
+        torch.ops.tmagemm.grouped_scaled_mm_out(a, b, scale_a, scale_b, offs, masked_m, bias, *recipes,
+                                                use_fast_accum, out)
+        return out
     counts = offs if masked_m is None else masked_m
     try:
         grad = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)

@@ -1,5 +1,5 @@
-"""The GEMMs (and the fused gate/up projection) as torch ops (``torch.ops.tmagemm.*``) with fake
-implementations.
+"""The GEMMs (dense and grouped, and the fused gate/up projection) as torch ops
+(``torch.ops.tmagemm.*``) with fake implementations.
 
 torch.compile traces these as opaque ops (``fullgraph=True`` works), using the fake
 implementations for shapes. The public functions in ``api.py`` call them while compiling and
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import api, gate_up
+from . import api, gate_up, grouped
 from .plan import call_key
 
 
@@ -110,6 +110,81 @@ def gate_up_silu_quant_out_op(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tenso
 
 @gate_up_silu_quant_out_op.register_fake
 def _(xq, sx, w, sw, pow2_scale, hq, hs):
+    return None
+
+
+# Grouped GEMMs: the op runs the public function (its checks, its plan cache). Counts stay on the
+# device; rows no group covers are left as they are (uninitialised in a returned output).
+
+
+@torch.library.custom_op("tmagemm::grouped_mm", mutates_args=())
+def grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = None,
+                  masked_m: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return grouped.grouped_mm(a, b, offs=offs, masked_m=masked_m, out_dtype=out_dtype)
+
+
+@grouped_mm_op.register_fake
+def _(a, b, offs=None, masked_m=None, out_dtype=None):
+    return a.new_empty((*a.shape[:-1], b.shape[2]), dtype=a.dtype if out_dtype is None else out_dtype)
+
+
+@torch.library.custom_op("tmagemm::grouped_mm_out", mutates_args=("out",))
+def grouped_mm_out_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None, masked_m: torch.Tensor | None,
+                      out: torch.Tensor) -> None:
+    grouped.grouped_mm(a, b, offs=offs, masked_m=masked_m, out_dtype=out.dtype, out=out)
+
+
+@grouped_mm_out_op.register_fake
+def _(a, b, offs, masked_m, out):
+    return None
+
+
+@torch.library.custom_op("tmagemm::grouped_scaled_mm", mutates_args=())
+def grouped_scaled_mm_op(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    offs: torch.Tensor | None = None,
+    masked_m: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    scale_recipe_a: str | None = None,
+    scale_recipe_b: str | None = None,
+    use_fast_accum: bool = False,
+) -> torch.Tensor:
+    return grouped.grouped_scaled_mm(a, b, scale_a, scale_b, offs=offs, masked_m=masked_m, bias=bias,
+                                     out_dtype=out_dtype, scale_recipe_a=scale_recipe_a,
+                                     scale_recipe_b=scale_recipe_b, use_fast_accum=use_fast_accum)
+
+
+@grouped_scaled_mm_op.register_fake
+def _(a, b, scale_a, scale_b, offs=None, masked_m=None, bias=None, out_dtype=torch.bfloat16, scale_recipe_a=None,
+      scale_recipe_b=None, use_fast_accum=False):
+    return a.new_empty((*a.shape[:-1], b.shape[2]), dtype=out_dtype)
+
+
+@torch.library.custom_op("tmagemm::grouped_scaled_mm_out", mutates_args=("out",))
+def grouped_scaled_mm_out_op(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    offs: torch.Tensor | None,
+    masked_m: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    scale_recipe_a: str | None,
+    scale_recipe_b: str | None,
+    use_fast_accum: bool,
+    out: torch.Tensor,
+) -> None:
+    grouped.grouped_scaled_mm(a, b, scale_a, scale_b, offs=offs, masked_m=masked_m, bias=bias, out_dtype=out.dtype,
+                              out=out, scale_recipe_a=scale_recipe_a, scale_recipe_b=scale_recipe_b,
+                              use_fast_accum=use_fast_accum)
+
+
+@grouped_scaled_mm_out_op.register_fake
+def _(a, b, scale_a, scale_b, offs, masked_m, bias, scale_recipe_a, scale_recipe_b, use_fast_accum, out):
     return None
 
 

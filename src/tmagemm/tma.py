@@ -449,12 +449,13 @@ def map_layout(t: torch.Tensor, dims: Sequence[int]) -> tuple[list[int], list[in
     return shape, strides
 
 
-def map_reason(t: torch.Tensor, name: str, dims: Sequence[int]) -> str | None:
-    """None if a tensor map can describe ``t`` permuted to ``dims`` (innermost last), else why not."""
+def map_reason(t: torch.Tensor, name: str, dims: Sequence[int], address: bool = True) -> str | None:
+    """None if a tensor map can describe ``t`` permuted to ``dims`` (innermost last), else why not.
+    ``address=False`` leaves out the base address (a tensor torch.compile traces has none yet)."""
     inner = dims[-1]
     if t.shape[inner] > 1 and t.stride(inner) != 1:
         return f"{name} (shape {tuple(t.shape)}, stride {tuple(t.stride())}) must be contiguous along dimension {inner}"
-    if t.data_ptr() % ALIGN:
+    if address and t.data_ptr() % ALIGN:
         return f"{name}.data_ptr() is not {ALIGN}-byte aligned (TMA)"
     _, strides = map_layout(t, dims)
     for d, stride in zip(dims[:-1], strides[:-1]):
