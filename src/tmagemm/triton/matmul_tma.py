@@ -130,10 +130,11 @@ CONFIGS = tuple(
 
 # fp8 tiles for M <= 256, in order of preference: (block_n, num_stages). Every stage holds a
 # 64x256 A box and a block_n x 256 B box; the depth is the most that fits one CTA per SM.
-# block_n=32 (twice the CTAs) measured level with 64 at one row of tiles (64 vs 128 CTAs), so
-# it stays a tuning candidate only.
 _FP8_SMALL_M_TILES = ((64, 6), (128, 4))
 _SMALL_M_BLOCK = 64  # one wgmma M=64 warpgroup tile: rows past M are TMA zero-fill, never read from HBM
+# 64 x 32 fp8 tiles (twice the CTAs of 64 x 64) where the 64 x 64 tiles fill at most half the
+# SMs: at 33-64 tokens with fast accumulation, and at any M <= 256 without it.
+_FP8_NARROW = TritonGemmConfig(_SMALL_M_BLOCK, 32, 256, 8, 6, 4)
 
 
 def _fp8_small_m(args: GemmArgs, sms: int) -> TritonGemmConfig:
@@ -160,7 +161,7 @@ def _fp8_small_m(args: GemmArgs, sms: int) -> TritonGemmConfig:
         if exact is not None:
             return exact
     elif args.m > 32 and tiles_m == 1 and 2 * tiles_64 <= sms:
-        return TritonGemmConfig(_SMALL_M_BLOCK, 32, 256, 8, 6, 4)
+        return _FP8_NARROW
     for block_n, stages in _FP8_SMALL_M_TILES:
         if tiles_m * triton.cdiv(args.n, block_n) <= sms:
             return TritonGemmConfig(_SMALL_M_BLOCK, block_n, 256, 8, stages, 4)
@@ -179,7 +180,7 @@ def _fp8_exact_small_m(tiles_64: int, sms: int) -> TritonGemmConfig | None:
     (BENCHMARKS.md): 0.93-0.99x where the fast-accumulation tiles ran 0.88-0.98x. None past two
     waves (not measured): the fast-accumulation tiles, promoting every 128 deep."""
     if 2 * tiles_64 <= sms:
-        return TritonGemmConfig(_SMALL_M_BLOCK, 32, 256, 8, 6, 4)
+        return _FP8_NARROW
     if tiles_64 <= sms:
         return TritonGemmConfig(_SMALL_M_BLOCK, 64, 128, 8, 10, 4)
     if tiles_64 <= 2 * sms:
