@@ -56,7 +56,8 @@ import triton.language as tl
 from .. import device, workspace
 from ..gate_up import GROUP, GateUpArgs
 from ..plan import BLOCK_SWAP_MAX_M, Plan
-from .common import block_scaled_add, let_next_kernel_launch, wait_for_previous_kernel
+from .common import (SCALES_AHEAD_MIN_ROWS, block_scaled_add, let_next_kernel_launch, load_block_scales,
+                     wait_for_previous_kernel)
 from .host import descriptor
 from .launch import A, B, BIAS, COUNTERS, OUT, PARTIALS, SCALE_A, SCALE_B, KernelCall, direct_launch, pdl
 from .launch import aot_spec as _aot_spec
@@ -223,6 +224,10 @@ def gate_up_kernel(
     else:
         acc_g = tl.zeros((BLOCK_M, GROUP_N), dtype=tl.float32)
     acc_u = tl.zeros_like(acc_g)
+    SCALES_AHEAD: tl.constexpr = BLOCK_M >= SCALES_AHEAD_MIN_ROWS  # common.SCALES_AHEAD_MIN_ROWS says why
+    if SCALES_AHEAD:
+        sx, swg = load_block_scales(sx_ptrs, swg_ptrs, stride_sxk, stride_swk, k_lo, row_ok, row_ok, False, GROUP_N)
+        swu = tl.load(swu_ptrs + k_lo * stride_swk)
     for kb in range(k_lo, k_hi):
         k0 = kb * BK
         x = x_desc.load([off_m, k0])  # [BLOCK_M, BK], K contiguous
@@ -234,10 +239,16 @@ def gate_up_kernel(
         else:
             pg = tl.dot(x, wg.T)
             pu = tl.dot(x, wu.T)
-        acc_g = block_scaled_add(acc_g, pg, sx_ptrs, swg_ptrs, stride_sxk, stride_swk, kb, row_ok, row_ok,
-                                 False, GROUP_N, SWAP_AB)
-        acc_u = block_scaled_add(acc_u, pu, sx_ptrs, swu_ptrs, stride_sxk, stride_swk, kb, row_ok, row_ok,
-                                 False, GROUP_N, SWAP_AB)
+        if not SCALES_AHEAD:
+            sx, swg = load_block_scales(sx_ptrs, swg_ptrs, stride_sxk, stride_swk, kb, row_ok, row_ok, False, GROUP_N)
+            swu = tl.load(swu_ptrs + kb * stride_swk)
+        acc_g = block_scaled_add(acc_g, pg, sx, swg, False, GROUP_N, SWAP_AB)
+        acc_u = block_scaled_add(acc_u, pu, sx, swu, False, GROUP_N, SWAP_AB)
+        if SCALES_AHEAD:  # the next k-block's (this one's again after the last)
+            kb_next = tl.minimum(kb + 1, k_hi - 1)
+            sx, swg = load_block_scales(sx_ptrs, swg_ptrs, stride_sxk, stride_swk, kb_next, row_ok, row_ok, False,
+                                        GROUP_N)
+            swu = tl.load(swu_ptrs + kb_next * stride_swk)
     # The weight is streamed: the next kernel (the down projection) may launch and do its setup.
     let_next_kernel_launch(PDL)
 

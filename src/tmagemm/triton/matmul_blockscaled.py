@@ -26,7 +26,8 @@ import triton.language as tl
 from .. import device, tma, tuning
 from ..configs import TritonGemmConfig
 from ..plan import GemmArgs, Plan, Scaling, Variant
-from .common import block_scaled_add, grouped_tile, let_next_kernel_launch, wait_for_previous_kernel
+from .common import (SCALES_AHEAD_MIN_ROWS, block_scaled_add, grouped_tile, let_next_kernel_launch, load_block_scales,
+                     wait_for_previous_kernel)
 from .host import GEMM_OPERANDS, descriptor
 from .launch import KernelCall, aot_spec as _aot_spec, direct_launch, pdl
 from .matmul_tma import store_tile
@@ -77,7 +78,12 @@ def blockscaled_gemm_kernel(
     # describe (a row stride not a multiple of 16 bytes, e.g. K = 7000) are read with masked
     # pointer loads instead: a_desc / b_desc are then the tensors' base pointers.
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(tl.cdiv(K, BLOCK_K)):
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    SCALES_AHEAD: tl.constexpr = BLOCK_M >= SCALES_AHEAD_MIN_ROWS  # common.SCALES_AHEAD_MIN_ROWS says why
+    if SCALES_AHEAD:
+        sa, sb = load_block_scales(sa_ptrs, sb_ptrs, stride_sak, stride_sbk, 0, sa_mask, sb_mask, B_PER_CHANNEL,
+                                   BLOCK_N)
+    for kb in range(k_blocks):
         if OPERAND_TMA:
             a = a_desc.load([off_m, kb * BLOCK_K])
             b = b_desc.load([off_n, kb * BLOCK_K]).T  # K-major B: wgmma reads the transposed view
@@ -89,8 +95,13 @@ def blockscaled_gemm_kernel(
             b = tl.load(b_desc + offs_n[None, :].to(tl.int64) * stride_bn + ks[:, None],
                         mask=k_ok[:, None] & (offs_n[None, :] < N), other=0.0)
         partial = tl.dot(a, b)  # no accumulator in: the block's sum starts from zero
-        acc = block_scaled_add(acc, partial, sa_ptrs, sb_ptrs, stride_sak, stride_sbk, kb, sa_mask, sb_mask,
-                               B_PER_CHANNEL, BLOCK_N, False)
+        if not SCALES_AHEAD:
+            sa, sb = load_block_scales(sa_ptrs, sb_ptrs, stride_sak, stride_sbk, kb, sa_mask, sb_mask, B_PER_CHANNEL,
+                                       BLOCK_N)
+        acc = block_scaled_add(acc, partial, sa, sb, B_PER_CHANNEL, BLOCK_N, False)
+        if SCALES_AHEAD:  # the next k-block's (this one's again after the last)
+            sa, sb = load_block_scales(sa_ptrs, sb_ptrs, stride_sak, stride_sbk, tl.minimum(kb + 1, k_blocks - 1),
+                                       sa_mask, sb_mask, B_PER_CHANNEL, BLOCK_N)
     let_next_kernel_launch(PDL)
 
     # ---- epilogue: bias in fp32, then one rounding to the output dtype

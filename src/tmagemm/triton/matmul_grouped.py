@@ -45,7 +45,8 @@ from .. import device, tma
 from ..configs import TritonGemmConfig
 from ..grouped import GroupedArgs, GroupLayout, GroupScaling
 from ..plan import Plan
-from .common import block_scaled_add, grouped_tile, let_next_kernel_launch, mma, wait_for_previous_kernel
+from .common import (SCALES_AHEAD_MIN_ROWS, block_scaled_add, grouped_tile, let_next_kernel_launch, load_block_scales,
+                     mma, wait_for_previous_kernel)
 from .launch import A, B, BIAS, OUT, PARTIALS, SCALE_A, SCALE_B, KernelCall, aot_spec as _aot_spec, direct_launch, pdl
 
 NAME = "triton.grouped"
@@ -171,12 +172,23 @@ def grouped_gemm_kernel(
                     sb_ptrs = scale_b_ptr + g64 * stride_sbe + (off_n // 128) * stride_sbn
                 else:
                     sb_ptrs = scale_b_ptr + g64 * stride_sbe + (offs_n // 128) * stride_sbn
-                for kb in range(tl.cdiv(K, BLOCK_K)):
+                k_blocks = tl.cdiv(K, BLOCK_K)
+                SCALES_AHEAD: tl.constexpr = BLOCK_M >= SCALES_AHEAD_MIN_ROWS  # common.py says why
+                if SCALES_AHEAD:
+                    sa, sb = load_block_scales(sa_ptrs, sb_ptrs, stride_sak, stride_sbk, 0, row_ok, col_ok,
+                                               B_PER_CHANNEL, BLOCK_N)
+                for kb in range(k_blocks):
                     a = load_a(a_desc, g, off_m, kb * BLOCK_K, BLOCK_M, BLOCK_K, LAYOUT)
                     b = load_b(b_desc, g, kb * BLOCK_K, off_n, BLOCK_N, BLOCK_K, B_K_MAJOR)
                     partial = tl.dot(a, b)
-                    acc = block_scaled_add(acc, partial, sa_ptrs, sb_ptrs, stride_sak, stride_sbk, kb, row_ok, col_ok,
-                                           B_PER_CHANNEL, BLOCK_N, False)
+                    if not SCALES_AHEAD:
+                        sa, sb = load_block_scales(sa_ptrs, sb_ptrs, stride_sak, stride_sbk, kb, row_ok, col_ok,
+                                                   B_PER_CHANNEL, BLOCK_N)
+                    acc = block_scaled_add(acc, partial, sa, sb, B_PER_CHANNEL, BLOCK_N, False)
+                    if SCALES_AHEAD:  # the next k-block's (this one's again after the last)
+                        sa, sb = load_block_scales(sa_ptrs, sb_ptrs, stride_sak, stride_sbk,
+                                                   tl.minimum(kb + 1, k_blocks - 1), row_ok, col_ok, B_PER_CHANNEL,
+                                                   BLOCK_N)
             else:
                 for k in range(tl.cdiv(K, BLOCK_K)):
                     a = load_a(a_desc, g, off_m, k * BLOCK_K, BLOCK_M, BLOCK_K, LAYOUT)

@@ -34,7 +34,8 @@ import triton.language as tl
 from .. import device, tma, workspace
 from ..plan import GemmArgs, Plan, Scaling, Variant, block_tiling
 from . import matmul_blockscaled as blockscaled
-from .common import block_scaled_add, let_next_kernel_launch, mma, scale_bias_epilogue, wait_for_previous_kernel
+from .common import (SCALES_AHEAD_MIN_ROWS, block_scaled_add, let_next_kernel_launch, load_block_scales, mma,
+                     scale_bias_epilogue, wait_for_previous_kernel)
 from .host import descriptor
 from .launch import A, B, BIAS, COUNTERS, OUT, PARTIALS, SCALE_A, SCALE_B, KernelCall, direct_launch, pdl
 
@@ -248,6 +249,11 @@ def _splitk_kernel(
             sb_ptrs = scale_b_ptr + offs_n * stride_sbn
         else:
             sb_ptrs = scale_b_ptr + (off_n // 128) * stride_sbn  # BLOCK_N divides the 128-row block
+    SCALES_AHEAD: tl.constexpr = BLOCK_M >= SCALES_AHEAD_MIN_ROWS  # common.SCALES_AHEAD_MIN_ROWS says why
+    if BLOCK_SCALED:
+        if SCALES_AHEAD:
+            sa, sb = load_block_scales(sa_ptrs, sb_ptrs, stride_sak, stride_sbk, k_lo, offs_m < M, offs_n < N,
+                                       BLOCK_SCALED == 2, BLOCK_N)
     for ki in range(k_lo, k_hi):
         k0 = ki * BLOCK_K
         if A_TMA:
@@ -270,8 +276,13 @@ def _splitk_kernel(
                 partial = tl.dot(w, a.T)
             else:
                 partial = tl.dot(a, w.T)
-            acc = block_scaled_add(acc, partial, sa_ptrs, sb_ptrs, stride_sak, stride_sbk, ki, offs_m < M,
-                                   offs_n < N, BLOCK_SCALED == 2, BLOCK_N, SWAP_AB)
+            if not SCALES_AHEAD:
+                sa, sb = load_block_scales(sa_ptrs, sb_ptrs, stride_sak, stride_sbk, ki, offs_m < M, offs_n < N,
+                                           BLOCK_SCALED == 2, BLOCK_N)
+            acc = block_scaled_add(acc, partial, sa, sb, BLOCK_SCALED == 2, BLOCK_N, SWAP_AB)
+            if SCALES_AHEAD:  # the next k-block's (this one's again after the last)
+                sa, sb = load_block_scales(sa_ptrs, sb_ptrs, stride_sak, stride_sbk, tl.minimum(ki + 1, k_hi - 1),
+                                           offs_m < M, offs_n < N, BLOCK_SCALED == 2, BLOCK_N)
         elif SWAP_AB:
             acc = mma(w, a.T, acc, FAST_ACCUM, BLOCK_K)
         else:
