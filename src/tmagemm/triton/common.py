@@ -109,12 +109,12 @@ def mma(a, b, acc, FAST_ACCUM: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 # Token rows per tile from which the block-scaled kernels load a k-block's scales at the end of
-# the step before (the loop carries them) rather than in their own step. A load used in its own
-# step puts a memory round trip between every TMA wait and the wgmma once the tile's rows span
-# several cache lines of scale_a per k-block; loaded a step ahead, the layer stacks of the decode
-# preset ran 2-3% faster at M = 64 and 128 (H100). With 16-row swap-AB tiles the scales of
-# consecutive k-blocks share L1 lines and the early load measured 1-3% slower (M = 1 and 16).
-SCALES_AHEAD_MIN_ROWS = tl.constexpr(64)
+# the step before (the loop carries them) rather than in their own step, where the load puts a
+# memory round trip between the TMA wait and the wgmma of every step. Loaded a step ahead, the
+# decode preset's block-scaled layer stacks ran 1-3% faster at M = 32, 64 and 128 (H100; one of
+# four stacks 0.5% slower at M = 32). On 16-row tiles (M <= 16) the early load measured 1-3%
+# slower: a 16-token tile's scales of two consecutive k-blocks share a cache line.
+SCALES_AHEAD_MIN_ROWS = tl.constexpr(32)
 
 
 @triton.jit
