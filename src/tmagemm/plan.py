@@ -23,7 +23,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from . import device
+from . import device, tma
 
 # Modules that define VARIANTS. One line per kernel family.
 FAMILY_MODULES = (
@@ -33,6 +33,7 @@ FAMILY_MODULES = (
     "tmagemm.triton.matmul_ptr",
     "tmagemm.triton.matmul_blockscaled",
     "tmagemm.cuda.gemm",
+    "tmagemm.cuda.decode",
 )
 
 BACKENDS = ("auto", "triton", "cuda")
@@ -232,6 +233,24 @@ SPLITK_16BIT_MAX_M = 64
 SPLITK_16BIT_LONG_K = 8192
 
 
+# The native decode kernel (cuda/decode.py) first at M <= DECODE_MAX_M on weights of at least
+# DECODE_MIN_N x DECODE_MIN_K, where it was measured (H100, graph-timed, BENCHMARKS.md). 8 chained
+# GEMMs with their own weights in one CUDA graph, per GEMM, M = 1 and 16, bf16 and fp8: 4096 x 4096
+# and 3584 x 3584 8-26% faster than split-K and 3-17% faster than cuBLAS; 14336 x 4096 1-9%
+# faster than split-K and within 3% of cuBLAS. Single kernels (L2 flushed) at 1-16 tokens on six
+# projection shapes of 3584-28672 x 3584-14336: -3% to +10% against split-K. Narrower weights give
+# it fewer than 56 CTAs and were not measured.
+DECODE_MAX_M = 16
+DECODE_MIN_N = 3584
+DECODE_MIN_K = 3584
+
+
+def _decode_first(args: GemmArgs) -> bool:
+    # K-major weights only: the weight is the kernel's K-major wgmma A operand.
+    return (args.m <= DECODE_MAX_M and args.n >= DECODE_MIN_N and args.k >= DECODE_MIN_K
+            and tma.b_is_k_major(args.b))
+
+
 def _splitk_first(args: GemmArgs) -> bool:
     """Small M where split-K measured ahead of the tile kernel (H200, graph-timed vs cuBLAS fp8,
     docs/small-m.md): fp8 at M <= 16 with K >= 3072 (N = K = 4096: 0.88-0.92x vs 0.82-0.87x;
@@ -334,6 +353,9 @@ def preference(args: GemmArgs) -> tuple[str, ...]:
 
     A variant is skipped when it is not registered or refuses the problem; the pointer kernel
     accepts everything.
+    - decode M (see :func:`_decode_first`): the native decode kernel, which requests its first
+      weight boxes before the PDL wait (fp8 with fast accumulation and 16-bit operands, K-major
+      weights; it refuses the rest), then split-K.
     - small M (see :func:`_splitk_first`): split-K, whose partial sums keep enough CTAs streaming
       the weight.
     - M <= MID_M (256): the non-persistent Triton kernel with host-encoded tensor maps, launched
@@ -352,6 +374,8 @@ def preference(args: GemmArgs) -> tuple[str, ...]:
             native = native[::-1]
         return ("triton.splitk", *native) if _block_splitk_first(args) else (*native, "triton.splitk")
     tma = ("triton.tma", "triton.tma_device")
+    if _decode_first(args):
+        return ("cuda.decode", "triton.splitk", *tma, "triton.persistent", "triton.ptr")
     if _splitk_first(args):
         return ("triton.splitk", *tma, "triton.persistent", "triton.ptr")
     if args.m <= MID_M and not _promoting_native_first(args):

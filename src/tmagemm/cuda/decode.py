@@ -1,0 +1,216 @@
+"""The native decode GEMM (``cuda.decode``): swap-AB tiles of 64 weight rows x 8 or 16 tokens,
+a producer warp over a deep TMA ring, no K split (``gemm_sm90_decode.cu``).
+
+At decode sizes a GEMM streams its weight once; what is left to win is the start and the tail of
+each kernel in a chain of them. This kernel has the shape cuBLAS picks at one token (one CTA per
+64 weight rows, a 16-stage ring, no partial sums), and unlike cuBLAS it requests its first
+weight boxes before the programmatic-dependent-launch wait, while the previous kernel drains:
+chained in a CUDA graph it ran 8-26% faster per GEMM than the split-K kernel and 3-17% faster
+than cuBLAS on 4096 x 4096 and 3584 x 3584, and within 3% of cuBLAS on 14336 x 4096 (H100,
+BENCHMARKS.md). ``plan.preference``
+puts it first at M <= 16 on weights of at least ``plan.DECODE_MIN_N`` rows and
+``plan.DECODE_MIN_K`` columns.
+
+Scope: fp8 (fast accumulation, tensor- or row-wise scales) and 16-bit operands, the weight
+K-major (``b = w.t()`` of a row-major (N, K) weight, the ``nn.Linear`` layout), bias, bf16 /
+fp16 / fp32 output with contiguous columns. Everything else is refused with its reason.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from .. import device as _device
+from .. import tma
+from ..jit.runtime import stream_getter
+from ..plan import GemmArgs, Plan, Scaling, Variant
+from ..tma import MapsByAddress, params_for_tensor
+from .gemm import _AB_TYPES, _OUT_TYPES, _ROW_BYTES, use_pdl
+
+NAME = "cuda.decode"
+SOURCE = "gemm_sm90_decode.cu"
+KERNEL = "tmagemm_gemm_sm90_decode"
+MAX_M = 16  # tokens fill wgmma's N slot: n8 up to 8 tokens, n16 up to 16
+WEIGHT_ROWS = 64  # weight rows per CTA: wgmma's M
+THREADS = 128 + 32  # one consumer warpgroup and the producer warp
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """tokens: the tile's tokens (wgmma n8 or n16; more tokens take more CTAs along M);
+    stages: depth of the TMA ring (a stage is one 64-row weight box and one token box of 128
+    bytes of K each)."""
+
+    tokens: int
+    stages: int
+
+    def __post_init__(self):
+        if self.tokens not in (8, 16):
+            raise ValueError(f"DecodeConfig.tokens={self.tokens}: must be 8 or 16")
+        if not 2 <= self.stages or self.smem_bytes() > _device.SM90_SMEM_PER_BLOCK:
+            raise ValueError(f"DecodeConfig.stages={self.stages}: must be >= 2 and fit "
+                             f"{_device.SM90_SMEM_PER_BLOCK} bytes of shared memory")
+
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory: the ring plus 1 KB to align it for the 128-byte swizzle."""
+        return self.stages * (WEIGHT_ROWS + self.tokens) * _ROW_BYTES + 1024
+
+    def label(self) -> str:
+        return f"decode64x{self.tokens}s{self.stages}"
+
+
+# 16 stages measured ahead of 20 and 24 on every shape of the study (H100: 4096 x 4096 bf16 at
+# one token 22.2 us against 23.4 with 24; 4096 x 14336 56.7 against 61.9): deeper rings only
+# keep more bytes of one CTA in flight than the memory system turns around.
+STAGES = 16
+CONFIGS = tuple(DecodeConfig(t, s) for t in (8, 16) for s in (8, STAGES))
+
+
+def choose_config(m: int) -> DecodeConfig:
+    """The tile for M tokens (pure): n8 up to 8 tokens, n16 above."""
+    return DecodeConfig(8 if m <= 8 else 16, STAGES)
+
+
+def supports(args: GemmArgs) -> str | None:
+    """None when the decode kernel computes ``args``, else why not (names the operand at fault)."""
+    if not _device.is_hopper(args.a.device):
+        return f"native kernels need CUDA tensors on a Hopper GPU (sm_90), got {args.a.device}"
+    if args.block_scaling is not None:
+        return "block scales are applied by triton.splitk and the block-scaled kernels"
+    if args.m == 0 or args.n == 0 or args.k == 0:
+        return "zero-size problems are handled before dispatch"
+    if args.m > MAX_M:
+        return f"M={args.m} > {MAX_M}: the decode kernel puts the tokens in wgmma's n8 / n16 slot"
+    if args.a.dtype not in _AB_TYPES or args.b.dtype != args.a.dtype:
+        return f"a/b dtypes {args.a.dtype}/{args.b.dtype} not supported (fp16, bf16 or float8_e4m3fn, both equal)"
+    if args.out.dtype not in _OUT_TYPES:
+        return f"out dtype {args.out.dtype} not supported (bf16, fp16, fp32)"
+    if args.is_fp8 and not args.fast_accum:
+        return ("use_fast_accum=False needs fp32 promotion of the fp8 partial sums, which the decode kernel "
+                "does not do (triton.splitk does)")
+    if (args.scale_a is not None or args.scale_b is not None) and not args.is_fp8:
+        return "scales are only applied to fp8 problems"
+    if max(args.m, args.n, args.k) >= 2**31:
+        return "dimensions must fit in int32"
+    if args.bias is not None and args.bias.dtype not in _OUT_TYPES:
+        return f"bias dtype {args.bias.dtype} not supported (bf16, fp16, fp32)"
+    if not tma.b_is_k_major(args.b):
+        return ("b must be K-major (b = w.t() of a row-major (N, K) weight): the weight is wgmma's K-major A "
+                "operand here")
+    if args.n > 1 and args.out.stride(1) != 1:
+        return f"out columns must be contiguous, got stride {tuple(args.out.stride())}"
+    return tma.operand_reason(args.a, "a", True) or tma.operand_reason(args.b, "b", False)
+
+
+class _DecodeParams(ctypes.Structure):
+    """Mirror of ``DecodeParams`` (gemm_sm90_decode.cu): same field order and C types."""
+
+    _fields_ = [
+        ("m", ctypes.c_int32),
+        ("n", ctypes.c_int32),
+        ("k", ctypes.c_int32),
+        ("scale_a_rowwise", ctypes.c_int32),
+        ("scale_b_colwise", ctypes.c_int32),
+        ("bias_type", ctypes.c_int32),
+        ("scale_a", ctypes.c_void_p),
+        ("scale_b", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("ldo", ctypes.c_int64),
+    ]
+
+
+def defines(config: DecodeConfig, ab_dtype: torch.dtype, out_dtype: torch.dtype) -> dict[str, int]:
+    """NVRTC -D flags of one build."""
+    return {"TMAGEMM_AB_TYPE": _AB_TYPES[ab_dtype], "TMAGEMM_OUT_TYPE": _OUT_TYPES[out_dtype],
+            "TMAGEMM_DECODE_TOKENS": config.tokens, "TMAGEMM_STAGES": config.stages}
+
+
+def compile_module(config: DecodeConfig, ab_dtype: torch.dtype, out_dtype: torch.dtype):
+    """The NVRTC module of one build (no GPU needed; tests inspect its SASS)."""
+    from .. import jit
+
+    return jit.compile(SOURCE, defines=defines(config, ab_dtype, out_dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(config: DecodeConfig, ab_dtype: torch.dtype, out_dtype: torch.dtype, device_index: int):
+    module = compile_module(config, ab_dtype, out_dtype)
+    with torch.cuda.device(device_index):
+        return module.function(KERNEL)
+
+
+class _DecodeLaunch:
+    """What a decode plan resolves once: the weight's and the activation's tensor maps (cached by
+    address), the parameter block and the packed launcher; a call points them at the operands."""
+
+    def __init__(self, args: GemmArgs, config: DecodeConfig):
+        block_k = _ROW_BYTES // args.a.element_size()
+        self._w_maps = MapsByAddress(params_for_tensor(args.b.t(), (WEIGHT_ROWS, block_k)))
+        self._x_maps = MapsByAddress(params_for_tensor(args.a, (config.tokens, block_k)))
+        p = self.params = _DecodeParams()
+        p.m, p.n, p.k = args.m, args.n, args.k
+        p.scale_a_rowwise = int(Scaling.of(args.scale_a) == Scaling.ROW)
+        p.scale_b_colwise = int(Scaling.of(args.scale_b) == Scaling.ROW)
+        p.bias_type = _OUT_TYPES[args.bias.dtype] if args.bias is not None else 0
+        p.ldo = args.out.stride(0) if args.m > 1 else args.n
+        self._pointers = (ctypes.c_void_p * 3)()
+        self._pointers[2] = ctypes.addressof(p)
+        self.device_index = args.out.get_device()
+        kernel = _kernel(config, args.a.dtype, args.out.dtype, self.device_index)
+        grid = (-(-args.n // WEIGHT_ROWS), -(-args.m // config.tokens), 1)
+        self._launch = kernel.packed(grid, (THREADS, 1, 1), config.smem_bytes(), self._pointers,
+                                     pdl=use_pdl(args.out.device))
+        self._stream = stream_getter()
+        self._lock = threading.Lock()  # the maps and the parameter block are shared by every call
+
+    def __call__(self, a, b, out, scale_a, scale_b, bias) -> None:
+        with self._lock:
+            p = self.params
+            p.scale_a = scale_a.data_ptr() if scale_a is not None else None
+            p.scale_b = scale_b.data_ptr() if scale_b is not None else None
+            p.bias = bias.data_ptr() if bias is not None else None
+            p.out = out.data_ptr()
+            self._pointers[0] = self._w_maps.get(b.data_ptr()).address
+            self._pointers[1] = self._x_maps.get(a.data_ptr()).address
+            self._launch(self._stream(self.device_index))
+
+
+def build(args: GemmArgs, config: DecodeConfig | None = None) -> Plan:
+    """The plan of one problem signature: :func:`choose_config`'s tile unless ``config`` is given."""
+    reason = supports(args)
+    if reason is not None:
+        raise ValueError(f"{NAME}: {reason}")
+    config = config or choose_config(args.m)
+    launch = _DecodeLaunch(args, config)
+    return Plan(NAME, config, launch, launch.device_index, direct=True)
+
+
+def aot_source(name: str, dtype: str = "fp8") -> tuple[str, dict[str, int]]:
+    """(source file under tmagemm/cuda, NVRTC defines) of the decode kernel at one token, for
+    ``tmagemm inspect`` (tmagemm.inspection.native_source)."""
+    types = {"fp8": (torch.float8_e4m3fn, torch.bfloat16), "bf16": (torch.bfloat16, torch.bfloat16),
+             "fp16": (torch.float16, torch.float16)}
+    if name != NAME:
+        raise ValueError(f"unknown decode variant {name!r}; known: [{NAME!r}]")
+    if dtype not in types:
+        raise ValueError(f"dtype must be one of {sorted(types)}, got {dtype!r}")
+    return SOURCE, defines(choose_config(1), *types[dtype])
+
+
+VARIANTS = [
+    Variant(
+        name=NAME,
+        backend="cuda",
+        description="native decode GEMM (M <= 16): swap-AB 64-row weight tiles x 8/16 tokens, producer warp over "
+                    "a 16-stage TMA ring, no K split; the first weight boxes are requested before the PDL wait",
+        supports=supports,
+        build=build,
+        configs=CONFIGS,
+    )
+]

@@ -1,0 +1,212 @@
+// Decode GEMM (M <= 16 tokens) with swap-AB, warp-specialized, over a deep TMA ring
+// (tmagemm/cuda/decode.py, docs/small-m.md "The native decode kernel").
+//
+// out[M, N] = (scale_a * scale_b) * (a[M, K] @ w[N, K]^T) + bias, w the K-major weight (b = w.t()).
+// One CTA per 64 weight rows (and per TMAGEMM_DECODE_TOKENS tokens): the weight rows fill
+// wgmma's M dimension and the tokens its N slot (n8 or n16), so a CTA streams 64 x K of the
+// weight and no K split, no partial sums and no reduction are needed. A producer warp keeps
+// TMAGEMM_STAGES k-blocks in flight (16 x 9 KB); one consumer warpgroup multiplies.
+//
+// Programmatic dependent launch: before the grid dependency wait the producer prefetches the
+// weight boxes of the ring's first TMAGEMM_STAGES k-blocks into L2, so in a decode layer the first
+// bytes of each GEMM's weight are on their way while the GEMM before it drains. Only a prefetch:
+// L2 is the point of coherence, so a weight the previous kernel is still writing is read fresh
+// by the loads into shared memory, which come after the wait with everything else. The
+// consumers wait on the grid dependency before anything is written.
+//
+// Compile-time knobs (tmagemm/cuda/decode.py through NVRTC -D flags):
+//   TMAGEMM_AB_TYPE   0 f16, 1 bf16, 2 e4m3       TMAGEMM_OUT_TYPE  0 f16, 1 bf16, 2 f32
+//   TMAGEMM_DECODE_TOKENS  8 or 16 (wgmma N)      TMAGEMM_STAGES    ring depth
+#include "tmagemm/ptx.cuh"
+#include "tmagemm/wgmma.cuh"
+
+#if !defined(TMAGEMM_AB_TYPE) || !defined(TMAGEMM_OUT_TYPE) || !defined(TMAGEMM_DECODE_TOKENS) || \
+    !defined(TMAGEMM_STAGES)
+#error "gemm_sm90_decode.cu needs TMAGEMM_AB_TYPE, TMAGEMM_OUT_TYPE, TMAGEMM_DECODE_TOKENS, TMAGEMM_STAGES"
+#endif
+
+using namespace tmagemm;
+
+namespace {
+using u32 = unsigned int;
+using u64 = unsigned long long;
+
+constexpr int kAbType = TMAGEMM_AB_TYPE;
+constexpr int kOutType = TMAGEMM_OUT_TYPE;
+constexpr int kTokens = TMAGEMM_DECODE_TOKENS;
+constexpr int kStages = TMAGEMM_STAGES;
+constexpr int kRows = 64;         // weight rows per CTA: wgmma's M
+constexpr int kRowBytes = 128;    // one k-block: a 128-byte swizzle row (64 16-bit or 128 e4m3 values)
+constexpr int kBlockK = kRowBytes / (kAbType == wgmma::kE4M3 ? 1 : 2);
+constexpr int kWeightBytes = kRows * kRowBytes;
+constexpr int kTokenBytes = kTokens * kRowBytes;
+constexpr int kAccRegs = kTokens / 2;  // a thread's share of the 64 x kTokens fp32 fragment
+constexpr int kConsumerThreads = 128;  // one warpgroup; the producer warp follows it
+static_assert(kTokens == 8 || kTokens == 16, "tokens per tile: 8 or 16 (wgmma n8 / n16)");
+static_assert(kTokenBytes % 1024 == 0, "128B-swizzled boxes start 1 KB aligned");
+static_assert(kStages >= 2, "at least two stages");
+
+// Mirrored by a ctypes.Structure in decode.py: keep the field order and types in step.
+struct DecodeParams {
+  int m, n, k;
+  int scale_a_rowwise;   // 1: scale_a has M entries (else one, or none)
+  int scale_b_colwise;   // 1: scale_b has N entries
+  int bias_type;         // 0 f16, 1 bf16, 2 f32 (ignored without bias)
+  const float* scale_a;  // null, (1,) or (M,)
+  const float* scale_b;  // null, (1,) or (N,)
+  const void* bias;      // null or (N,)
+  void* out;             // (M, N), row stride ldo, columns contiguous
+  long long ldo;
+};
+
+// acc(64 x kTokens) += weight(64 x 32 B of K) * tokens(32 B of K x kTokens): scale-d is a
+// predicate, as in wgmma.cuh; K-major operands, so no transpose bits.
+#define TMAGEMM_DECODE_WGMMA(SHAPE, REGS, OPERANDS, TRANSPOSE)                                          \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned." SHAPE " {" REGS "}, " OPERANDS \
+  ", p, 1, 1" TRANSPOSE ";\n}\n"
+
+__device__ __forceinline__ void mma(float (&d)[kAccRegs], u64 desc_w, u64 desc_x) {
+  if constexpr (kTokens == 8) {
+    if constexpr (kAbType == wgmma::kE4M3) {
+      asm volatile(TMAGEMM_DECODE_WGMMA("m64n8k32.f32.e4m3.e4m3", "%0, %1, %2, %3", "%4, %5", "")
+                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "l"(desc_w), "l"(desc_x));
+    } else if constexpr (kAbType == wgmma::kBF16) {
+      asm volatile(TMAGEMM_DECODE_WGMMA("m64n8k16.f32.bf16.bf16", "%0, %1, %2, %3", "%4, %5", ", 0, 0")
+                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "l"(desc_w), "l"(desc_x));
+    } else {
+      asm volatile(TMAGEMM_DECODE_WGMMA("m64n8k16.f32.f16.f16", "%0, %1, %2, %3", "%4, %5", ", 0, 0")
+                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "l"(desc_w), "l"(desc_x));
+    }
+  } else {
+    if constexpr (kAbType == wgmma::kE4M3) {
+      asm volatile(TMAGEMM_DECODE_WGMMA("m64n16k32.f32.e4m3.e4m3", "%0, %1, %2, %3, %4, %5, %6, %7", "%8, %9", "")
+                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+                   : "l"(desc_w), "l"(desc_x));
+    } else if constexpr (kAbType == wgmma::kBF16) {
+      asm volatile(TMAGEMM_DECODE_WGMMA("m64n16k16.f32.bf16.bf16", "%0, %1, %2, %3, %4, %5, %6, %7", "%8, %9", ", 0, 0")
+                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+                   : "l"(desc_w), "l"(desc_x));
+    } else {
+      asm volatile(TMAGEMM_DECODE_WGMMA("m64n16k16.f32.f16.f16", "%0, %1, %2, %3, %4, %5, %6, %7", "%8, %9", ", 0, 0")
+                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+                   : "l"(desc_w), "l"(desc_x));
+    }
+  }
+}
+#undef TMAGEMM_DECODE_WGMMA
+
+__device__ __forceinline__ float bias_value(const void* bias, int col, int type) {
+  if (type == wgmma::kOutF32) return static_cast<const float*>(bias)[col];
+  const unsigned short bits = static_cast<const unsigned short*>(bias)[col];
+  if (type == wgmma::kOutBF16) return __uint_as_float(static_cast<u32>(bits) << 16);
+  float out;
+  asm("cvt.f32.f16 %0, %1;\n" : "=f"(out) : "h"(bits));
+  return out;
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(kConsumerThreads + 32, 1)
+    tmagemm_gemm_sm90_decode(const __grid_constant__ CUtensorMap map_w, const __grid_constant__ CUtensorMap map_x,
+                             const __grid_constant__ DecodeParams p) {
+  // ---- shared memory: STAGES weight boxes (64 x 128 B), then STAGES token boxes, 1 KB aligned
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* weights =
+      reinterpret_cast<unsigned char*>((reinterpret_cast<u64>(smem_raw) + 1023) & ~static_cast<u64>(1023));
+  unsigned char* tokens = weights + kStages * kWeightBytes;
+  __shared__ alignas(8) u64 full[kStages];   // producer arrival + both boxes' bytes
+  __shared__ alignas(8) u64 empty[kStages];  // the consumer warpgroup released the stage
+
+  const int n0 = blockIdx.x * kRows;
+  const int m0 = blockIdx.y * kTokens;
+  const int k_tiles = (p.k + kBlockK - 1) / kBlockK;
+
+  // Set-up touches no global memory: it may overlap the previous kernel.
+  if (threadIdx.x == kConsumerThreads) {
+    ptx::tma_prefetch_descriptor(&map_w);
+    ptx::tma_prefetch_descriptor(&map_x);
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbarrier_init(&full[s], 1);
+      ptx::mbarrier_init(&empty[s], 1);
+    }
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (threadIdx.x >= kConsumerThreads) {
+    // ---- producer: one thread of the last warp streams the k-blocks
+    if (threadIdx.x == kConsumerThreads) {
+      const int first = k_tiles < kStages ? k_tiles : kStages;
+      for (int kt = 0; kt < first; ++kt) ptx::tma_prefetch_2d(&map_w, kt * kBlockK, n0);
+      ptx::griddep_wait();  // the activation, or even the weight, may be the previous kernel's output
+      for (int kt = 0; kt < k_tiles; ++kt) {
+        const int s = kt % kStages;
+        // The (kt / kStages)-th refill of stage s waits for its previous k-block's release (the
+        // first pass finds the phase before phase 0 complete).
+        ptx::mbarrier_wait(&empty[s], ((kt / kStages) & 1) ^ 1);
+        ptx::mbarrier_arrive_expect_tx(&full[s], kWeightBytes + kTokenBytes);
+        ptx::tma_load_2d(weights + s * kWeightBytes, &map_w, &full[s], kt * kBlockK, n0);
+        ptx::tma_load_2d(tokens + s * kTokenBytes, &map_x, &full[s], kt * kBlockK, m0);
+      }
+      ptx::griddep_launch_dependents();  // the last loads are in flight: the next kernel may launch
+    }
+    return;
+  }
+
+  // ---- consumer warpgroup
+  ptx::griddep_wait();  // before the output is written, and so before this CTA can finish
+  float acc[kAccRegs];
+#pragma unroll
+  for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.0f;
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    const int s = kt % kStages;
+    ptx::mbarrier_wait(&full[s], (kt / kStages) & 1);
+    const u64 desc_w = wgmma::desc_k_major(ptx::smem_u32(weights + s * kWeightBytes));
+    const u64 desc_x = wgmma::desc_k_major(ptx::smem_u32(tokens + s * kTokenBytes));
+    wgmma::fence_operand(acc);
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < kRowBytes / 32; ++kk)  // each wgmma takes 32 bytes of K
+      mma(acc, wgmma::desc_advance(desc_w, kk * 32), wgmma::desc_advance(desc_x, kk * 32));
+    wgmma::commit_group();
+    // One batch stays in flight; the one before it has retired and its stage goes back.
+    wgmma::wait_group<1>();
+    wgmma::fence_operand(acc);
+    if (kt > 0 && threadIdx.x == 0) ptx::mbarrier_arrive(&empty[(kt - 1) % kStages]);
+  }
+  if (k_tiles > 0) {
+    wgmma::wait_group<0>();
+    wgmma::fence_operand(acc);
+  }
+
+  // ---- epilogue: register 4j + 2h + e holds weight row (output column) 16w + l/4 + 8h and
+  // token 8j + 2(l % 4) + e (warp w, lane l). The output is at most 16 x 64 values per CTA:
+  // plain stores, each warp writing 16-byte runs of a token's row.
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const float sa_tensor = p.scale_a && !p.scale_a_rowwise ? p.scale_a[0] : 1.0f;
+  const float sb_tensor = p.scale_b && !p.scale_b_colwise ? p.scale_b[0] : 1.0f;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int col = n0 + 16 * warp + lane / 4 + 8 * h;
+    if (col >= p.n) continue;
+    float col_scale = sb_tensor * sa_tensor;
+    if (p.scale_b_colwise) col_scale *= p.scale_b[col];
+    const float add = p.bias ? bias_value(p.bias, col, p.bias_type) : 0.0f;
+#pragma unroll
+    for (int j = 0; j < kTokens / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int tok = m0 + 8 * j + 2 * (lane % 4) + e;
+        if (tok >= p.m) continue;
+        float v = acc[4 * j + 2 * h + e] * col_scale;
+        if (p.scale_a_rowwise) v *= p.scale_a[tok];
+        v += add;
+        const long long at = tok * p.ldo + col;
+        if constexpr (kOutType == wgmma::kOutF32) {
+          static_cast<float*>(p.out)[at] = v;
+        } else {
+          static_cast<unsigned short*>(p.out)[at] = static_cast<unsigned short>(wgmma::pack2<kOutType>(v, 0.0f));
+        }
+      }
+  }
+}
