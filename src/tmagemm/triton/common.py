@@ -113,7 +113,8 @@ def mma(a, b, acc, FAST_ACCUM: tl.constexpr, BLOCK_K: tl.constexpr):
 # memory round trip between the TMA wait and the wgmma of every step. Loaded a step ahead, the
 # decode preset's block-scaled layer stacks ran 1-3% faster at M = 32, 64 and 128 (H100; one of
 # four stacks 0.5% slower at M = 32). On 16-row tiles (M <= 16) the early load measured 1-3%
-# slower: a 16-token tile's scales of two consecutive k-blocks share a cache line.
+# slower; there two consecutive k-blocks' scales share a cache line, so the in-step load often
+# hits L1 (a likely reason, not pinned down).
 SCALES_AHEAD_MIN_ROWS = tl.constexpr(32)
 
 
