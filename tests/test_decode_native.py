@@ -37,12 +37,12 @@ def test_params_struct_matches_device_layout():
 
 
 def test_configs():
-    assert [decode.choose_config(m).tokens for m in (1, 2, 7, 8, 9, 15, 16)] == [8, 8, 8, 8, 16, 16, 16]
-    assert decode.choose_config(1).stages == decode.STAGES
+    assert [decode.choose_config(m).tokens for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [8, 8, 16, 16, 32, 32, 64, 64]
+    assert decode.choose_config(1).stages == decode.STAGES and decode.choose_config(64).stages == decode.STAGES_64
     for config in decode.CONFIGS:
         assert config.smem_bytes() <= 227 * 1024
-    for bad in (dict(tokens=4, stages=16), dict(tokens=32, stages=16), dict(tokens=8, stages=1),
-                dict(tokens=16, stages=40)):
+    for bad in (dict(tokens=4, stages=16), dict(tokens=128, stages=8), dict(tokens=8, stages=1),
+                dict(tokens=64, stages=16)):
         with pytest.raises(ValueError, match=r"DecodeConfig\.(tokens|stages)"):
             decode.DecodeConfig(**bad)
 
@@ -83,12 +83,12 @@ def test_aot_source_matches_the_launcher_build():
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("tokens", [8, 16])
+@pytest.mark.parametrize("tokens", decode.TOKENS)
 @pytest.mark.parametrize("ab, out", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),
                                      (FP8, torch.bfloat16), (FP8, torch.float32)],
                          ids=["bf16", "fp16-f32out", "fp8", "fp8-f32out"])
 def test_builds_for_sm90a(ab, out, tokens):
-    module = decode.compile_module(decode.DecodeConfig(tokens, decode.STAGES), ab, out)
+    module = decode.compile_module(decode.choose_config(tokens), ab, out)
     art = inspection.artifacts_from_binary("decode", module.ptx, module.cubin)
     s = inspection.summarize(art)
     assert s["sass UTMALDG"] > 0 and s["sass UTMAPF"] > 0
@@ -109,7 +109,8 @@ def test_builds_for_sm90a(ab, out, tokens):
 DEV = "cuda"
 # N ragged against the 64-row tiles, K off the k-block (still 16-byte rows), tokens around the
 # n8 / n16 tiles.
-SHAPES = [(1, 264, 144), (5, 4160, 4112), (8, 3584, 3584), (9, 200, 1040), (16, 4096, 528)]
+SHAPES = [(1, 264, 144), (5, 4160, 4112), (8, 3584, 3584), (9, 200, 1040), (16, 4096, 528), (17, 330, 1040),
+          (64, 520, 2064)]
 
 
 def _operands(m, n, k, ab):
@@ -166,7 +167,8 @@ def test_fp8_matches_float64(scaling, shape, seeded):
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", decode.CONFIGS, ids=lambda c: c.label())
 def test_every_config(config, seeded):
-    """8-token tiles walk 16 tokens in two CTA rows; 8 stages wrap the ring many times."""
+    """8-token tiles walk 16 tokens in two CTA rows, wider ones leave rows empty; 8 stages wrap
+    the ring many times."""
     m, n, k = 16, 320, 2112
     a, w = _operands(m, n, k, torch.bfloat16)
     big, out = _poisoned_out(m, n, torch.bfloat16)
@@ -177,9 +179,9 @@ def test_every_config(config, seeded):
 
 @pytest.mark.gpu
 def test_refusals():
-    a, w = _operands(17, 4096, 4096, torch.bfloat16)
-    out = torch.empty(17, 4096, device=DEV, dtype=torch.bfloat16)
-    assert "M=17 > 16" in decode.supports(GemmArgs(a, w.t(), out))
+    a, w = _operands(65, 4096, 4096, torch.bfloat16)
+    out = torch.empty(65, 4096, device=DEV, dtype=torch.bfloat16)
+    assert "M=65 > 64" in decode.supports(GemmArgs(a, w.t(), out))
     assert "K-major" in decode.supports(GemmArgs(a[:1], w.t().contiguous(), out[:1]))
     wide = torch.empty(1, 8192, device=DEV, dtype=torch.bfloat16)
     assert "columns must be contiguous" in decode.supports(GemmArgs(a[:1], w.t(), wide[:, ::2]))
@@ -188,7 +190,7 @@ def test_refusals():
     assert "use_fast_accum=False" in decode.supports(GemmArgs(q, wq.t(), out[:1], one, one, None, False))
     block = (Scaling.BLOCK_1X128, Scaling.BLOCK_128X128)
     assert "block scales" in decode.supports(GemmArgs(q, wq.t(), out[:1], one, one, None, True, block))
-    with pytest.raises(ValueError, match="cuda.decode: M=17"):
+    with pytest.raises(ValueError, match="cuda.decode: M=65"):
         plan.build(GemmArgs(a, w.t(), out), variant="cuda.decode")
 
 

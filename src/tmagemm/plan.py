@@ -234,7 +234,8 @@ SPLITK_16BIT_LONG_K = 8192
 
 
 # The native decode kernel (cuda/decode.py) first at M <= DECODE_MAX_M on weights of at least
-# DECODE_MIN_N x DECODE_MIN_K, where it was measured (H100, graph-timed, BENCHMARKS.md). 8 chained
+# DECODE_MIN_N x DECODE_MIN_K, where its prototype was measured (H100, graph-timed, BENCHMARKS.md;
+# the prototype loaded its first weight boxes into shared memory before the PDL wait). 8 chained
 # GEMMs with their own weights in one CUDA graph, per GEMM, M = 1 and 16, bf16 and fp8: 4096 x 4096
 # and 3584 x 3584 8-26% faster than split-K and 3-17% faster than cuBLAS; 14336 x 4096 1-9%
 # faster than split-K and within 3% of cuBLAS. Single kernels (L2 flushed) at 1-16 tokens on six
@@ -353,8 +354,8 @@ def preference(args: GemmArgs) -> tuple[str, ...]:
 
     A variant is skipped when it is not registered or refuses the problem; the pointer kernel
     accepts everything.
-    - decode M (see :func:`_decode_first`): the native decode kernel, which requests its first
-      weight boxes before the PDL wait (fp8 with fast accumulation and 16-bit operands, K-major
+    - decode M (see :func:`_decode_first`): the native decode kernel, which prefetches its first
+      weight boxes into L2 before the PDL wait (fp8 with fast accumulation and 16-bit operands, K-major
       weights; it refuses the rest), then split-K.
     - small M (see :func:`_splitk_first`): split-K, whose partial sums keep enough CTAs streaming
       the weight.

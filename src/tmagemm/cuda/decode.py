@@ -1,17 +1,18 @@
-"""The native decode GEMM (``cuda.decode``): swap-AB tiles of 64 weight rows x 8 or 16 tokens,
+"""The native decode GEMM (``cuda.decode``): swap-AB tiles of 64 weight rows x 8-64 tokens,
 a producer warp over a deep TMA ring, no K split (``gemm_sm90_decode.cu``).
 
 At decode sizes a GEMM streams its weight once; what is left to win is the start and the tail of
 each kernel in a chain of them. This kernel has the shape cuBLAS picks at one token (one CTA per
-64 weight rows, a 16-stage ring, no partial sums), and unlike cuBLAS it requests its first
-weight boxes before the programmatic-dependent-launch wait, while the previous kernel drains:
-chained in a CUDA graph it ran 8-26% faster per GEMM than the split-K kernel and 3-17% faster
-than cuBLAS on 4096 x 4096 and 3584 x 3584, and within 3% of cuBLAS on 14336 x 4096 (H100,
-BENCHMARKS.md). ``plan.preference``
-puts it first at M <= 16 on weights of at least ``plan.DECODE_MIN_N`` rows and
-``plan.DECODE_MIN_K`` columns.
+64 weight rows, a 16-stage ring, no partial sums), and unlike cuBLAS it prefetches its first
+weight boxes into L2 before the programmatic-dependent-launch wait, while the previous kernel
+drains. A prototype that loaded them into shared memory there instead ran 8-26% faster per GEMM
+than the split-K kernel and 3-17% faster than cuBLAS on 4096 x 4096 and 3584 x 3584, chained in
+a CUDA graph (H100, BENCHMARKS.md); that form would read a stale weight written by the previous
+kernel. ``plan.preference`` puts it first at M <= 16 on weights of at least ``plan.DECODE_MIN_N``
+rows and ``plan.DECODE_MIN_K`` columns.
 
-Scope: fp8 (fast accumulation, tensor- or row-wise scales) and 16-bit operands, the weight
+Scope: M <= 64 (the dispatcher uses it up to ``plan.DECODE_MAX_M``, where it was measured); fp8
+(fast accumulation, tensor- or row-wise scales) and 16-bit operands, the weight
 K-major (``b = w.t()`` of a row-major (N, K) weight, the ``nn.Linear`` layout), bias, bf16 /
 fp16 / fp32 output with contiguous columns. Everything else is refused with its reason.
 """
@@ -35,14 +36,17 @@ from .gemm import _AB_TYPES, _OUT_TYPES, _ROW_BYTES, use_pdl
 NAME = "cuda.decode"
 SOURCE = "gemm_sm90_decode.cu"
 KERNEL = "tmagemm_gemm_sm90_decode"
-MAX_M = 16  # tokens fill wgmma's N slot: n8 up to 8 tokens, n16 up to 16
+MAX_M = 64  # tokens fill wgmma's N slot: n8, n16, n32 or n64
 WEIGHT_ROWS = 64  # weight rows per CTA: wgmma's M
 THREADS = 128 + 32  # one consumer warpgroup and the producer warp
 
 
+TOKENS = (8, 16, 32, 64)
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
-    """tokens: the tile's tokens (wgmma n8 or n16; more tokens take more CTAs along M);
+    """tokens: the tile's tokens (wgmma n8, n16, n32 or n64; more tokens take more CTAs along M);
     stages: depth of the TMA ring (a stage is one 64-row weight box and one token box of 128
     bytes of K each)."""
 
@@ -50,8 +54,8 @@ class DecodeConfig:
     stages: int
 
     def __post_init__(self):
-        if self.tokens not in (8, 16):
-            raise ValueError(f"DecodeConfig.tokens={self.tokens}: must be 8 or 16")
+        if self.tokens not in TOKENS:
+            raise ValueError(f"DecodeConfig.tokens={self.tokens}: must be one of {TOKENS}")
         if not 2 <= self.stages or self.smem_bytes() > _device.SM90_SMEM_PER_BLOCK:
             raise ValueError(f"DecodeConfig.stages={self.stages}: must be >= 2 and fit "
                              f"{_device.SM90_SMEM_PER_BLOCK} bytes of shared memory")
@@ -68,12 +72,20 @@ class DecodeConfig:
 # one token 22.2 us against 23.4 with 24; 4096 x 14336 56.7 against 61.9): deeper rings only
 # keep more bytes of one CTA in flight than the memory system turns around.
 STAGES = 16
-CONFIGS = tuple(DecodeConfig(t, s) for t in (8, 16) for s in (8, STAGES))
+STAGES_64 = 12  # 64-token tiles: 16 KB stages, 12 fit shared memory
+
+
+def _stages(tokens: int) -> int:
+    return STAGES_64 if tokens == 64 else STAGES
+
+
+CONFIGS = tuple(DecodeConfig(t, s) for t in TOKENS for s in sorted({8, _stages(t)}))
 
 
 def choose_config(m: int) -> DecodeConfig:
-    """The tile for M tokens (pure): n8 up to 8 tokens, n16 above."""
-    return DecodeConfig(8 if m <= 8 else 16, STAGES)
+    """The tile for M tokens (pure): the smallest of n8, n16, n32, n64 that holds them."""
+    tokens = next(t for t in TOKENS if m <= t) if m <= TOKENS[-1] else TOKENS[-1]
+    return DecodeConfig(tokens, _stages(tokens))
 
 
 def supports(args: GemmArgs) -> str | None:
@@ -85,7 +97,7 @@ def supports(args: GemmArgs) -> str | None:
     if args.m == 0 or args.n == 0 or args.k == 0:
         return "zero-size problems are handled before dispatch"
     if args.m > MAX_M:
-        return f"M={args.m} > {MAX_M}: the decode kernel puts the tokens in wgmma's n8 / n16 slot"
+        return f"M={args.m} > {MAX_M}: the decode kernel puts the tokens in wgmma's N slot (n8 to n64)"
     if args.a.dtype not in _AB_TYPES or args.b.dtype != args.a.dtype:
         return f"a/b dtypes {args.a.dtype}/{args.b.dtype} not supported (fp16, bf16 or float8_e4m3fn, both equal)"
     if args.out.dtype not in _OUT_TYPES:
@@ -207,8 +219,9 @@ VARIANTS = [
     Variant(
         name=NAME,
         backend="cuda",
-        description="native decode GEMM (M <= 16): swap-AB 64-row weight tiles x 8/16 tokens, producer warp over "
-                    "a 16-stage TMA ring, no K split; the first weight boxes are requested before the PDL wait",
+        description="native decode GEMM (M <= 64): swap-AB 64-row weight tiles x 8-64 tokens, producer warp over "
+                    "a 12-16-stage TMA ring, no K split; the first weight boxes are prefetched into L2 before the "
+                    "PDL wait",
         supports=supports,
         build=build,
         configs=CONFIGS,

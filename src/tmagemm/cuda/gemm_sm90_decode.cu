@@ -1,9 +1,9 @@
-// Decode GEMM (M <= 16 tokens) with swap-AB, warp-specialized, over a deep TMA ring
+// Decode GEMM (M <= 64 tokens) with swap-AB, warp-specialized, over a deep TMA ring
 // (tmagemm/cuda/decode.py, docs/small-m.md "The native decode kernel").
 //
 // out[M, N] = (scale_a * scale_b) * (a[M, K] @ w[N, K]^T) + bias, w the K-major weight (b = w.t()).
 // One CTA per 64 weight rows (and per TMAGEMM_DECODE_TOKENS tokens): the weight rows fill
-// wgmma's M dimension and the tokens its N slot (n8 or n16), so a CTA streams 64 x K of the
+// wgmma's M dimension and the tokens its N slot (n8 to n64), so a CTA streams 64 x K of the
 // weight and no K split, no partial sums and no reduction are needed. A producer warp keeps
 // TMAGEMM_STAGES k-blocks in flight (16 x 9 KB); one consumer warpgroup multiplies.
 //
@@ -16,7 +16,7 @@
 //
 // Compile-time knobs (tmagemm/cuda/decode.py through NVRTC -D flags):
 //   TMAGEMM_AB_TYPE   0 f16, 1 bf16, 2 e4m3       TMAGEMM_OUT_TYPE  0 f16, 1 bf16, 2 f32
-//   TMAGEMM_DECODE_TOKENS  8 or 16 (wgmma N)      TMAGEMM_STAGES    ring depth
+//   TMAGEMM_DECODE_TOKENS  8, 16, 32 or 64 (wgmma N)      TMAGEMM_STAGES    ring depth
 #include "tmagemm/ptx.cuh"
 #include "tmagemm/wgmma.cuh"
 
@@ -42,7 +42,8 @@ constexpr int kWeightBytes = kRows * kRowBytes;
 constexpr int kTokenBytes = kTokens * kRowBytes;
 constexpr int kAccRegs = kTokens / 2;  // a thread's share of the 64 x kTokens fp32 fragment
 constexpr int kConsumerThreads = 128;  // one warpgroup; the producer warp follows it
-static_assert(kTokens == 8 || kTokens == 16, "tokens per tile: 8 or 16 (wgmma n8 / n16)");
+static_assert(kTokens == 8 || kTokens == 16 || kTokens == 32 || kTokens == 64,
+              "tokens per tile: 8, 16, 32 or 64 (wgmma n8 ... n64)");
 static_assert(kTokenBytes % 1024 == 0, "128B-swizzled boxes start 1 KB aligned");
 static_assert(kStages >= 2, "at least two stages");
 
@@ -64,35 +65,45 @@ struct DecodeParams {
 #define TMAGEMM_DECODE_WGMMA(SHAPE, REGS, OPERANDS, TRANSPOSE)                                          \
   "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned." SHAPE " {" REGS "}, " OPERANDS \
   ", p, 1, 1" TRANSPOSE ";\n}\n"
+#define TMAGEMM_DECODE_F4(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
+#define TMAGEMM_DECODE_F8(d, i) TMAGEMM_DECODE_F4(d, i), TMAGEMM_DECODE_F4(d, i + 4)
+#define TMAGEMM_DECODE_F16(d, i) TMAGEMM_DECODE_F8(d, i), TMAGEMM_DECODE_F8(d, i + 8)
+#define TMAGEMM_DECODE_F32(d, i) TMAGEMM_DECODE_F16(d, i), TMAGEMM_DECODE_F16(d, i + 16)
+// One instruction of wgmma N = tokens for the operand type: REGS the accumulator list, OPERANDS
+// the two descriptors' operand numbers, FREGS the accumulators' constraints.
+#define TMAGEMM_DECODE_MMA(N, REGS, OPERANDS, FREGS)                                                       \
+  if constexpr (kAbType == wgmma::kE4M3) {                                                                 \
+    asm volatile(TMAGEMM_DECODE_WGMMA("m64n" #N "k32.f32.e4m3.e4m3", REGS, OPERANDS, "")                   \
+                 : FREGS(d, 0) : "l"(desc_w), "l"(desc_x));                                                \
+  } else if constexpr (kAbType == wgmma::kBF16) {                                                          \
+    asm volatile(TMAGEMM_DECODE_WGMMA("m64n" #N "k16.f32.bf16.bf16", REGS, OPERANDS, ", 0, 0")             \
+                 : FREGS(d, 0) : "l"(desc_w), "l"(desc_x));                                                \
+  } else {                                                                                                 \
+    asm volatile(TMAGEMM_DECODE_WGMMA("m64n" #N "k16.f32.f16.f16", REGS, OPERANDS, ", 0, 0")               \
+                 : FREGS(d, 0) : "l"(desc_w), "l"(desc_x));                                                \
+  }
 
 __device__ __forceinline__ void mma(float (&d)[kAccRegs], u64 desc_w, u64 desc_x) {
   if constexpr (kTokens == 8) {
-    if constexpr (kAbType == wgmma::kE4M3) {
-      asm volatile(TMAGEMM_DECODE_WGMMA("m64n8k32.f32.e4m3.e4m3", "%0, %1, %2, %3", "%4, %5", "")
-                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "l"(desc_w), "l"(desc_x));
-    } else if constexpr (kAbType == wgmma::kBF16) {
-      asm volatile(TMAGEMM_DECODE_WGMMA("m64n8k16.f32.bf16.bf16", "%0, %1, %2, %3", "%4, %5", ", 0, 0")
-                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "l"(desc_w), "l"(desc_x));
-    } else {
-      asm volatile(TMAGEMM_DECODE_WGMMA("m64n8k16.f32.f16.f16", "%0, %1, %2, %3", "%4, %5", ", 0, 0")
-                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "l"(desc_w), "l"(desc_x));
-    }
+    TMAGEMM_DECODE_MMA(8, "%0, %1, %2, %3", "%4, %5", TMAGEMM_DECODE_F4)
+  } else if constexpr (kTokens == 16) {
+    TMAGEMM_DECODE_MMA(16, "%0, %1, %2, %3, %4, %5, %6, %7", "%8, %9", TMAGEMM_DECODE_F8)
+  } else if constexpr (kTokens == 32) {
+    TMAGEMM_DECODE_MMA(32,
+                       "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15",
+                       "%16, %17", TMAGEMM_DECODE_F16)
   } else {
-    if constexpr (kAbType == wgmma::kE4M3) {
-      asm volatile(TMAGEMM_DECODE_WGMMA("m64n16k32.f32.e4m3.e4m3", "%0, %1, %2, %3, %4, %5, %6, %7", "%8, %9", "")
-                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-                   : "l"(desc_w), "l"(desc_x));
-    } else if constexpr (kAbType == wgmma::kBF16) {
-      asm volatile(TMAGEMM_DECODE_WGMMA("m64n16k16.f32.bf16.bf16", "%0, %1, %2, %3, %4, %5, %6, %7", "%8, %9", ", 0, 0")
-                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-                   : "l"(desc_w), "l"(desc_x));
-    } else {
-      asm volatile(TMAGEMM_DECODE_WGMMA("m64n16k16.f32.f16.f16", "%0, %1, %2, %3, %4, %5, %6, %7", "%8, %9", ", 0, 0")
-                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-                   : "l"(desc_w), "l"(desc_x));
-    }
+    TMAGEMM_DECODE_MMA(64,
+                       "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31",
+                       "%32, %33", TMAGEMM_DECODE_F32)
   }
 }
+#undef TMAGEMM_DECODE_MMA
+#undef TMAGEMM_DECODE_F32
+#undef TMAGEMM_DECODE_F16
+#undef TMAGEMM_DECODE_F8
+#undef TMAGEMM_DECODE_F4
 #undef TMAGEMM_DECODE_WGMMA
 
 __device__ __forceinline__ float bias_value(const void* bias, int col, int type) {
