@@ -84,17 +84,20 @@ def test_aot_source_matches_the_launcher_build():
 
 @needs_nvrtc
 @pytest.mark.parametrize("tokens", decode.TOKENS)
-@pytest.mark.parametrize("ab, out", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),
-                                     (FP8, torch.bfloat16), (FP8, torch.float32)],
-                         ids=["bf16", "fp16-f32out", "fp8", "fp8-f32out"])
-def test_builds_for_sm90a(ab, out, tokens):
-    module = decode.compile_module(decode.choose_config(tokens), ab, out)
+@pytest.mark.parametrize("ab, out, k_major", [(torch.bfloat16, torch.bfloat16, True), (torch.bfloat16, torch.bfloat16, False),
+                                              (torch.float16, torch.float32, False), (FP8, torch.bfloat16, True),
+                                              (FP8, torch.float32, True)],
+                         ids=["bf16", "bf16-nmajor", "fp16-f32out-nmajor", "fp8", "fp8-f32out"])
+def test_builds_for_sm90a(ab, out, k_major, tokens):
+    module = decode.compile_module(decode.choose_config(tokens), ab, out, k_major)
     art = inspection.artifacts_from_binary("decode", module.ptx, module.cubin)
     s = inspection.summarize(art)
     assert s["sass UTMALDG"] > 0 and s["sass UTMAPF"] > 0
     assert s["sass QGMMA" if ab == FP8 else "sass HGMMA"] > 0
     assert s["sass LDL"] == 0 and s["sass STL"] == 0, "register spills"
     assert f"m64n{tokens}k{32 if ab == FP8 else 16}" in module.ptx
+    if ab != FP8:  # A (the weight) transposed when N-major; B (the tokens) K-major
+        assert (", p, 1, 1, 0, 0;" if k_major else ", p, 1, 1, 1, 0;") in module.ptx
     # PDL order: the weight's L2 prefetch may run ahead of the grid dependency wait; every load
     # into shared memory (which could read what the previous kernel still writes) comes after it.
     body = module.ptx[module.ptx.index(".entry"):]
@@ -123,8 +126,9 @@ def _operands(m, n, k, ab):
     return a, w
 
 
-def _run(a, w, out, scale_a=None, scale_b=None, bias=None, config=None):
-    args = GemmArgs(a, w.t(), out, scale_a, scale_b, bias, True)
+def _run(a, w, out, scale_a=None, scale_b=None, bias=None, config=None, k_major=True):
+    """out = a @ w.t() on the decode kernel, the weight K-major (w.t()) or N-major (a (K, N) copy)."""
+    args = GemmArgs(a, w.t() if k_major else w.t().contiguous(), out, scale_a, scale_b, bias, True)
     built = plan.build(args, variant="cuda.decode", config=config)
     assert built.variant == "cuda.decode"
     built(args)
@@ -133,13 +137,16 @@ def _run(a, w, out, scale_a=None, scale_b=None, bias=None, config=None):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("k_major", [True, False], ids=["kmajor", "nmajor"])
 @pytest.mark.parametrize("ab, out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
                                            (torch.bfloat16, torch.float32)], ids=["bf16", "fp16", "bf16-f32out"])
-def test_16bit_matches_float64(ab, out_dtype, shape, seeded):
+def test_16bit_matches_float64(ab, out_dtype, k_major, shape, seeded):
     m, n, k = shape
+    if not k_major and n % 8:
+        pytest.skip("an N-major weight's rows must be 16-byte aligned (TMA)")
     a, w = _operands(m, n, k, ab)
     big, out = _poisoned_out(m, n, out_dtype)
-    _run(a, w, out)
+    _run(a, w, out, k_major=k_major)
     check_product(out, a, w.t(), what=f"{ab} {shape}", accumulation=2.0**-12)
     _check_untouched(big, m, n)
 
@@ -182,12 +189,13 @@ def test_refusals():
     a, w = _operands(65, 4096, 4096, torch.bfloat16)
     out = torch.empty(65, 4096, device=DEV, dtype=torch.bfloat16)
     assert "M=65 > 64" in decode.supports(GemmArgs(a, w.t(), out))
-    assert "K-major" in decode.supports(GemmArgs(a[:1], w.t().contiguous(), out[:1]))
+    assert decode.supports(GemmArgs(a[:1], w.t().contiguous(), out[:1])) is None  # 16-bit N-major: taken
     wide = torch.empty(1, 8192, device=DEV, dtype=torch.bfloat16)
     assert "columns must be contiguous" in decode.supports(GemmArgs(a[:1], w.t(), wide[:, ::2]))
     q, wq = _operands(1, 4096, 4096, FP8)
     one = torch.ones(1, device=DEV)
     assert "use_fast_accum=False" in decode.supports(GemmArgs(q, wq.t(), out[:1], one, one, None, False))
+    assert "K-major" in decode.supports(GemmArgs(q, wq.t().contiguous(), out[:1], one, one, None, True))
     block = (Scaling.BLOCK_1X128, Scaling.BLOCK_128X128)
     assert "block scales" in decode.supports(GemmArgs(q, wq.t(), out[:1], one, one, None, True, block))
     with pytest.raises(ValueError, match="cuda.decode: M=65"):

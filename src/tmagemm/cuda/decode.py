@@ -12,9 +12,10 @@ kernel. ``plan.preference`` puts it first at M <= 16 on weights of at least ``pl
 rows and ``plan.DECODE_MIN_K`` columns.
 
 Scope: M <= 64 (the dispatcher uses it up to ``plan.DECODE_MAX_M``, where it was measured); fp8
-(fast accumulation, tensor- or row-wise scales) and 16-bit operands, the weight
-K-major (``b = w.t()`` of a row-major (N, K) weight, the ``nn.Linear`` layout), bias, bf16 /
-fp16 / fp32 output with contiguous columns. Everything else is refused with its reason.
+(fast accumulation, tensor- or row-wise scales) with a K-major weight (``b = w.t()`` of a
+row-major (N, K) weight, the ``nn.Linear`` layout) and 16-bit operands with either weight
+layout; bias; bf16 / fp16 / fp32 output with contiguous columns. Everything else is refused with
+its reason.
 """
 
 from __future__ import annotations
@@ -111,12 +112,12 @@ def supports(args: GemmArgs) -> str | None:
         return "dimensions must fit in int32"
     if args.bias is not None and args.bias.dtype not in _OUT_TYPES:
         return f"bias dtype {args.bias.dtype} not supported (bf16, fp16, fp32)"
-    if not tma.b_is_k_major(args.b):
-        return ("b must be K-major (b = w.t() of a row-major (N, K) weight): the weight is wgmma's K-major A "
-                "operand here")
+    k_major = tma.b_is_k_major(args.b)
+    if args.is_fp8 and not k_major:
+        return "fp8 b must be K-major (b = w.t() of a row-major (N, K) weight): fp8 wgmma reads K-major operands"
     if args.n > 1 and args.out.stride(1) != 1:
         return f"out columns must be contiguous, got stride {tuple(args.out.stride())}"
-    return tma.operand_reason(args.a, "a", True) or tma.operand_reason(args.b, "b", False)
+    return tma.operand_reason(args.a, "a", True) or tma.operand_reason(args.b, "b", not k_major)
 
 
 class _DecodeParams(ctypes.Structure):
@@ -137,22 +138,23 @@ class _DecodeParams(ctypes.Structure):
     ]
 
 
-def defines(config: DecodeConfig, ab_dtype: torch.dtype, out_dtype: torch.dtype) -> dict[str, int]:
+def defines(config: DecodeConfig, ab_dtype: torch.dtype, out_dtype: torch.dtype, b_k_major: bool = True) -> dict[str, int]:
     """NVRTC -D flags of one build."""
     return {"TMAGEMM_AB_TYPE": _AB_TYPES[ab_dtype], "TMAGEMM_OUT_TYPE": _OUT_TYPES[out_dtype],
-            "TMAGEMM_DECODE_TOKENS": config.tokens, "TMAGEMM_STAGES": config.stages}
+            "TMAGEMM_DECODE_TOKENS": config.tokens, "TMAGEMM_STAGES": config.stages,
+            "TMAGEMM_B_KMAJOR": int(b_k_major)}
 
 
-def compile_module(config: DecodeConfig, ab_dtype: torch.dtype, out_dtype: torch.dtype):
+def compile_module(config: DecodeConfig, ab_dtype: torch.dtype, out_dtype: torch.dtype, b_k_major: bool = True):
     """The NVRTC module of one build (no GPU needed; tests inspect its SASS)."""
     from .. import jit
 
-    return jit.compile(SOURCE, defines=defines(config, ab_dtype, out_dtype))
+    return jit.compile(SOURCE, defines=defines(config, ab_dtype, out_dtype, b_k_major))
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(config: DecodeConfig, ab_dtype: torch.dtype, out_dtype: torch.dtype, device_index: int):
-    module = compile_module(config, ab_dtype, out_dtype)
+def _kernel(config: DecodeConfig, ab_dtype: torch.dtype, out_dtype: torch.dtype, b_k_major: bool, device_index: int):
+    module = compile_module(config, ab_dtype, out_dtype, b_k_major)
     with torch.cuda.device(device_index):
         return module.function(KERNEL)
 
@@ -163,7 +165,13 @@ class _DecodeLaunch:
 
     def __init__(self, args: GemmArgs, config: DecodeConfig):
         block_k = _ROW_BYTES // args.a.element_size()
-        self._w_maps = MapsByAddress(params_for_tensor(args.b.t(), (WEIGHT_ROWS, block_k)))
+        k_major = tma.b_is_k_major(args.b)
+        # K-major: boxes of 64 weight rows x one k-block of the (N, K) weight; N-major: boxes of one
+        # k-block of rows x 64 columns of the (K, N) matrix b itself.
+        if k_major:
+            self._w_maps = MapsByAddress(params_for_tensor(args.b.t(), (WEIGHT_ROWS, block_k)))
+        else:
+            self._w_maps = MapsByAddress(params_for_tensor(args.b, (block_k, WEIGHT_ROWS)))
         self._x_maps = MapsByAddress(params_for_tensor(args.a, (config.tokens, block_k)))
         p = self.params = _DecodeParams()
         p.m, p.n, p.k = args.m, args.n, args.k
@@ -174,7 +182,7 @@ class _DecodeLaunch:
         self._pointers = (ctypes.c_void_p * 3)()
         self._pointers[2] = ctypes.addressof(p)
         self.device_index = args.out.get_device()
-        kernel = _kernel(config, args.a.dtype, args.out.dtype, self.device_index)
+        kernel = _kernel(config, args.a.dtype, args.out.dtype, k_major, self.device_index)
         grid = (-(-args.n // WEIGHT_ROWS), -(-args.m // config.tokens), 1)
         self._launch = kernel.packed(grid, (THREADS, 1, 1), config.smem_bytes(), self._pointers,
                                      pdl=use_pdl(args.out.device))

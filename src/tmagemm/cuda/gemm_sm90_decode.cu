@@ -17,12 +17,13 @@
 // Compile-time knobs (tmagemm/cuda/decode.py through NVRTC -D flags):
 //   TMAGEMM_AB_TYPE   0 f16, 1 bf16, 2 e4m3       TMAGEMM_OUT_TYPE  0 f16, 1 bf16, 2 f32
 //   TMAGEMM_DECODE_TOKENS  8, 16, 32 or 64 (wgmma N)      TMAGEMM_STAGES    ring depth
+//   TMAGEMM_B_KMAJOR  1: the weight is (N, K) row-major (b = w.t()); 0: (K, N) row-major (16-bit only)
 #include "tmagemm/ptx.cuh"
 #include "tmagemm/wgmma.cuh"
 
 #if !defined(TMAGEMM_AB_TYPE) || !defined(TMAGEMM_OUT_TYPE) || !defined(TMAGEMM_DECODE_TOKENS) || \
-    !defined(TMAGEMM_STAGES)
-#error "gemm_sm90_decode.cu needs TMAGEMM_AB_TYPE, TMAGEMM_OUT_TYPE, TMAGEMM_DECODE_TOKENS, TMAGEMM_STAGES"
+    !defined(TMAGEMM_STAGES) || !defined(TMAGEMM_B_KMAJOR)
+#error "gemm_sm90_decode.cu needs TMAGEMM_AB_TYPE, TMAGEMM_OUT_TYPE, TMAGEMM_DECODE_TOKENS, TMAGEMM_STAGES, TMAGEMM_B_KMAJOR"
 #endif
 
 using namespace tmagemm;
@@ -35,6 +36,9 @@ constexpr int kAbType = TMAGEMM_AB_TYPE;
 constexpr int kOutType = TMAGEMM_OUT_TYPE;
 constexpr int kTokens = TMAGEMM_DECODE_TOKENS;
 constexpr int kStages = TMAGEMM_STAGES;
+// A K-major weight box is 64 weight rows of 128 bytes of K; an N-major one is 64 rows of K (one
+// k-block of 16-bit values) of 128 bytes of N, which wgmma reads as a transposed (MN-major) A.
+constexpr bool kWeightKMajor = TMAGEMM_B_KMAJOR != 0;
 constexpr int kRows = 64;         // weight rows per CTA: wgmma's M
 constexpr int kRowBytes = 128;    // one k-block: a 128-byte swizzle row (64 16-bit or 128 e4m3 values)
 constexpr int kBlockK = kRowBytes / (kAbType == wgmma::kE4M3 ? 1 : 2);
@@ -46,6 +50,7 @@ static_assert(kTokens == 8 || kTokens == 16 || kTokens == 32 || kTokens == 64,
               "tokens per tile: 8, 16, 32 or 64 (wgmma n8 ... n64)");
 static_assert(kTokenBytes % 1024 == 0, "128B-swizzled boxes start 1 KB aligned");
 static_assert(kStages >= 2, "at least two stages");
+static_assert(kWeightKMajor || kAbType != wgmma::kE4M3, "fp8 wgmma reads K-major operands only");
 
 // Mirrored by a ctypes.Structure in decode.py: keep the field order and types in step.
 struct DecodeParams {
@@ -61,10 +66,16 @@ struct DecodeParams {
 };
 
 // acc(64 x kTokens) += weight(64 x 32 B of K) * tokens(32 B of K x kTokens): scale-d is a
-// predicate, as in wgmma.cuh; K-major operands, so no transpose bits.
+// predicate, as in wgmma.cuh; the 16-bit forms' transpose bits are A's (set for an N-major
+// weight) and B's (the tokens are K-major).
 #define TMAGEMM_DECODE_WGMMA(SHAPE, REGS, OPERANDS, TRANSPOSE)                                          \
   "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned." SHAPE " {" REGS "}, " OPERANDS \
   ", p, 1, 1" TRANSPOSE ";\n}\n"
+#if TMAGEMM_B_KMAJOR
+#define TMAGEMM_DECODE_TRANSPOSE ", 0, 0"
+#else
+#define TMAGEMM_DECODE_TRANSPOSE ", 1, 0"
+#endif
 #define TMAGEMM_DECODE_F4(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
 #define TMAGEMM_DECODE_F8(d, i) TMAGEMM_DECODE_F4(d, i), TMAGEMM_DECODE_F4(d, i + 4)
 #define TMAGEMM_DECODE_F16(d, i) TMAGEMM_DECODE_F8(d, i), TMAGEMM_DECODE_F8(d, i + 8)
@@ -76,10 +87,10 @@ struct DecodeParams {
     asm volatile(TMAGEMM_DECODE_WGMMA("m64n" #N "k32.f32.e4m3.e4m3", REGS, OPERANDS, "")                   \
                  : FREGS(d, 0) : "l"(desc_w), "l"(desc_x));                                                \
   } else if constexpr (kAbType == wgmma::kBF16) {                                                          \
-    asm volatile(TMAGEMM_DECODE_WGMMA("m64n" #N "k16.f32.bf16.bf16", REGS, OPERANDS, ", 0, 0")             \
+    asm volatile(TMAGEMM_DECODE_WGMMA("m64n" #N "k16.f32.bf16.bf16", REGS, OPERANDS, TMAGEMM_DECODE_TRANSPOSE) \
                  : FREGS(d, 0) : "l"(desc_w), "l"(desc_x));                                                \
   } else {                                                                                                 \
-    asm volatile(TMAGEMM_DECODE_WGMMA("m64n" #N "k16.f32.f16.f16", REGS, OPERANDS, ", 0, 0")               \
+    asm volatile(TMAGEMM_DECODE_WGMMA("m64n" #N "k16.f32.f16.f16", REGS, OPERANDS, TMAGEMM_DECODE_TRANSPOSE)   \
                  : FREGS(d, 0) : "l"(desc_w), "l"(desc_x));                                                \
   }
 
@@ -104,6 +115,7 @@ __device__ __forceinline__ void mma(float (&d)[kAccRegs], u64 desc_w, u64 desc_x
 #undef TMAGEMM_DECODE_F16
 #undef TMAGEMM_DECODE_F8
 #undef TMAGEMM_DECODE_F4
+#undef TMAGEMM_DECODE_TRANSPOSE
 #undef TMAGEMM_DECODE_WGMMA
 
 __device__ __forceinline__ float bias_value(const void* bias, int col, int type) {
@@ -148,7 +160,10 @@ extern "C" __global__ void __launch_bounds__(kConsumerThreads + 32, 1)
     // ---- producer: one thread of the last warp streams the k-blocks
     if (threadIdx.x == kConsumerThreads) {
       const int first = k_tiles < kStages ? k_tiles : kStages;
-      for (int kt = 0; kt < first; ++kt) ptx::tma_prefetch_2d(&map_w, kt * kBlockK, n0);
+      for (int kt = 0; kt < first; ++kt) {
+        if constexpr (kWeightKMajor) ptx::tma_prefetch_2d(&map_w, kt * kBlockK, n0);
+        else ptx::tma_prefetch_2d(&map_w, n0, kt * kBlockK);
+      }
       ptx::griddep_wait();  // the activation, or even the weight, may be the previous kernel's output
       for (int kt = 0; kt < k_tiles; ++kt) {
         const int s = kt % kStages;
@@ -156,7 +171,8 @@ extern "C" __global__ void __launch_bounds__(kConsumerThreads + 32, 1)
         // first pass finds the phase before phase 0 complete).
         ptx::mbarrier_wait(&empty[s], ((kt / kStages) & 1) ^ 1);
         ptx::mbarrier_arrive_expect_tx(&full[s], kWeightBytes + kTokenBytes);
-        ptx::tma_load_2d(weights + s * kWeightBytes, &map_w, &full[s], kt * kBlockK, n0);
+        if constexpr (kWeightKMajor) ptx::tma_load_2d(weights + s * kWeightBytes, &map_w, &full[s], kt * kBlockK, n0);
+        else ptx::tma_load_2d(weights + s * kWeightBytes, &map_w, &full[s], n0, kt * kBlockK);
         ptx::tma_load_2d(tokens + s * kTokenBytes, &map_x, &full[s], kt * kBlockK, m0);
       }
       ptx::griddep_launch_dependents();  // the last loads are in flight: the next kernel may launch
@@ -172,13 +188,17 @@ extern "C" __global__ void __launch_bounds__(kConsumerThreads + 32, 1)
   for (int kt = 0; kt < k_tiles; ++kt) {
     const int s = kt % kStages;
     ptx::mbarrier_wait(&full[s], (kt / kStages) & 1);
-    const u64 desc_w = wgmma::desc_k_major(ptx::smem_u32(weights + s * kWeightBytes));
+    const u32 w_addr = ptx::smem_u32(weights + s * kWeightBytes);
+    const u64 desc_w = kWeightKMajor ? wgmma::desc_k_major(w_addr) : wgmma::desc_mn_major(w_addr);
     const u64 desc_x = wgmma::desc_k_major(ptx::smem_u32(tokens + s * kTokenBytes));
     wgmma::fence_operand(acc);
     wgmma::fence();
+    // Each wgmma takes 32 bytes of K: the next 32 bytes of a K-major row (the hardware applies
+    // the swizzle to the advanced address), or the next 16 K-rows of an N-major box.
+    constexpr u32 kWeightStep = kWeightKMajor ? 32 : 16 * kRowBytes;
 #pragma unroll
-    for (int kk = 0; kk < kRowBytes / 32; ++kk)  // each wgmma takes 32 bytes of K
-      mma(acc, wgmma::desc_advance(desc_w, kk * 32), wgmma::desc_advance(desc_x, kk * 32));
+    for (int kk = 0; kk < kRowBytes / 32; ++kk)
+      mma(acc, wgmma::desc_advance(desc_w, kk * kWeightStep), wgmma::desc_advance(desc_x, kk * 32));
     wgmma::commit_group();
     // One batch stays in flight; the one before it has retired and its stage goes back.
     wgmma::wait_group<1>();
