@@ -1,9 +1,9 @@
 """The native decode GEMM (tmagemm.cuda.decode, gemm_sm90_decode.cu).
 
 CPU: configs, the parameter block's layout, the dispatcher's rule, and every build through NVRTC
-for sm_90a: TMA loads, the tensor-core op, no local memory, and the programmatic-dependent-launch
-order (only an L2 prefetch of the weight before the grid dependency wait, every load into shared
-memory after it). GPU: float64 references on ragged shapes with poisoned outputs inside a larger
+for sm_90a: TMA loads, the tensor-core op, no local memory, the programmatic-dependent-launch
+order (every load after the grid dependency wait, the next kernel signalled after the main
+loop) and the split clusters' reduction. GPU: float64 references on ragged shapes with poisoned outputs inside a larger
 NaN buffer, every scaling, bias and output dtype, refusals, CUDA graph replays with new inputs,
 and chains where each GEMM reads (or its weight is) the previous kernel's output.
 """
@@ -37,14 +37,31 @@ def test_params_struct_matches_device_layout():
 
 
 def test_configs():
-    assert [decode.choose_config(m).tokens for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [8, 8, 16, 16, 32, 32, 64, 64]
-    assert decode.choose_config(1).stages == decode.STAGES and decode.choose_config(64).stages == decode.STAGES_64
+    tokens = [decode.choose_config(m, 4096, 4096, 1, 132).tokens for m in (1, 8, 9, 16, 17, 32, 33, 64)]
+    assert tokens == [8, 8, 16, 16, 32, 32, 64, 64]
     for config in decode.CONFIGS:
-        assert config.smem_bytes() <= 227 * 1024
+        # the split CTAs' fragment buffer (static, up to 16 KB) and the barriers come on top
+        assert config.smem_bytes() + 16 * 1024 + 512 <= 227 * 1024
     for bad in (dict(tokens=4, stages=16), dict(tokens=128, stages=8), dict(tokens=8, stages=1),
-                dict(tokens=64, stages=16)):
-        with pytest.raises(ValueError, match=r"DecodeConfig\.(tokens|stages)"):
+                dict(tokens=64, stages=16), dict(tokens=8, stages=8, split=3)):
+        with pytest.raises(ValueError, match=r"DecodeConfig\.(tokens|stages|split)"):
             decode.DecodeConfig(**bad)
+
+
+@pytest.mark.parametrize("m, n, k, itemsize, expect", [
+    (1, 4096, 4096, 1, (8, 8, 2)),  # 64 tiles: two CTAs each share K
+    (1, 2112, 7168, 1, (8, 8, 4)),  # 33 tiles: four
+    (1, 3584, 3584, 1, (8, 8, 2)),  # 56 tiles: four would take 224 CTAs
+    (1, 2560, 1024, 1, (8, 8, 1)),  # 8 k-blocks: too short to split
+    (16, 4096, 14336, 2, (16, 16, 2)),  # a split CTA with 112 k-blocks keeps 16 stages
+    (1, 8192, 7168, 1, (8, 16, 1)),  # 128 tiles, 56 k-blocks each
+    (1, 6144, 4096, 1, (8, 8, 1)),  # 96 tiles, 32 k-blocks: two CTAs may share an SM
+    (1, 28672, 4096, 1, (8, 8, 1)),
+    (40, 2048, 16384, 2, (64, 12, 4)),  # 64 tokens: 12 stages at most
+])
+def test_heuristic(m, n, k, itemsize, expect):
+    config = decode.choose_config(m, n, k, itemsize, 132)
+    assert (config.tokens, config.stages, config.split) == expect
 
 
 def _args(m, n, k, dtype=torch.bfloat16, k_major=True, device="cpu", **kw):
@@ -58,11 +75,13 @@ def _args(m, n, k, dtype=torch.bfloat16, k_major=True, device="cpu", **kw):
 
 def test_dispatcher_puts_the_decode_kernel_first_where_measured():
     first = lambda *shape: plan.preference(_args(*shape))[0]  # noqa: E731
-    assert first(1, 4096, 4096) == first(16, 3584, 3584) == first(8, 28672, 4096) == "cuda.decode"
-    assert plan.preference(_args(1, 4096, 4096))[1] == "triton.splitk"  # where it refuses (e.g. N-major)
+    assert first(1, 4096, 4096) == first(16, 3584, 3584) == first(8, 2112, 7168) == "cuda.decode"
+    assert plan.preference(_args(1, 4096, 4096))[1] == "triton.splitk"  # where it refuses (e.g. fp8 N-major)
     assert first(17, 4096, 4096) != "cuda.decode"  # tokens past wgmma's n16
-    assert first(1, 2048, 4096) != "cuda.decode"  # fewer CTAs than measured
-    assert first(1, 4096, 2048) != "cuda.decode"
+    assert first(1, 1024, 4096) != "cuda.decode"  # narrower than measured
+    assert first(1, 4096, 1024) != "cuda.decode"  # shorter than measured
+    assert first(8, 28672, 4096) != "cuda.decode"  # 448 weight tiles: more than one per SM
+    assert first(1, 7168, 16384) != "cuda.decode"  # 256 k-blocks for each of 112 unsplit CTAs
     block = (Scaling.BLOCK_1X128, Scaling.BLOCK_128X128)
     assert "cuda.decode" not in plan.preference(_args(1, 4096, 4096, FP8, block_scaling=block))
 
@@ -77,7 +96,7 @@ def test_cpu_tensors_are_refused_with_a_reason():
 def test_aot_source_matches_the_launcher_build():
     source, defines = inspection.native_source("cuda.decode", "fp8")
     assert source == decode.SOURCE
-    assert defines == decode.defines(decode.choose_config(1), FP8, torch.bfloat16)
+    assert defines == decode.defines(decode.DecodeConfig(8, decode.STAGES_SHORT), FP8, torch.bfloat16)
     with pytest.raises(ValueError, match="dtype must be one of"):
         decode.aot_source("cuda.decode", "fp4")
 
@@ -88,23 +107,27 @@ def test_aot_source_matches_the_launcher_build():
                                               (torch.float16, torch.float32, False), (FP8, torch.bfloat16, True),
                                               (FP8, torch.float32, True)],
                          ids=["bf16", "bf16-nmajor", "fp16-f32out-nmajor", "fp8", "fp8-f32out"])
-def test_builds_for_sm90a(ab, out, k_major, tokens):
-    module = decode.compile_module(decode.choose_config(tokens), ab, out, k_major)
+@pytest.mark.parametrize("split", [1, 4])
+def test_builds_for_sm90a(ab, out, k_major, tokens, split):
+    config = decode.DecodeConfig(tokens, decode.STAGES_SHORT, split)
+    module = decode.compile_module(config, ab, out, k_major)
     art = inspection.artifacts_from_binary("decode", module.ptx, module.cubin)
     s = inspection.summarize(art)
-    assert s["sass UTMALDG"] > 0 and s["sass UTMAPF"] > 0
+    assert s["sass UTMALDG"] > 0
     assert s["sass QGMMA" if ab == FP8 else "sass HGMMA"] > 0
     assert s["sass LDL"] == 0 and s["sass STL"] == 0, "register spills"
     assert f"m64n{tokens}k{32 if ab == FP8 else 16}" in module.ptx
     if ab != FP8:  # A (the weight) transposed when N-major; B (the tokens) K-major
         assert (", p, 1, 1, 0, 0;" if k_major else ", p, 1, 1, 1, 0;") in module.ptx
-    # PDL order: the weight's L2 prefetch may run ahead of the grid dependency wait; every load
-    # into shared memory (which could read what the previous kernel still writes) comes after it.
+    # PDL order: every load (the previous kernel may write the weight too) comes after the grid
+    # dependency wait; the next kernel is signalled after the last wgmma retired.
     body = module.ptx[module.ptx.index(".entry"):]
-    wait = body.index("griddepcontrol.wait")
-    assert body.index("cp.async.bulk.prefetch.tensor") < wait
-    assert body.index("cp.async.bulk.tensor") > wait
-    assert body.index("griddepcontrol.launch_dependents") > body.index("cp.async.bulk.tensor")
+    assert "cp.async.bulk.prefetch.tensor" not in body
+    assert body.index("cp.async.bulk.tensor") > body.index("griddepcontrol.wait")
+    assert body.index("griddepcontrol.launch_dependents") > body.rindex("wgmma.wait_group.sync.aligned 0")
+    # A split cluster adds its fragments over distributed shared memory, after two cluster barriers.
+    assert ("ld.shared::cluster.v4.f32" in body) == (split > 1)
+    assert body.count("barrier.cluster.arrive") == (3 if split > 1 else 0)
 
 
 # ------------------------------------------------------------------------------------------ GPU
@@ -112,7 +135,7 @@ def test_builds_for_sm90a(ab, out, k_major, tokens):
 DEV = "cuda"
 # N ragged against the 64-row tiles, K off the k-block (still 16-byte rows), tokens around the
 # n8 / n16 tiles.
-SHAPES = [(1, 264, 144), (5, 4160, 4112), (8, 3584, 3584), (9, 200, 1040), (16, 4096, 528), (17, 330, 1040),
+SHAPES = [(1, 264, 144), (5, 4160, 4112), (8, 3584, 3584), (3, 2112, 2000), (9, 200, 1040), (16, 4096, 528), (17, 330, 1040),
           (64, 520, 2064)]
 
 
@@ -239,8 +262,8 @@ def pdl_mode(request, monkeypatch):
 @pytest.mark.parametrize("m", [1, 16])
 def test_chain_and_a_weight_the_previous_kernel_writes(m, pdl_mode, seeded):
     """Each GEMM reads the previous one's output, eagerly and in a CUDA graph; then a weight
-    written by the kernel just before is read fresh (the prefetch before the grid dependency
-    wait must not serve stale bytes)."""
+    written by the kernel just before is read fresh (no load of it may run ahead of the grid
+    dependency wait)."""
     widths = (4096, 3584, 4096, 3584)
     ws = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) / k**0.5 for k, n in zip(widths, widths[1:])]
 

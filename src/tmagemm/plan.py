@@ -23,7 +23,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from . import device, tma
+from . import device
 
 # Modules that define VARIANTS. One line per kernel family.
 FAMILY_MODULES = (
@@ -234,22 +234,30 @@ SPLITK_16BIT_LONG_K = 8192
 
 
 # The native decode kernel (cuda/decode.py) first at M <= DECODE_MAX_M on weights of at least
-# DECODE_MIN_N x DECODE_MIN_K, where its prototype was measured (H100, graph-timed, BENCHMARKS.md;
-# the prototype loaded its first weight boxes into shared memory before the PDL wait). 8 chained
-# GEMMs with their own weights in one CUDA graph, per GEMM, M = 1 and 16, bf16 and fp8: 4096 x 4096
-# and 3584 x 3584 8-26% faster than split-K and 3-17% faster than cuBLAS; 14336 x 4096 1-9%
-# faster than split-K and within 3% of cuBLAS. Single kernels (L2 flushed) at 1-16 tokens on six
-# projection shapes of 3584-28672 x 3584-14336: -3% to +10% against split-K. Narrower weights give
-# it fewer than 56 CTAs and were not measured.
+# DECODE_MIN_N x DECODE_MIN_K, with at most DECODE_MAX_TILES_PER_SM 64-row weight tiles per
+# SM and at most DECODE_MAX_SHARE k-blocks of 128 bytes per CTA (after its K split). Measured
+# per GEMM on the 17 decode-stack projections, 8 chained copies with their own weights in one
+# CUDA graph, M = 1 and 16 (H200, BENCHMARKS.md): where the rule takes it, fp8 5-19% faster than
+# split-K on 11 of 13 shapes (2% slower on 14336 x 8192), bf16 up to 11% faster and at most 2%
+# slower. Past it split-K was ahead: more tiles (N = 28672 and 37888, 2-11%) or a longer K per
+# CTA (7168 x 16384 and 7168 x 18432, 1-6%). Narrower or shorter weights were not measured.
 DECODE_MAX_M = 16
-DECODE_MIN_N = 3584
-DECODE_MIN_K = 3584
+DECODE_MIN_N = 2048
+DECODE_MIN_K = 2048
+DECODE_MAX_TILES_PER_SM = 1
+DECODE_MAX_SHARE = 112
 
 
 def _decode_first(args: GemmArgs) -> bool:
-    # K-major weights only: the kernel also builds for N-major 16-bit weights, not measured yet.
-    return (args.m <= DECODE_MAX_M and args.n >= DECODE_MIN_N and args.k >= DECODE_MIN_K
-            and tma.b_is_k_major(args.b))
+    if not (args.m <= DECODE_MAX_M and args.n >= DECODE_MIN_N and args.k >= DECODE_MIN_K):
+        return False
+    from .cuda.decode import WEIGHT_ROWS, choose_config, k_blocks  # a backend module: imported lazily
+
+    sms = device.sms_of(args.out.device)
+    itemsize = args.a.element_size()
+    split = choose_config(args.m, args.n, args.k, itemsize, sms).split
+    return (-(-args.n // WEIGHT_ROWS) <= DECODE_MAX_TILES_PER_SM * sms
+            and k_blocks(args.k, itemsize) <= DECODE_MAX_SHARE * split)
 
 
 def _splitk_first(args: GemmArgs) -> bool:
@@ -354,9 +362,9 @@ def preference(args: GemmArgs) -> tuple[str, ...]:
 
     A variant is skipped when it is not registered or refuses the problem; the pointer kernel
     accepts everything.
-    - decode M (see :func:`_decode_first`): the native decode kernel, which prefetches its first
-      weight boxes into L2 before the PDL wait (fp8 with fast accumulation and 16-bit operands, K-major
-      weights; it refuses the rest), then split-K.
+    - decode M (see :func:`_decode_first`): the native decode kernel, whose clusters share a
+      narrow weight's K (fp8 with fast accumulation and K-major weights, 16-bit operands with
+      either weight layout; it refuses the rest), then split-K.
     - small M (see :func:`_splitk_first`): split-K, whose partial sums keep enough CTAs streaming
       the weight.
     - M <= MID_M (256): the non-persistent Triton kernel with host-encoded tensor maps, launched

@@ -1,15 +1,13 @@
 """The native decode GEMM (``cuda.decode``): swap-AB tiles of 64 weight rows x 8-64 tokens,
-a producer warp over a deep TMA ring, no K split (``gemm_sm90_decode.cu``).
+a producer warp over a TMA ring, K shared by the CTAs of a cluster and their partial sums added
+through distributed shared memory (``gemm_sm90_decode.cu``).
 
 At decode sizes a GEMM streams its weight once; what is left to win is the start and the tail of
-each kernel in a chain of them. This kernel has the shape cuBLAS picks at one token (one CTA per
-64 weight rows, a 16-stage ring, no partial sums), and unlike cuBLAS it prefetches its first
-weight boxes into L2 before the programmatic-dependent-launch wait, while the previous kernel
-drains. A prototype that loaded them into shared memory there instead ran 8-26% faster per GEMM
-than the split-K kernel and 3-17% faster than cuBLAS on 4096 x 4096 and 3584 x 3584, chained in
-a CUDA graph (H100, BENCHMARKS.md); that form would read a stale weight written by the previous
-kernel. ``plan.preference`` puts it first at M <= 16 on weights of at least ``plan.DECODE_MIN_N``
-rows and ``plan.DECODE_MIN_K`` columns.
+each kernel in a chain of them. This kernel has the shape cuBLAS picks at one token (64 weight
+rows per CTA, a deep ring), and where a narrow weight would leave SMs idle, clusters of 2 or 4
+CTAs split each tile's K without partial sums in global memory, counters or a second kernel.
+``plan.preference`` puts it first at M <= 16 where it measured ahead of split-K (``plan.
+DECODE_MIN_N`` and the rules beside it).
 
 Scope: M <= 64 (the dispatcher uses it up to ``plan.DECODE_MAX_M``, where it was measured); fp8
 (fast accumulation, tensor- or row-wise scales) with a K-major weight (``b = w.t()`` of a
@@ -43,50 +41,80 @@ THREADS = 128 + 32  # one consumer warpgroup and the producer warp
 
 
 TOKENS = (8, 16, 32, 64)
+SPLITS = (1, 2, 4)
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
     """tokens: the tile's tokens (wgmma n8, n16, n32 or n64; more tokens take more CTAs along M);
     stages: depth of the TMA ring (a stage is one 64-row weight box and one token box of 128
-    bytes of K each)."""
+    bytes of K each); split: CTAs of one cluster sharing a tile's K, their partial sums added
+    through distributed shared memory (1: no split)."""
 
     tokens: int
     stages: int
+    split: int = 1
 
     def __post_init__(self):
         if self.tokens not in TOKENS:
             raise ValueError(f"DecodeConfig.tokens={self.tokens}: must be one of {TOKENS}")
+        if self.split not in SPLITS:
+            raise ValueError(f"DecodeConfig.split={self.split}: must be one of {SPLITS}")
         if not 2 <= self.stages or self.smem_bytes() > _device.SM90_SMEM_PER_BLOCK:
             raise ValueError(f"DecodeConfig.stages={self.stages}: must be >= 2 and fit "
                              f"{_device.SM90_SMEM_PER_BLOCK} bytes of shared memory")
 
     def smem_bytes(self) -> int:
-        """Dynamic shared memory: the ring plus 1 KB to align it for the 128-byte swizzle."""
+        """Dynamic shared memory: the ring plus 1 KB to align it for the 128-byte swizzle (a
+        split CTA's fragment buffer is static shared memory, at most 16 KB more)."""
         return self.stages * (WEIGHT_ROWS + self.tokens) * _ROW_BYTES + 1024
 
     def label(self) -> str:
-        return f"decode64x{self.tokens}s{self.stages}"
+        return f"decode64x{self.tokens}s{self.stages}" + (f"k{self.split}" if self.split > 1 else "")
 
 
-# 16 stages measured ahead of 20 and 24 on every shape of the study (H100: 4096 x 4096 bf16 at
-# one token 22.2 us against 23.4 with 24; 4096 x 14336 56.7 against 61.9): deeper rings only
-# keep more bytes of one CTA in flight than the memory system turns around.
+# Ring depths. 16 stages measured ahead of 20 and 24 on every shape of the prototype's study
+# (H100: 4096 x 4096 bf16 at one token 22.2 us against 23.4 with 24): deeper rings only keep more
+# bytes of one CTA in flight than the memory system turns around. 8 stages let two CTAs share an
+# SM, and measured ahead of 16 on most decode-stack shapes (below).
 STAGES = 16
+STAGES_SHORT = 8
 STAGES_64 = 12  # 64-token tiles: 16 KB stages, 12 fit shared memory
 
+# The heuristic (H200, 8 chained GEMMs with their own weights in one CUDA graph, per GEMM, M = 1
+# and 16, fp8 and bf16, the 13 decode-stack projections with at most 2 x 132 weight tiles;
+# BENCHMARKS.md): clusters of 4 or 2 CTAs share K while that keeps the CTAs within
+# SPLIT_FILL x SMs (N = 4096: 2 CTAs per tile, 7.90 us against 8.68 unsplit for fp8 at one token;
+# N = 2112: 4, 7.88 against 11.81); a split CTA whose share of K is at least LONG_SHARE k-blocks
+# keeps 16 stages (bf16 4096 x 14336: 31.0 against 33.3 us), everything else takes 8. Within
+# 1.6% of the best of the six measured configs in geomean, 11% at worst.
+SPLIT_FILL = 1.25
+LONG_SHARE = 48
+MIN_SHARE = 8  # a split never leaves a CTA fewer k-blocks than this
 
-def _stages(tokens: int) -> int:
+
+def _max_stages(tokens: int) -> int:
     return STAGES_64 if tokens == 64 else STAGES
 
 
-CONFIGS = tuple(DecodeConfig(t, s) for t in TOKENS for s in sorted({8, _stages(t)}))
+CONFIGS = tuple(DecodeConfig(t, s, k) for t in TOKENS for s in (STAGES_SHORT, _max_stages(t)) for k in SPLITS)
 
 
-def choose_config(m: int) -> DecodeConfig:
-    """The tile for M tokens (pure): the smallest of n8, n16, n32, n64 that holds them."""
-    tokens = next(t for t in TOKENS if m <= t) if m <= TOKENS[-1] else TOKENS[-1]
-    return DecodeConfig(tokens, _stages(tokens))
+def k_blocks(k: int, itemsize: int) -> int:
+    """128-byte k-blocks of one weight row: the ring's unit."""
+    return -(-k * itemsize // _ROW_BYTES)
+
+
+def choose_config(m: int, n: int, k: int, itemsize: int, sms: int) -> DecodeConfig:
+    """The launch for an (m, n, k) problem of ``itemsize``-byte operands on ``sms`` SMs (pure):
+    the smallest of n8, n16, n32, n64 that holds the tokens; the K split and ring depth of the
+    heuristic above."""
+    tokens = next((t for t in TOKENS if m <= t), TOKENS[-1])
+    tiles = -(-n // WEIGHT_ROWS) * -(-m // tokens)
+    blocks = k_blocks(k, itemsize)
+    split = next((s for s in SPLITS[::-1] if tiles * s <= SPLIT_FILL * sms and blocks >= s * MIN_SHARE), 1)
+    long_share = tiles * split <= sms and blocks >= split * LONG_SHARE
+    return DecodeConfig(tokens, _max_stages(tokens) if long_share else STAGES_SHORT, split)
 
 
 def supports(args: GemmArgs) -> str | None:
@@ -142,7 +170,7 @@ def defines(config: DecodeConfig, ab_dtype: torch.dtype, out_dtype: torch.dtype,
     """NVRTC -D flags of one build."""
     return {"TMAGEMM_AB_TYPE": _AB_TYPES[ab_dtype], "TMAGEMM_OUT_TYPE": _OUT_TYPES[out_dtype],
             "TMAGEMM_DECODE_TOKENS": config.tokens, "TMAGEMM_STAGES": config.stages,
-            "TMAGEMM_B_KMAJOR": int(b_k_major)}
+            "TMAGEMM_B_KMAJOR": int(b_k_major), "TMAGEMM_DECODE_SPLIT": config.split}
 
 
 def compile_module(config: DecodeConfig, ab_dtype: torch.dtype, out_dtype: torch.dtype, b_k_major: bool = True):
@@ -183,9 +211,9 @@ class _DecodeLaunch:
         self._pointers[2] = ctypes.addressof(p)
         self.device_index = args.out.get_device()
         kernel = _kernel(config, args.a.dtype, args.out.dtype, k_major, self.device_index)
-        grid = (-(-args.n // WEIGHT_ROWS), -(-args.m // config.tokens), 1)
+        grid = (-(-args.n // WEIGHT_ROWS), -(-args.m // config.tokens), config.split)
         self._launch = kernel.packed(grid, (THREADS, 1, 1), config.smem_bytes(), self._pointers,
-                                     pdl=use_pdl(args.out.device))
+                                     cluster=(1, 1, config.split), pdl=use_pdl(args.out.device))
         self._stream = stream_getter()
         self._lock = threading.Lock()  # the maps and the parameter block are shared by every call
 
@@ -206,7 +234,7 @@ def build(args: GemmArgs, config: DecodeConfig | None = None) -> Plan:
     reason = supports(args)
     if reason is not None:
         raise ValueError(f"{NAME}: {reason}")
-    config = config or choose_config(args.m)
+    config = config or choose_config(args.m, args.n, args.k, args.a.element_size(), _device.sms_of(args.out.device))
     launch = _DecodeLaunch(args, config)
     return Plan(NAME, config, launch, launch.device_index, direct=True)
 
@@ -220,7 +248,7 @@ def aot_source(name: str, dtype: str = "fp8") -> tuple[str, dict[str, int]]:
         raise ValueError(f"unknown decode variant {name!r}; known: [{NAME!r}]")
     if dtype not in types:
         raise ValueError(f"dtype must be one of {sorted(types)}, got {dtype!r}")
-    return SOURCE, defines(choose_config(1), *types[dtype])
+    return SOURCE, defines(DecodeConfig(TOKENS[0], STAGES_SHORT), *types[dtype])
 
 
 VARIANTS = [
@@ -228,8 +256,8 @@ VARIANTS = [
         name=NAME,
         backend="cuda",
         description="native decode GEMM (M <= 64): swap-AB 64-row weight tiles x 8-64 tokens, producer warp over "
-                    "a 12-16-stage TMA ring, no K split; the first weight boxes are prefetched into L2 before the "
-                    "PDL wait",
+                    "an 8-16-stage TMA ring, K shared by clusters of 1, 2 or 4 CTAs that add their partial sums "
+                    "through distributed shared memory",
         supports=supports,
         build=build,
         configs=CONFIGS,

@@ -2,28 +2,32 @@
 // (tmagemm/cuda/decode.py, docs/small-m.md "The native decode kernel").
 //
 // out[M, N] = (scale_a * scale_b) * (a[M, K] @ w[N, K]^T) + bias, w the K-major weight (b = w.t()).
-// One CTA per 64 weight rows (and per TMAGEMM_DECODE_TOKENS tokens): the weight rows fill
-// wgmma's M dimension and the tokens its N slot (n8 to n64), so a CTA streams 64 x K of the
-// weight and no K split, no partial sums and no reduction are needed. A producer warp keeps
-// TMAGEMM_STAGES k-blocks in flight (16 x 9 KB); one consumer warpgroup multiplies.
+// One cluster per 64 weight rows (and per TMAGEMM_DECODE_TOKENS tokens): the weight rows fill
+// wgmma's M dimension and the tokens its N slot (n8 to n64). The cluster's TMAGEMM_DECODE_SPLIT
+// CTAs take equal shares of K, so a narrow weight (64 row tiles for N = 4096) still keeps more
+// SMs streaming; the partial sums never leave the chip: each CTA but the first leaves its
+// fragment in its own shared memory and the first adds them over distributed shared memory.
+// With no split (1) a CTA streams 64 x K alone. A producer warp keeps TMAGEMM_STAGES k-blocks in
+// flight (16 x 9 KB); one consumer warpgroup multiplies.
 //
-// Programmatic dependent launch: before the grid dependency wait the producer prefetches the
-// weight boxes of the ring's first TMAGEMM_STAGES k-blocks into L2, so in a decode layer the first
-// bytes of each GEMM's weight are on their way while the GEMM before it drains. Only a prefetch:
-// L2 is the point of coherence, so a weight the previous kernel is still writing is read fresh
-// by the loads into shared memory, which come after the wait with everything else. The
-// consumers wait on the grid dependency before anything is written.
+// Programmatic dependent launch: everything before the grid dependency wait is set-up (barriers,
+// descriptor prefetch), so it overlaps the previous kernel's tail; every load, the weight's
+// included (the previous kernel may write it), comes after the wait. The consumers signal the
+// next kernel once their main loop is done, so its CTAs do not take SM room while this one still
+// streams. Prefetching the weight into L2 before the wait, and signalling as soon as the last
+// loads were issued, both measured slower in decode stacks (docs/small-m.md).
 //
 // Compile-time knobs (tmagemm/cuda/decode.py through NVRTC -D flags):
 //   TMAGEMM_AB_TYPE   0 f16, 1 bf16, 2 e4m3       TMAGEMM_OUT_TYPE  0 f16, 1 bf16, 2 f32
 //   TMAGEMM_DECODE_TOKENS  8, 16, 32 or 64 (wgmma N)      TMAGEMM_STAGES    ring depth
 //   TMAGEMM_B_KMAJOR  1: the weight is (N, K) row-major (b = w.t()); 0: (K, N) row-major (16-bit only)
+//   TMAGEMM_DECODE_SPLIT  1, 2 or 4: CTAs per cluster along K (launched as cluster (1, 1, split))
 #include "tmagemm/ptx.cuh"
 #include "tmagemm/wgmma.cuh"
 
 #if !defined(TMAGEMM_AB_TYPE) || !defined(TMAGEMM_OUT_TYPE) || !defined(TMAGEMM_DECODE_TOKENS) || \
-    !defined(TMAGEMM_STAGES) || !defined(TMAGEMM_B_KMAJOR)
-#error "gemm_sm90_decode.cu needs TMAGEMM_AB_TYPE, TMAGEMM_OUT_TYPE, TMAGEMM_DECODE_TOKENS, TMAGEMM_STAGES, TMAGEMM_B_KMAJOR"
+    !defined(TMAGEMM_STAGES) || !defined(TMAGEMM_B_KMAJOR) || !defined(TMAGEMM_DECODE_SPLIT)
+#error "gemm_sm90_decode.cu needs TMAGEMM_AB_TYPE, TMAGEMM_OUT_TYPE, TMAGEMM_DECODE_TOKENS, TMAGEMM_STAGES, TMAGEMM_B_KMAJOR, TMAGEMM_DECODE_SPLIT"
 #endif
 
 using namespace tmagemm;
@@ -36,6 +40,7 @@ constexpr int kAbType = TMAGEMM_AB_TYPE;
 constexpr int kOutType = TMAGEMM_OUT_TYPE;
 constexpr int kTokens = TMAGEMM_DECODE_TOKENS;
 constexpr int kStages = TMAGEMM_STAGES;
+constexpr int kSplit = TMAGEMM_DECODE_SPLIT;
 // A K-major weight box is 64 weight rows of 128 bytes of K; an N-major one is 64 rows of K (one
 // k-block of 16-bit values) of 128 bytes of N, which wgmma reads as a transposed (MN-major) A.
 constexpr bool kWeightKMajor = TMAGEMM_B_KMAJOR != 0;
@@ -50,6 +55,7 @@ static_assert(kTokens == 8 || kTokens == 16 || kTokens == 32 || kTokens == 64,
               "tokens per tile: 8, 16, 32 or 64 (wgmma n8 ... n64)");
 static_assert(kTokenBytes % 1024 == 0, "128B-swizzled boxes start 1 KB aligned");
 static_assert(kStages >= 2, "at least two stages");
+static_assert(kSplit == 1 || kSplit == 2 || kSplit == 4, "K split: 1, 2 or 4 CTAs per cluster");
 static_assert(kWeightKMajor || kAbType != wgmma::kE4M3, "fp8 wgmma reads K-major operands only");
 
 // Mirrored by a ctypes.Structure in decode.py: keep the field order and types in step.
@@ -138,10 +144,16 @@ extern "C" __global__ void __launch_bounds__(kConsumerThreads + 32, 1)
   unsigned char* tokens = weights + kStages * kWeightBytes;
   __shared__ alignas(8) u64 full[kStages];   // producer arrival + both boxes' bytes
   __shared__ alignas(8) u64 empty[kStages];  // the consumer warpgroup released the stage
+  // A split CTA's fragment, float4 q of thread t at [q * 128 + t]: 16-byte accesses, no conflicts.
+  __shared__ alignas(16) float partial[kSplit > 1 ? kAccRegs * kConsumerThreads : 4];
 
   const int n0 = blockIdx.x * kRows;
   const int m0 = blockIdx.y * kTokens;
-  const int k_tiles = (p.k + kBlockK - 1) / kBlockK;
+  // The cluster spans blockIdx.z, so the CTA's rank in it is blockIdx.z: its share of the k-blocks.
+  const int rank = kSplit > 1 ? static_cast<int>(blockIdx.z) : 0;
+  const int k_all = (p.k + kBlockK - 1) / kBlockK;
+  const int kt0 = k_all * rank / kSplit;
+  const int k_tiles = k_all * (rank + 1) / kSplit - kt0;
 
   // Set-up touches no global memory: it may overlap the previous kernel.
   if (threadIdx.x == kConsumerThreads) {
@@ -159,11 +171,6 @@ extern "C" __global__ void __launch_bounds__(kConsumerThreads + 32, 1)
   if (threadIdx.x >= kConsumerThreads) {
     // ---- producer: one thread of the last warp streams the k-blocks
     if (threadIdx.x == kConsumerThreads) {
-      const int first = k_tiles < kStages ? k_tiles : kStages;
-      for (int kt = 0; kt < first; ++kt) {
-        if constexpr (kWeightKMajor) ptx::tma_prefetch_2d(&map_w, kt * kBlockK, n0);
-        else ptx::tma_prefetch_2d(&map_w, n0, kt * kBlockK);
-      }
       ptx::griddep_wait();  // the activation, or even the weight, may be the previous kernel's output
       for (int kt = 0; kt < k_tiles; ++kt) {
         const int s = kt % kStages;
@@ -171,12 +178,13 @@ extern "C" __global__ void __launch_bounds__(kConsumerThreads + 32, 1)
         // first pass finds the phase before phase 0 complete).
         ptx::mbarrier_wait(&empty[s], ((kt / kStages) & 1) ^ 1);
         ptx::mbarrier_arrive_expect_tx(&full[s], kWeightBytes + kTokenBytes);
-        if constexpr (kWeightKMajor) ptx::tma_load_2d(weights + s * kWeightBytes, &map_w, &full[s], kt * kBlockK, n0);
-        else ptx::tma_load_2d(weights + s * kWeightBytes, &map_w, &full[s], n0, kt * kBlockK);
-        ptx::tma_load_2d(tokens + s * kTokenBytes, &map_x, &full[s], kt * kBlockK, m0);
+        const int k = (kt0 + kt) * kBlockK;
+        if constexpr (kWeightKMajor) ptx::tma_load_2d(weights + s * kWeightBytes, &map_w, &full[s], k, n0);
+        else ptx::tma_load_2d(weights + s * kWeightBytes, &map_w, &full[s], n0, k);
+        ptx::tma_load_2d(tokens + s * kTokenBytes, &map_x, &full[s], k, m0);
       }
-      ptx::griddep_launch_dependents();  // the last loads are in flight: the next kernel may launch
     }
+    // A split cluster's barriers wait for non-exited threads only: the producer warp may leave.
     return;
   }
 
@@ -208,6 +216,37 @@ extern "C" __global__ void __launch_bounds__(kConsumerThreads + 32, 1)
   if (k_tiles > 0) {
     wgmma::wait_group<0>();
     wgmma::fence_operand(acc);
+  }
+  ptx::griddep_launch_dependents();  // the stream is done: the next kernel may launch
+
+  // ---- split K: the other CTAs of the cluster publish their fragments (release at cluster
+  // scope), the first adds them from their shared memory, and they stay resident until it has.
+  if constexpr (kSplit > 1) {
+    float4* mine = reinterpret_cast<float4*>(partial) + threadIdx.x;
+    if (rank != 0) {
+#pragma unroll
+      for (int q = 0; q < kAccRegs / 4; ++q)
+        mine[q * kConsumerThreads] = make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
+    }
+    ptx::cluster_arrive();
+    ptx::cluster_wait();
+    if (rank != 0) {
+      ptx::cluster_arrive();  // the first CTA's reads are done when this phase completes
+      ptx::cluster_wait();
+      return;
+    }
+#pragma unroll
+    for (int r = 1; r < kSplit; ++r) {
+      const u32 peer = ptx::mapa_shared(ptx::smem_u32(mine), r);
+#pragma unroll
+      for (int q = 0; q < kAccRegs / 4; ++q) {
+        float v[4];
+        ptx::ld_shared_cluster_v4(v, peer + q * kConsumerThreads * 16);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[4 * q + e] += v[e];
+      }
+    }
+    ptx::cluster_arrive();  // released: the others may exit
   }
 
   // ---- epilogue: register 4j + 2h + e holds weight row (output column) 16w + l/4 + 8h and
