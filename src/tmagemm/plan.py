@@ -234,13 +234,13 @@ SPLITK_16BIT_LONG_K = 8192
 
 
 # The native decode kernel (cuda/decode.py) first at M <= DECODE_MAX_M on weights of at least
-# DECODE_MIN_N x DECODE_MIN_K, with at most DECODE_MAX_TILES_PER_SM 64-row weight tiles per
-# SM and at most DECODE_MAX_SHARE k-blocks of 128 bytes per CTA (after its K split). Measured
-# per GEMM on the 17 decode-stack projections, 8 chained copies with their own weights in one
-# CUDA graph, M = 1 and 16 (H200, BENCHMARKS.md): where the rule takes it, fp8 5-19% faster than
-# split-K on 11 of 13 shapes (2% slower on 14336 x 8192), bf16 up to 11% faster and at most 2%
-# slower. Past it split-K was ahead: more tiles (N = 28672 and 37888, 2-11%) or a longer K per
-# CTA (7168 x 16384 and 7168 x 18432, 1-6%). Narrower or shorter weights were not measured.
+# DECODE_MIN_N x DECODE_MIN_K, with at most DECODE_MAX_TILES_PER_SM 64-row weight tiles per SM and
+# at most DECODE_MAX_SHARE k-blocks of 128 bytes per CTA (after its K split). Measured per GEMM on
+# the 17 decode-stack projections, 8 chained copies with their own weights in one CUDA graph,
+# M = 1 and 16 (H200, BENCHMARKS.md): where the rule takes it, fp8 1-19% faster than split-K on
+# all 10 shapes (geomean 9.8%), bf16 2.4% faster in geomean (11% faster to 4% slower). Past it
+# split-K was ahead: more tiles (N = 14336-37888, 2-11%) or a longer share of K per CTA
+# (7168 x 16384 and 7168 x 18432, 1-6%). Narrower or shorter weights were not measured.
 DECODE_MAX_M = 16
 DECODE_MIN_N = 2048
 DECODE_MIN_K = 2048
