@@ -19,12 +19,17 @@ def _args(m, n, k, dtype=F8):
 @pytest.mark.parametrize(
     "m, n, k, dtype, first",
     [
-        (1, 4096, 4096, F8, "triton.splitk"),  # decode on a 16 MB weight
-        (16, 4096, 14336, F8, "triton.splitk"),  # long K
+        (1, 4096, 4096, F8, "cuda.decode"),  # decode on a 16 MB weight (split-K next, where it refuses)
+        (16, 4096, 14336, F8, "cuda.decode"),  # long K
         (16, 32768, 512, F8, "triton.tma"),  # short K, wide N: the tile kernel was ahead
         (32, 4096, 4096, F8, "triton.tma"),
-        (16, 3584, 3584, F8, "triton.splitk"),  # K >= 3072
-        (16, 4096, 2048, F8, "triton.tma"),
+        (16, 3584, 3584, F8, "cuda.decode"),
+        (16, 2560, 3584, F8, "cuda.decode"),  # 40 tiles, each K shared by a cluster of 2
+        (16, 4096, 2048, F8, "cuda.decode"),
+        (16, 4096, 1536, F8, "triton.tma"),  # K < DECODE_MIN_K
+        (1, 28672, 4096, F8, "triton.splitk"),  # 448 weight tiles: more than one per SM
+        (1, 7168, 16384, F8, "triton.splitk"),  # 128 k-blocks for each of 112 CTAs
+        (1, 8192, 7168, F8, "cuda.decode"),  # 56 k-blocks for each of 128 CTAs
         (32, 4096, 14336, F8, "triton.splitk"),  # K > 8192
         (32, 57344, 8192, F8, "triton.splitk"),  # 470 MB weight
         (64, 4096, 4096, F8, "triton.tma"),
@@ -33,8 +38,9 @@ def _args(m, n, k, dtype=F8):
         (512, 4096, 4096, F8, "cuda.persistent_coop"),
         (256, 4096, 4096, torch.bfloat16, "triton.tma"),
         (512, 4096, 4096, torch.bfloat16, "cuda.persistent_coop"),
-        (8, 4096, 4096, torch.bfloat16, "triton.splitk"),  # 16-bit at M <= 32, K-major weight: split-K
-        (16, 4096, 4096, torch.bfloat16, "triton.splitk"),
+        (8, 4096, 4096, torch.bfloat16, "cuda.decode"),
+        (16, 2048, 4096, torch.bfloat16, "cuda.decode"),
+        (16, 1024, 4096, torch.bfloat16, "triton.splitk"),  # 16-bit at M <= 16 off the decode kernel's rule: split-K
         (17, 4096, 4096, torch.bfloat16, "triton.tma"),  # from 17 tokens: the 6-stage tile kernel
         (32, 2560, 8192, torch.float16, "triton.splitk"),  # ... but long K on 40 weight tiles: 3 slices
         (64, 2048, 8192, torch.bfloat16, "triton.splitk"),
@@ -69,13 +75,13 @@ def test_exact_fp8_above_m_128_prefers_native_tiles_that_fill_the_sms(m, n, fast
     assert plan.preference(GemmArgs(a, w.t(), out, fast_accum=fast_accum))[0] == first
 
 
-def test_16bit_split_k_first_for_either_weight_layout():
+def test_16bit_decode_kernel_then_split_k_first_for_either_weight_layout():
     a = torch.empty(8, 4096, dtype=torch.bfloat16, device="meta")
     out = torch.empty(8, 4096, dtype=torch.bfloat16, device="meta")
     k_major = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta").t()
     n_major = torch.empty(4096, 4096, dtype=torch.bfloat16, device="meta")  # a row-major (K, N) matrix
-    assert plan.preference(GemmArgs(a, k_major, out))[0] == "triton.splitk"
-    assert plan.preference(GemmArgs(a, n_major, out))[0] == "triton.splitk"
+    assert plan.preference(GemmArgs(a, k_major, out))[:2] == ("cuda.decode", "triton.splitk")
+    assert plan.preference(GemmArgs(a, n_major, out))[:2] == ("cuda.decode", "triton.splitk")
     a64 = torch.empty(64, 4096, dtype=torch.bfloat16, device="meta")
     out64 = torch.empty(64, 4096, dtype=torch.bfloat16, device="meta")
     assert plan.preference(GemmArgs(a64, n_major, out64))[0] == "triton.tma"  # from 33 tokens: the tile kernel

@@ -5,7 +5,8 @@
 Run by scripts/gpu/check.sh (memcheck, racecheck, synccheck) with TMAGEMM_AUTOTUNE=0, so each
 case launches only the kernel its heuristic picks. The cases reach every kernel family the
 dispatcher picks at small shapes: the native cooperative kernel (``backend="cuda"``, with the
-promoting fp8 mainloop of ``use_fast_accum=False``), and with ``backend="triton"`` split-K
+promoting fp8 mainloop of ``use_fast_accum=False``), the native decode kernel (M <= 16 on
+weights of 2048 x 2048 or more, its K shared by clusters of 2 and 4 CTAs), and with ``backend="triton"`` split-K
 (M = 1, long K), the tile kernel (M = 17) and the persistent kernel (M = 300); 16-bit inputs with
 both B layouts; the fused gate/up projection (split and unsplit) feeding a block GEMM. Every
 kernel is launched with programmatic dependent launch (the default). Shapes are off the tile sizes; the larger ones have more tiles than SMs, so
@@ -30,6 +31,9 @@ FP8_CASES = [
     ("cuda", 1100, 4112, 208, True, False),  # 9 x 17 tiles of 128x256 > 132 SMs
     ("cuda", 300, 520, 272, False, True),  # promoting mainloop (128x128, two scratch), row-wise scales, bias
     ("cuda", 1100, 2112, 272, False, True),  # promoting 128x256 tiles on clusters, N ends mid-tile
+    ("cuda", 1, 3620, 3600, True, False),  # the decode kernel (n8 tiles, clusters of 2), N and K off its tiles
+    ("cuda", 13, 3620, 3600, True, True),  # the decode kernel's n16 tiles, row-wise scales, bias
+    ("cuda", 3, 2100, 4208, True, False),  # the decode kernel on 33 tiles: clusters of 4 share K
     ("triton", 1, 264, 4096, True, False),  # small M: split-K
     ("triton", 17, 520, 208, True, True),
     ("triton", 300, 264, 208, False, False),
@@ -39,6 +43,7 @@ HALF_CASES = [
     ("cuda", torch.bfloat16, 300, 520, 208, False),
     ("cuda", torch.bfloat16, 1100, 4112, 208, True),
     ("cuda", torch.float16, 17, 264, 136, False),
+    ("cuda", torch.bfloat16, 9, 3620, 3592, True),  # the decode kernel
     ("triton", torch.bfloat16, 17, 264, 136, True),
     ("triton", torch.float16, 300, 520, 208, False),
 ]

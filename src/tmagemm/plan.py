@@ -33,6 +33,7 @@ FAMILY_MODULES = (
     "tmagemm.triton.matmul_ptr",
     "tmagemm.triton.matmul_blockscaled",
     "tmagemm.cuda.gemm",
+    "tmagemm.cuda.decode",
 )
 
 BACKENDS = ("auto", "triton", "cuda")
@@ -232,6 +233,33 @@ SPLITK_16BIT_MAX_M = 64
 SPLITK_16BIT_LONG_K = 8192
 
 
+# The native decode kernel (cuda/decode.py) first at M <= DECODE_MAX_M on weights of at least
+# DECODE_MIN_N x DECODE_MIN_K, with at most DECODE_MAX_TILES_PER_SM 64-row weight tiles per SM and
+# at most DECODE_MAX_SHARE k-blocks of 128 bytes per CTA (after its K split). Measured per GEMM on
+# the 17 decode-stack projections, 8 chained copies with their own weights in one CUDA graph,
+# M = 1 and 16 (H200, BENCHMARKS.md): where the rule takes it, fp8 1-19% faster than split-K on
+# all 10 shapes (geomean 9.8%), bf16 2.4% faster in geomean (11% faster to 4% slower). Past it
+# split-K was ahead: more tiles (N = 14336-37888, 2-11%) or a longer share of K per CTA
+# (7168 x 16384 and 7168 x 18432, 1-6%). Narrower or shorter weights were not measured.
+DECODE_MAX_M = 16
+DECODE_MIN_N = 2048
+DECODE_MIN_K = 2048
+DECODE_MAX_TILES_PER_SM = 1
+DECODE_MAX_SHARE = 112
+
+
+def _decode_first(args: GemmArgs) -> bool:
+    if not (args.m <= DECODE_MAX_M and args.n >= DECODE_MIN_N and args.k >= DECODE_MIN_K):
+        return False
+    from .cuda.decode import WEIGHT_ROWS, choose_config, k_blocks  # a backend module: imported lazily
+
+    sms = device.sms_of(args.out.device)
+    itemsize = args.a.element_size()
+    split = choose_config(args.m, args.n, args.k, itemsize, sms).split
+    return (-(-args.n // WEIGHT_ROWS) <= DECODE_MAX_TILES_PER_SM * sms
+            and k_blocks(args.k, itemsize) <= DECODE_MAX_SHARE * split)
+
+
 def _splitk_first(args: GemmArgs) -> bool:
     """Small M where split-K measured ahead of the tile kernel (H200, graph-timed vs cuBLAS fp8,
     docs/small-m.md): fp8 at M <= 16 with K >= 3072 (N = K = 4096: 0.88-0.92x vs 0.82-0.87x;
@@ -334,6 +362,9 @@ def preference(args: GemmArgs) -> tuple[str, ...]:
 
     A variant is skipped when it is not registered or refuses the problem; the pointer kernel
     accepts everything.
+    - decode M (see :func:`_decode_first`): the native decode kernel, whose clusters share a
+      narrow weight's K (fp8 with fast accumulation and K-major weights, 16-bit operands with
+      either weight layout; it refuses the rest), then split-K.
     - small M (see :func:`_splitk_first`): split-K, whose partial sums keep enough CTAs streaming
       the weight.
     - M <= MID_M (256): the non-persistent Triton kernel with host-encoded tensor maps, launched
@@ -352,6 +383,8 @@ def preference(args: GemmArgs) -> tuple[str, ...]:
             native = native[::-1]
         return ("triton.splitk", *native) if _block_splitk_first(args) else (*native, "triton.splitk")
     tma = ("triton.tma", "triton.tma_device")
+    if _decode_first(args):
+        return ("cuda.decode", "triton.splitk", *tma, "triton.persistent", "triton.ptr")
     if _splitk_first(args):
         return ("triton.splitk", *tma, "triton.persistent", "triton.ptr")
     if args.m <= MID_M and not _promoting_native_first(args):

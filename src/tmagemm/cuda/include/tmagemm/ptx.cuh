@@ -44,6 +44,14 @@ __device__ __forceinline__ unsigned mapa_shared(unsigned local_addr, unsigned ct
   return remote;
 }
 
+// Load 16 bytes at a shared::cluster address (mapa_shared): another CTA's shared memory.
+__device__ __forceinline__ void ld_shared_cluster_v4(float (&v)[4], unsigned cluster_addr) {
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3])
+               : "r"(cluster_addr)
+               : "memory");
+}
+
 // Byte offset inside a tile -> byte offset in shared memory under the TMA swizzle modes.
 // SPAN is the swizzle span in bytes (0 = none, 32, 64, 128). The 16-byte chunk index inside the
 // span (bits 4..) is XORed with the 128-byte row index (bits 7..) modulo SPAN/16. Valid when the

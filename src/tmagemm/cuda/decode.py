@@ -1,0 +1,265 @@
+"""The native decode GEMM (``cuda.decode``): swap-AB tiles of 64 weight rows x 8-64 tokens,
+a producer warp over a TMA ring, K shared by the CTAs of a cluster and their partial sums added
+through distributed shared memory (``gemm_sm90_decode.cu``).
+
+At decode sizes a GEMM streams its weight once; what is left to win is the start and the tail of
+each kernel in a chain of them. This kernel has the shape cuBLAS picks at one token (64 weight
+rows per CTA, a deep ring), and where a narrow weight would leave SMs idle, clusters of 2 or 4
+CTAs split each tile's K without partial sums in global memory, counters or a second kernel.
+``plan.preference`` puts it first at M <= 16 where it measured ahead of split-K (``plan.
+DECODE_MIN_N`` and the rules beside it).
+
+Scope: M <= 64 (the dispatcher uses it up to ``plan.DECODE_MAX_M``, where it was measured); fp8
+(fast accumulation, tensor- or row-wise scales) with a K-major weight (``b = w.t()`` of a
+row-major (N, K) weight, the ``nn.Linear`` layout) and 16-bit operands with either weight
+layout; bias; bf16 / fp16 / fp32 output with contiguous columns. Everything else is refused with
+its reason.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from .. import device as _device
+from .. import tma
+from ..jit.runtime import stream_getter
+from ..plan import GemmArgs, Plan, Scaling, Variant
+from ..tma import MapsByAddress, params_for_tensor
+from .gemm import _AB_TYPES, _OUT_TYPES, _ROW_BYTES, use_pdl
+
+NAME = "cuda.decode"
+SOURCE = "gemm_sm90_decode.cu"
+KERNEL = "tmagemm_gemm_sm90_decode"
+MAX_M = 64  # tokens fill wgmma's N slot: n8, n16, n32 or n64
+WEIGHT_ROWS = 64  # weight rows per CTA: wgmma's M
+THREADS = 128 + 32  # one consumer warpgroup and the producer warp
+
+
+TOKENS = (8, 16, 32, 64)
+SPLITS = (1, 2, 4)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """tokens: the tile's tokens (wgmma n8, n16, n32 or n64; more tokens take more CTAs along M);
+    stages: depth of the TMA ring (a stage is one 64-row weight box and one token box of 128
+    bytes of K each); split: CTAs of one cluster sharing a tile's K, their partial sums added
+    through distributed shared memory (1: no split)."""
+
+    tokens: int
+    stages: int
+    split: int = 1
+
+    def __post_init__(self):
+        if self.tokens not in TOKENS:
+            raise ValueError(f"DecodeConfig.tokens={self.tokens}: must be one of {TOKENS}")
+        if self.split not in SPLITS:
+            raise ValueError(f"DecodeConfig.split={self.split}: must be one of {SPLITS}")
+        if not 2 <= self.stages or self.smem_bytes() > _device.SM90_SMEM_PER_BLOCK:
+            raise ValueError(f"DecodeConfig.stages={self.stages}: must be >= 2 and fit "
+                             f"{_device.SM90_SMEM_PER_BLOCK} bytes of shared memory")
+
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory: the ring plus 1 KB to align it for the 128-byte swizzle (a
+        split CTA's fragment buffer is static shared memory, at most 16 KB more)."""
+        return self.stages * (WEIGHT_ROWS + self.tokens) * _ROW_BYTES + 1024
+
+    def label(self) -> str:
+        return f"decode64x{self.tokens}s{self.stages}" + (f"k{self.split}" if self.split > 1 else "")
+
+
+# Ring depths. 16 stages measured ahead of 20 and 24 on every shape of the prototype's study
+# (H100: 4096 x 4096 bf16 at one token 22.2 us against 23.4 with 24): deeper rings only keep more
+# bytes of one CTA in flight than the memory system turns around. 8 stages let two CTAs share an
+# SM, and measured ahead of 16 on most decode-stack shapes (below).
+STAGES = 16
+STAGES_SHORT = 8
+STAGES_64 = 12  # 64-token tiles: 16 KB stages, 12 fit shared memory
+
+# The heuristic (H200, 8 chained GEMMs with their own weights in one CUDA graph, per GEMM, M = 1
+# and 16, fp8 and bf16, the 13 decode-stack projections with at most 2 x 132 weight tiles;
+# BENCHMARKS.md): clusters of 4 or 2 CTAs share K while that keeps the CTAs within
+# SPLIT_FILL x SMs (N = 4096: 2 CTAs per tile, 7.90 us against 8.68 unsplit for fp8 at one token;
+# N = 2112: 4, 7.88 against 11.81); a split CTA whose share of K is at least LONG_SHARE k-blocks
+# keeps 16 stages (bf16 4096 x 14336: 31.0 against 33.3 us), everything else takes 8. Within
+# 1.6% of the best of the six measured configs in geomean, 11% at worst.
+SPLIT_FILL = 1.25
+LONG_SHARE = 48
+MIN_SHARE = 8  # a split never leaves a CTA fewer k-blocks than this
+
+
+def _max_stages(tokens: int) -> int:
+    return STAGES_64 if tokens == 64 else STAGES
+
+
+CONFIGS = tuple(DecodeConfig(t, s, k) for t in TOKENS for s in (STAGES_SHORT, _max_stages(t)) for k in SPLITS)
+
+
+def k_blocks(k: int, itemsize: int) -> int:
+    """128-byte k-blocks of one weight row: the ring's unit."""
+    return -(-k * itemsize // _ROW_BYTES)
+
+
+def choose_config(m: int, n: int, k: int, itemsize: int, sms: int) -> DecodeConfig:
+    """The launch for an (m, n, k) problem of ``itemsize``-byte operands on ``sms`` SMs (pure):
+    the smallest of n8, n16, n32, n64 that holds the tokens; the K split and ring depth of the
+    heuristic above."""
+    tokens = next((t for t in TOKENS if m <= t), TOKENS[-1])
+    tiles = -(-n // WEIGHT_ROWS) * -(-m // tokens)
+    blocks = k_blocks(k, itemsize)
+    split = next((s for s in SPLITS[::-1] if tiles * s <= SPLIT_FILL * sms and blocks >= s * MIN_SHARE), 1)
+    long_share = tiles * split <= sms and blocks >= split * LONG_SHARE
+    return DecodeConfig(tokens, _max_stages(tokens) if long_share else STAGES_SHORT, split)
+
+
+def supports(args: GemmArgs) -> str | None:
+    """None when the decode kernel computes ``args``, else why not (names the operand at fault)."""
+    if not _device.is_hopper(args.a.device):
+        return f"native kernels need CUDA tensors on a Hopper GPU (sm_90), got {args.a.device}"
+    if args.block_scaling is not None:
+        return "block scales are applied by triton.splitk and the block-scaled kernels"
+    if args.m == 0 or args.n == 0 or args.k == 0:
+        return "zero-size problems are handled before dispatch"
+    if args.m > MAX_M:
+        return f"M={args.m} > {MAX_M}: the decode kernel puts the tokens in wgmma's N slot (n8 to n64)"
+    if args.a.dtype not in _AB_TYPES or args.b.dtype != args.a.dtype:
+        return f"a/b dtypes {args.a.dtype}/{args.b.dtype} not supported (fp16, bf16 or float8_e4m3fn, both equal)"
+    if args.out.dtype not in _OUT_TYPES:
+        return f"out dtype {args.out.dtype} not supported (bf16, fp16, fp32)"
+    if args.is_fp8 and not args.fast_accum:
+        return ("use_fast_accum=False needs fp32 promotion of the fp8 partial sums, which the decode kernel "
+                "does not do (triton.splitk does)")
+    if (args.scale_a is not None or args.scale_b is not None) and not args.is_fp8:
+        return "scales are only applied to fp8 problems"
+    if max(args.m, args.n, args.k) >= 2**31:
+        return "dimensions must fit in int32"
+    if args.bias is not None and args.bias.dtype not in _OUT_TYPES:
+        return f"bias dtype {args.bias.dtype} not supported (bf16, fp16, fp32)"
+    k_major = tma.b_is_k_major(args.b)
+    if args.is_fp8 and not k_major:
+        return "fp8 b must be K-major (b = w.t() of a row-major (N, K) weight): fp8 wgmma reads K-major operands"
+    if args.n > 1 and args.out.stride(1) != 1:
+        return f"out columns must be contiguous, got stride {tuple(args.out.stride())}"
+    return tma.operand_reason(args.a, "a", True) or tma.operand_reason(args.b, "b", not k_major)
+
+
+class _DecodeParams(ctypes.Structure):
+    """Mirror of ``DecodeParams`` (gemm_sm90_decode.cu): same field order and C types."""
+
+    _fields_ = [
+        ("m", ctypes.c_int32),
+        ("n", ctypes.c_int32),
+        ("k", ctypes.c_int32),
+        ("scale_a_rowwise", ctypes.c_int32),
+        ("scale_b_colwise", ctypes.c_int32),
+        ("bias_type", ctypes.c_int32),
+        ("scale_a", ctypes.c_void_p),
+        ("scale_b", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("ldo", ctypes.c_int64),
+    ]
+
+
+def defines(config: DecodeConfig, ab_dtype: torch.dtype, out_dtype: torch.dtype, b_k_major: bool = True) -> dict[str, int]:
+    """NVRTC -D flags of one build."""
+    return {"TMAGEMM_AB_TYPE": _AB_TYPES[ab_dtype], "TMAGEMM_OUT_TYPE": _OUT_TYPES[out_dtype],
+            "TMAGEMM_DECODE_TOKENS": config.tokens, "TMAGEMM_STAGES": config.stages,
+            "TMAGEMM_B_KMAJOR": int(b_k_major), "TMAGEMM_DECODE_SPLIT": config.split}
+
+
+def compile_module(config: DecodeConfig, ab_dtype: torch.dtype, out_dtype: torch.dtype, b_k_major: bool = True):
+    """The NVRTC module of one build (no GPU needed; tests inspect its SASS)."""
+    from .. import jit
+
+    return jit.compile(SOURCE, defines=defines(config, ab_dtype, out_dtype, b_k_major))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(config: DecodeConfig, ab_dtype: torch.dtype, out_dtype: torch.dtype, b_k_major: bool, device_index: int):
+    module = compile_module(config, ab_dtype, out_dtype, b_k_major)
+    with torch.cuda.device(device_index):
+        return module.function(KERNEL)
+
+
+class _DecodeLaunch:
+    """What a decode plan resolves once: the weight's and the activation's tensor maps (cached by
+    address), the parameter block and the packed launcher; a call points them at the operands."""
+
+    def __init__(self, args: GemmArgs, config: DecodeConfig):
+        block_k = _ROW_BYTES // args.a.element_size()
+        k_major = tma.b_is_k_major(args.b)
+        # K-major: boxes of 64 weight rows x one k-block of the (N, K) weight; N-major: boxes of one
+        # k-block of rows x 64 columns of the (K, N) matrix b itself.
+        if k_major:
+            self._w_maps = MapsByAddress(params_for_tensor(args.b.t(), (WEIGHT_ROWS, block_k)))
+        else:
+            self._w_maps = MapsByAddress(params_for_tensor(args.b, (block_k, WEIGHT_ROWS)))
+        self._x_maps = MapsByAddress(params_for_tensor(args.a, (config.tokens, block_k)))
+        p = self.params = _DecodeParams()
+        p.m, p.n, p.k = args.m, args.n, args.k
+        p.scale_a_rowwise = int(Scaling.of(args.scale_a) == Scaling.ROW)
+        p.scale_b_colwise = int(Scaling.of(args.scale_b) == Scaling.ROW)
+        p.bias_type = _OUT_TYPES[args.bias.dtype] if args.bias is not None else 0
+        p.ldo = args.out.stride(0) if args.m > 1 else args.n
+        self._pointers = (ctypes.c_void_p * 3)()
+        self._pointers[2] = ctypes.addressof(p)
+        self.device_index = args.out.get_device()
+        kernel = _kernel(config, args.a.dtype, args.out.dtype, k_major, self.device_index)
+        grid = (-(-args.n // WEIGHT_ROWS), -(-args.m // config.tokens), config.split)
+        self._launch = kernel.packed(grid, (THREADS, 1, 1), config.smem_bytes(), self._pointers,
+                                     cluster=(1, 1, config.split), pdl=use_pdl(args.out.device))
+        self._stream = stream_getter()
+        self._lock = threading.Lock()  # the maps and the parameter block are shared by every call
+
+    def __call__(self, a, b, out, scale_a, scale_b, bias) -> None:
+        with self._lock:
+            p = self.params
+            p.scale_a = scale_a.data_ptr() if scale_a is not None else None
+            p.scale_b = scale_b.data_ptr() if scale_b is not None else None
+            p.bias = bias.data_ptr() if bias is not None else None
+            p.out = out.data_ptr()
+            self._pointers[0] = self._w_maps.get(b.data_ptr()).address
+            self._pointers[1] = self._x_maps.get(a.data_ptr()).address
+            self._launch(self._stream(self.device_index))
+
+
+def build(args: GemmArgs, config: DecodeConfig | None = None) -> Plan:
+    """The plan of one problem signature: :func:`choose_config`'s tile unless ``config`` is given."""
+    reason = supports(args)
+    if reason is not None:
+        raise ValueError(f"{NAME}: {reason}")
+    config = config or choose_config(args.m, args.n, args.k, args.a.element_size(), _device.sms_of(args.out.device))
+    launch = _DecodeLaunch(args, config)
+    return Plan(NAME, config, launch, launch.device_index, direct=True)
+
+
+def aot_source(name: str, dtype: str = "fp8") -> tuple[str, dict[str, int]]:
+    """(source file under tmagemm/cuda, NVRTC defines) of the decode kernel at one token, for
+    ``tmagemm inspect`` (tmagemm.inspection.native_source)."""
+    types = {"fp8": (torch.float8_e4m3fn, torch.bfloat16), "bf16": (torch.bfloat16, torch.bfloat16),
+             "fp16": (torch.float16, torch.float16)}
+    if name != NAME:
+        raise ValueError(f"unknown decode variant {name!r}; known: [{NAME!r}]")
+    if dtype not in types:
+        raise ValueError(f"dtype must be one of {sorted(types)}, got {dtype!r}")
+    return SOURCE, defines(DecodeConfig(TOKENS[0], STAGES_SHORT), *types[dtype])
+
+
+VARIANTS = [
+    Variant(
+        name=NAME,
+        backend="cuda",
+        description="native decode GEMM (M <= 64): swap-AB 64-row weight tiles x 8-64 tokens, producer warp over "
+                    "an 8-16-stage TMA ring, K shared by clusters of 1, 2 or 4 CTAs that add their partial sums "
+                    "through distributed shared memory",
+        supports=supports,
+        build=build,
+        configs=CONFIGS,
+    )
+]

@@ -1,0 +1,282 @@
+// Decode GEMM (M <= 64 tokens) with swap-AB, warp-specialized, over a deep TMA ring
+// (tmagemm/cuda/decode.py, docs/small-m.md "The native decode kernel").
+//
+// out[M, N] = (scale_a * scale_b) * (a[M, K] @ w[N, K]^T) + bias, w the K-major weight (b = w.t()).
+// One cluster per 64 weight rows (and per TMAGEMM_DECODE_TOKENS tokens): the weight rows fill
+// wgmma's M dimension and the tokens its N slot (n8 to n64). The cluster's TMAGEMM_DECODE_SPLIT
+// CTAs take equal shares of K, so a narrow weight (64 row tiles for N = 4096) still keeps more
+// SMs streaming; the partial sums never leave the chip: each CTA but the first leaves its
+// fragment in its own shared memory and the first adds them over distributed shared memory.
+// With no split (1) a CTA streams 64 x K alone. A producer warp keeps TMAGEMM_STAGES k-blocks in
+// flight (16 x 9 KB); one consumer warpgroup multiplies.
+//
+// Programmatic dependent launch: everything before the grid dependency wait is set-up (barriers,
+// descriptor prefetch), so it overlaps the previous kernel's tail; every load, the weight's
+// included (the previous kernel may write it), comes after the wait. The consumers signal the
+// next kernel once their main loop is done, so its CTAs do not take SM room while this one still
+// streams. Prefetching the weight into L2 before the wait, and signalling as soon as the last
+// loads were issued, both measured slower in decode stacks (docs/small-m.md).
+//
+// Compile-time knobs (tmagemm/cuda/decode.py through NVRTC -D flags):
+//   TMAGEMM_AB_TYPE   0 f16, 1 bf16, 2 e4m3       TMAGEMM_OUT_TYPE  0 f16, 1 bf16, 2 f32
+//   TMAGEMM_DECODE_TOKENS  8, 16, 32 or 64 (wgmma N)      TMAGEMM_STAGES    ring depth
+//   TMAGEMM_B_KMAJOR  1: the weight is (N, K) row-major (b = w.t()); 0: (K, N) row-major (16-bit only)
+//   TMAGEMM_DECODE_SPLIT  1, 2 or 4: CTAs per cluster along K (launched as cluster (1, 1, split))
+#include "tmagemm/ptx.cuh"
+#include "tmagemm/wgmma.cuh"
+
+#if !defined(TMAGEMM_AB_TYPE) || !defined(TMAGEMM_OUT_TYPE) || !defined(TMAGEMM_DECODE_TOKENS) || \
+    !defined(TMAGEMM_STAGES) || !defined(TMAGEMM_B_KMAJOR) || !defined(TMAGEMM_DECODE_SPLIT)
+#error "gemm_sm90_decode.cu needs TMAGEMM_AB_TYPE, TMAGEMM_OUT_TYPE, TMAGEMM_DECODE_TOKENS, TMAGEMM_STAGES, TMAGEMM_B_KMAJOR, TMAGEMM_DECODE_SPLIT"
+#endif
+
+using namespace tmagemm;
+
+namespace {
+using u32 = unsigned int;
+using u64 = unsigned long long;
+
+constexpr int kAbType = TMAGEMM_AB_TYPE;
+constexpr int kOutType = TMAGEMM_OUT_TYPE;
+constexpr int kTokens = TMAGEMM_DECODE_TOKENS;
+constexpr int kStages = TMAGEMM_STAGES;
+constexpr int kSplit = TMAGEMM_DECODE_SPLIT;
+// A K-major weight box is 64 weight rows of 128 bytes of K; an N-major one is 64 rows of K (one
+// k-block of 16-bit values) of 128 bytes of N, which wgmma reads as a transposed (MN-major) A.
+constexpr bool kWeightKMajor = TMAGEMM_B_KMAJOR != 0;
+constexpr int kRows = 64;         // weight rows per CTA: wgmma's M
+constexpr int kRowBytes = 128;    // one k-block: a 128-byte swizzle row (64 16-bit or 128 e4m3 values)
+constexpr int kBlockK = kRowBytes / (kAbType == wgmma::kE4M3 ? 1 : 2);
+constexpr int kWeightBytes = kRows * kRowBytes;
+constexpr int kTokenBytes = kTokens * kRowBytes;
+constexpr int kAccRegs = kTokens / 2;  // a thread's share of the 64 x kTokens fp32 fragment
+constexpr int kConsumerThreads = 128;  // one warpgroup; the producer warp follows it
+static_assert(kTokens == 8 || kTokens == 16 || kTokens == 32 || kTokens == 64,
+              "tokens per tile: 8, 16, 32 or 64 (wgmma n8 ... n64)");
+static_assert(kTokenBytes % 1024 == 0, "128B-swizzled boxes start 1 KB aligned");
+static_assert(kStages >= 2, "at least two stages");
+static_assert(kSplit == 1 || kSplit == 2 || kSplit == 4, "K split: 1, 2 or 4 CTAs per cluster");
+static_assert(kWeightKMajor || kAbType != wgmma::kE4M3, "fp8 wgmma reads K-major operands only");
+
+// Mirrored by a ctypes.Structure in decode.py: keep the field order and types in step.
+struct DecodeParams {
+  int m, n, k;
+  int scale_a_rowwise;   // 1: scale_a has M entries (else one, or none)
+  int scale_b_colwise;   // 1: scale_b has N entries
+  int bias_type;         // 0 f16, 1 bf16, 2 f32 (ignored without bias)
+  const float* scale_a;  // null, (1,) or (M,)
+  const float* scale_b;  // null, (1,) or (N,)
+  const void* bias;      // null or (N,)
+  void* out;             // (M, N), row stride ldo, columns contiguous
+  long long ldo;
+};
+
+// acc(64 x kTokens) += weight(64 x 32 B of K) * tokens(32 B of K x kTokens): scale-d is a
+// predicate, as in wgmma.cuh; the 16-bit forms' transpose bits are A's (set for an N-major
+// weight) and B's (the tokens are K-major).
+#define TMAGEMM_DECODE_WGMMA(SHAPE, REGS, OPERANDS, TRANSPOSE)                                          \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned." SHAPE " {" REGS "}, " OPERANDS \
+  ", p, 1, 1" TRANSPOSE ";\n}\n"
+#if TMAGEMM_B_KMAJOR
+#define TMAGEMM_DECODE_TRANSPOSE ", 0, 0"
+#else
+#define TMAGEMM_DECODE_TRANSPOSE ", 1, 0"
+#endif
+#define TMAGEMM_DECODE_F4(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
+#define TMAGEMM_DECODE_F8(d, i) TMAGEMM_DECODE_F4(d, i), TMAGEMM_DECODE_F4(d, i + 4)
+#define TMAGEMM_DECODE_F16(d, i) TMAGEMM_DECODE_F8(d, i), TMAGEMM_DECODE_F8(d, i + 8)
+#define TMAGEMM_DECODE_F32(d, i) TMAGEMM_DECODE_F16(d, i), TMAGEMM_DECODE_F16(d, i + 16)
+// One instruction of wgmma N = tokens for the operand type: REGS the accumulator list, OPERANDS
+// the two descriptors' operand numbers, FREGS the accumulators' constraints.
+#define TMAGEMM_DECODE_MMA(N, REGS, OPERANDS, FREGS)                                                       \
+  if constexpr (kAbType == wgmma::kE4M3) {                                                                 \
+    asm volatile(TMAGEMM_DECODE_WGMMA("m64n" #N "k32.f32.e4m3.e4m3", REGS, OPERANDS, "")                   \
+                 : FREGS(d, 0) : "l"(desc_w), "l"(desc_x));                                                \
+  } else if constexpr (kAbType == wgmma::kBF16) {                                                          \
+    asm volatile(TMAGEMM_DECODE_WGMMA("m64n" #N "k16.f32.bf16.bf16", REGS, OPERANDS, TMAGEMM_DECODE_TRANSPOSE) \
+                 : FREGS(d, 0) : "l"(desc_w), "l"(desc_x));                                                \
+  } else {                                                                                                 \
+    asm volatile(TMAGEMM_DECODE_WGMMA("m64n" #N "k16.f32.f16.f16", REGS, OPERANDS, TMAGEMM_DECODE_TRANSPOSE)   \
+                 : FREGS(d, 0) : "l"(desc_w), "l"(desc_x));                                                \
+  }
+
+__device__ __forceinline__ void mma(float (&d)[kAccRegs], u64 desc_w, u64 desc_x) {
+  if constexpr (kTokens == 8) {
+    TMAGEMM_DECODE_MMA(8, "%0, %1, %2, %3", "%4, %5", TMAGEMM_DECODE_F4)
+  } else if constexpr (kTokens == 16) {
+    TMAGEMM_DECODE_MMA(16, "%0, %1, %2, %3, %4, %5, %6, %7", "%8, %9", TMAGEMM_DECODE_F8)
+  } else if constexpr (kTokens == 32) {
+    TMAGEMM_DECODE_MMA(32,
+                       "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15",
+                       "%16, %17", TMAGEMM_DECODE_F16)
+  } else {
+    TMAGEMM_DECODE_MMA(64,
+                       "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31",
+                       "%32, %33", TMAGEMM_DECODE_F32)
+  }
+}
+#undef TMAGEMM_DECODE_MMA
+#undef TMAGEMM_DECODE_F32
+#undef TMAGEMM_DECODE_F16
+#undef TMAGEMM_DECODE_F8
+#undef TMAGEMM_DECODE_F4
+#undef TMAGEMM_DECODE_TRANSPOSE
+#undef TMAGEMM_DECODE_WGMMA
+
+__device__ __forceinline__ float bias_value(const void* bias, int col, int type) {
+  if (type == wgmma::kOutF32) return static_cast<const float*>(bias)[col];
+  const unsigned short bits = static_cast<const unsigned short*>(bias)[col];
+  if (type == wgmma::kOutBF16) return __uint_as_float(static_cast<u32>(bits) << 16);
+  float out;
+  asm("cvt.f32.f16 %0, %1;\n" : "=f"(out) : "h"(bits));
+  return out;
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(kConsumerThreads + 32, 1)
+    tmagemm_gemm_sm90_decode(const __grid_constant__ CUtensorMap map_w, const __grid_constant__ CUtensorMap map_x,
+                             const __grid_constant__ DecodeParams p) {
+  // ---- shared memory: STAGES weight boxes (64 x 128 B), then STAGES token boxes, 1 KB aligned
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* weights =
+      reinterpret_cast<unsigned char*>((reinterpret_cast<u64>(smem_raw) + 1023) & ~static_cast<u64>(1023));
+  unsigned char* tokens = weights + kStages * kWeightBytes;
+  __shared__ alignas(8) u64 full[kStages];   // producer arrival + both boxes' bytes
+  __shared__ alignas(8) u64 empty[kStages];  // the consumer warpgroup released the stage
+  // A split CTA's fragment, float4 q of thread t at [q * 128 + t]: 16-byte accesses, no conflicts.
+  __shared__ alignas(16) float partial[kSplit > 1 ? kAccRegs * kConsumerThreads : 4];
+
+  const int n0 = blockIdx.x * kRows;
+  const int m0 = blockIdx.y * kTokens;
+  // The cluster spans blockIdx.z, so the CTA's rank in it is blockIdx.z: its share of the k-blocks.
+  const int rank = kSplit > 1 ? static_cast<int>(blockIdx.z) : 0;
+  const int k_all = (p.k + kBlockK - 1) / kBlockK;
+  const int kt0 = k_all * rank / kSplit;
+  const int k_tiles = k_all * (rank + 1) / kSplit - kt0;
+
+  // Set-up touches no global memory: it may overlap the previous kernel.
+  if (threadIdx.x == kConsumerThreads) {
+    ptx::tma_prefetch_descriptor(&map_w);
+    ptx::tma_prefetch_descriptor(&map_x);
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbarrier_init(&full[s], 1);
+      ptx::mbarrier_init(&empty[s], 1);
+    }
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (threadIdx.x >= kConsumerThreads) {
+    // ---- producer: one thread of the last warp streams the k-blocks
+    if (threadIdx.x == kConsumerThreads) {
+      ptx::griddep_wait();  // the activation, or even the weight, may be the previous kernel's output
+      for (int kt = 0; kt < k_tiles; ++kt) {
+        const int s = kt % kStages;
+        // The (kt / kStages)-th refill of stage s waits for its previous k-block's release (the
+        // first pass finds the phase before phase 0 complete).
+        ptx::mbarrier_wait(&empty[s], ((kt / kStages) & 1) ^ 1);
+        ptx::mbarrier_arrive_expect_tx(&full[s], kWeightBytes + kTokenBytes);
+        const int k = (kt0 + kt) * kBlockK;
+        if constexpr (kWeightKMajor) ptx::tma_load_2d(weights + s * kWeightBytes, &map_w, &full[s], k, n0);
+        else ptx::tma_load_2d(weights + s * kWeightBytes, &map_w, &full[s], n0, k);
+        ptx::tma_load_2d(tokens + s * kTokenBytes, &map_x, &full[s], k, m0);
+      }
+    }
+    // A split cluster's barriers wait for non-exited threads only: the producer warp may leave.
+    return;
+  }
+
+  // ---- consumer warpgroup
+  ptx::griddep_wait();  // before the output is written, and so before this CTA can finish
+  float acc[kAccRegs];
+#pragma unroll
+  for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.0f;
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    const int s = kt % kStages;
+    ptx::mbarrier_wait(&full[s], (kt / kStages) & 1);
+    const u32 w_addr = ptx::smem_u32(weights + s * kWeightBytes);
+    const u64 desc_w = kWeightKMajor ? wgmma::desc_k_major(w_addr) : wgmma::desc_mn_major(w_addr);
+    const u64 desc_x = wgmma::desc_k_major(ptx::smem_u32(tokens + s * kTokenBytes));
+    wgmma::fence_operand(acc);
+    wgmma::fence();
+    // Each wgmma takes 32 bytes of K: the next 32 bytes of a K-major row (the hardware applies
+    // the swizzle to the advanced address), or the next 16 K-rows of an N-major box.
+    constexpr u32 kWeightStep = kWeightKMajor ? 32 : 16 * kRowBytes;
+#pragma unroll
+    for (int kk = 0; kk < kRowBytes / 32; ++kk)
+      mma(acc, wgmma::desc_advance(desc_w, kk * kWeightStep), wgmma::desc_advance(desc_x, kk * 32));
+    wgmma::commit_group();
+    // One batch stays in flight; the one before it has retired and its stage goes back.
+    wgmma::wait_group<1>();
+    wgmma::fence_operand(acc);
+    if (kt > 0 && threadIdx.x == 0) ptx::mbarrier_arrive(&empty[(kt - 1) % kStages]);
+  }
+  if (k_tiles > 0) {
+    wgmma::wait_group<0>();
+    wgmma::fence_operand(acc);
+  }
+  ptx::griddep_launch_dependents();  // the stream is done: the next kernel may launch
+
+  // ---- split K: the other CTAs of the cluster publish their fragments (release at cluster
+  // scope), the first adds them from their shared memory, and they stay resident until it has.
+  if constexpr (kSplit > 1) {
+    float4* mine = reinterpret_cast<float4*>(partial) + threadIdx.x;
+    if (rank != 0) {
+#pragma unroll
+      for (int q = 0; q < kAccRegs / 4; ++q)
+        mine[q * kConsumerThreads] = make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
+    }
+    ptx::cluster_arrive();
+    ptx::cluster_wait();
+    if (rank != 0) {
+      ptx::cluster_arrive();  // the first CTA's reads are done when this phase completes
+      ptx::cluster_wait();
+      return;
+    }
+#pragma unroll
+    for (int r = 1; r < kSplit; ++r) {
+      const u32 peer = ptx::mapa_shared(ptx::smem_u32(mine), r);
+#pragma unroll
+      for (int q = 0; q < kAccRegs / 4; ++q) {
+        float v[4];
+        ptx::ld_shared_cluster_v4(v, peer + q * kConsumerThreads * 16);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[4 * q + e] += v[e];
+      }
+    }
+    ptx::cluster_arrive();  // released: the others may exit
+  }
+
+  // ---- epilogue: register 4j + 2h + e holds weight row (output column) 16w + l/4 + 8h and
+  // token 8j + 2(l % 4) + e (warp w, lane l). The output is at most 16 x 64 values per CTA:
+  // plain stores, each warp writing 16-byte runs of a token's row.
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const float sa_tensor = p.scale_a && !p.scale_a_rowwise ? p.scale_a[0] : 1.0f;
+  const float sb_tensor = p.scale_b && !p.scale_b_colwise ? p.scale_b[0] : 1.0f;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int col = n0 + 16 * warp + lane / 4 + 8 * h;
+    if (col >= p.n) continue;
+    float col_scale = sb_tensor * sa_tensor;
+    if (p.scale_b_colwise) col_scale *= p.scale_b[col];
+    const float add = p.bias ? bias_value(p.bias, col, p.bias_type) : 0.0f;
+#pragma unroll
+    for (int j = 0; j < kTokens / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int tok = m0 + 8 * j + 2 * (lane % 4) + e;
+        if (tok >= p.m) continue;
+        float v = acc[4 * j + 2 * h + e] * col_scale;
+        if (p.scale_a_rowwise) v *= p.scale_a[tok];
+        v += add;
+        const long long at = tok * p.ldo + col;
+        if constexpr (kOutType == wgmma::kOutF32) {
+          static_cast<float*>(p.out)[at] = v;
+        } else {
+          static_cast<unsigned short*>(p.out)[at] = static_cast<unsigned short>(wgmma::pack2<kOutType>(v, 0.0f));
+        }
+      }
+  }
+}

@@ -1,0 +1,303 @@
+"""The native decode GEMM (tmagemm.cuda.decode, gemm_sm90_decode.cu).
+
+CPU: configs, the parameter block's layout, the dispatcher's rule, and every build through NVRTC
+for sm_90a: TMA loads, the tensor-core op, no local memory, the programmatic-dependent-launch
+order (every load after the grid dependency wait, the next kernel signalled after the main
+loop) and the split clusters' reduction. GPU: float64 references on ragged shapes with poisoned outputs inside a larger
+NaN buffer, every scaling, bias and output dtype, refusals, CUDA graph replays with new inputs,
+and chains where each GEMM reads (or its weight is) the previous kernel's output.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+import tmagemm
+from tmagemm import inspection, plan
+from tmagemm.cuda import decode
+from tmagemm.plan import GemmArgs, Scaling
+
+from gemm_ref import check_product
+from test_native_gemm import _check_untouched, _poisoned_out, needs_nvrtc
+
+FP8 = torch.float8_e4m3fn
+
+# ------------------------------------------------------------------------------------------ CPU
+
+
+def test_params_struct_matches_device_layout():
+    # gemm_sm90_decode.cu: 6 int, then 4 pointers and the output's row stride, 8-byte aligned.
+    assert ctypes.sizeof(decode._DecodeParams) == 64
+    assert decode._DecodeParams.scale_a.offset == 24
+    assert decode._DecodeParams.out.offset == 48
+    assert decode._DecodeParams.ldo.offset == 56
+
+
+def test_configs():
+    tokens = [decode.choose_config(m, 4096, 4096, 1, 132).tokens for m in (1, 8, 9, 16, 17, 32, 33, 64)]
+    assert tokens == [8, 8, 16, 16, 32, 32, 64, 64]
+    for config in decode.CONFIGS:
+        # the split CTAs' fragment buffer (static, up to 16 KB) and the barriers come on top
+        assert config.smem_bytes() + 16 * 1024 + 512 <= 227 * 1024
+    for bad in (dict(tokens=4, stages=16), dict(tokens=128, stages=8), dict(tokens=8, stages=1),
+                dict(tokens=64, stages=16), dict(tokens=8, stages=8, split=3)):
+        with pytest.raises(ValueError, match=r"DecodeConfig\.(tokens|stages|split)"):
+            decode.DecodeConfig(**bad)
+
+
+@pytest.mark.parametrize("m, n, k, itemsize, expect", [
+    (1, 4096, 4096, 1, (8, 8, 2)),  # 64 tiles: two CTAs each share K
+    (1, 2112, 7168, 1, (8, 8, 4)),  # 33 tiles: four
+    (1, 3584, 3584, 1, (8, 8, 2)),  # 56 tiles: four would take 224 CTAs
+    (1, 2560, 1024, 1, (8, 8, 1)),  # 8 k-blocks: too short to split
+    (16, 4096, 14336, 2, (16, 16, 2)),  # a split CTA with 112 k-blocks keeps 16 stages
+    (1, 8192, 7168, 1, (8, 16, 1)),  # 128 tiles, 56 k-blocks each
+    (1, 6144, 4096, 1, (8, 8, 1)),  # 96 tiles, 32 k-blocks: two CTAs may share an SM
+    (1, 28672, 4096, 1, (8, 8, 1)),
+    (40, 2048, 16384, 2, (64, 12, 4)),  # 64 tokens: 12 stages at most
+])
+def test_heuristic(m, n, k, itemsize, expect):
+    config = decode.choose_config(m, n, k, itemsize, 132)
+    assert (config.tokens, config.stages, config.split) == expect
+
+
+def _args(m, n, k, dtype=torch.bfloat16, k_major=True, device="cpu", **kw):
+    a = torch.randn(m, k, device=device).to(dtype)
+    w = torch.randn(n, k, device=device).to(dtype)
+    b = w.t() if k_major else w.t().contiguous()
+    out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
+    return GemmArgs(a, b, out, kw.get("scale_a"), kw.get("scale_b"), kw.get("bias"), kw.get("fast_accum", True),
+                    kw.get("block_scaling"))
+
+
+def test_dispatcher_puts_the_decode_kernel_first_where_measured():
+    first = lambda *shape: plan.preference(_args(*shape))[0]  # noqa: E731
+    assert first(1, 4096, 4096) == first(16, 3584, 3584) == first(8, 2112, 7168) == "cuda.decode"
+    assert plan.preference(_args(1, 4096, 4096))[1] == "triton.splitk"  # where it refuses (e.g. fp8 N-major)
+    assert first(17, 4096, 4096) != "cuda.decode"  # tokens past wgmma's n16
+    assert first(1, 1024, 4096) != "cuda.decode"  # narrower than measured
+    assert first(1, 4096, 1024) != "cuda.decode"  # shorter than measured
+    assert first(8, 28672, 4096) != "cuda.decode"  # 448 weight tiles: more than one per SM
+    assert first(1, 7168, 16384) != "cuda.decode"  # 256 k-blocks for each of 112 unsplit CTAs
+    block = (Scaling.BLOCK_1X128, Scaling.BLOCK_128X128)
+    assert "cuda.decode" not in plan.preference(_args(1, 4096, 4096, FP8, block_scaling=block))
+
+
+def test_cpu_tensors_are_refused_with_a_reason():
+    reason = decode.supports(_args(1, 4096, 4096))
+    assert "Hopper" in reason
+    with pytest.raises(ValueError, match="cuda.decode: native kernels need CUDA tensors"):
+        decode.build(_args(1, 4096, 4096))
+
+
+def test_aot_source_matches_the_launcher_build():
+    source, defines = inspection.native_source("cuda.decode", "fp8")
+    assert source == decode.SOURCE
+    assert defines == decode.defines(decode.DecodeConfig(8, decode.STAGES_SHORT), FP8, torch.bfloat16)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        decode.aot_source("cuda.decode", "fp4")
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("tokens", decode.TOKENS)
+@pytest.mark.parametrize("ab, out, k_major", [(torch.bfloat16, torch.bfloat16, True), (torch.bfloat16, torch.bfloat16, False),
+                                              (torch.float16, torch.float32, False), (FP8, torch.bfloat16, True),
+                                              (FP8, torch.float32, True)],
+                         ids=["bf16", "bf16-nmajor", "fp16-f32out-nmajor", "fp8", "fp8-f32out"])
+@pytest.mark.parametrize("split", [1, 4])
+def test_builds_for_sm90a(ab, out, k_major, tokens, split):
+    config = decode.DecodeConfig(tokens, decode.STAGES_SHORT, split)
+    module = decode.compile_module(config, ab, out, k_major)
+    art = inspection.artifacts_from_binary("decode", module.ptx, module.cubin)
+    s = inspection.summarize(art)
+    assert s["sass UTMALDG"] > 0
+    assert s["sass QGMMA" if ab == FP8 else "sass HGMMA"] > 0
+    assert s["sass LDL"] == 0 and s["sass STL"] == 0, "register spills"
+    assert f"m64n{tokens}k{32 if ab == FP8 else 16}" in module.ptx
+    if ab != FP8:  # A (the weight) transposed when N-major; B (the tokens) K-major
+        assert (", p, 1, 1, 0, 0;" if k_major else ", p, 1, 1, 1, 0;") in module.ptx
+    # PDL order: every load (the previous kernel may write the weight too) comes after the grid
+    # dependency wait; the next kernel is signalled after the last wgmma retired.
+    body = module.ptx[module.ptx.index(".entry"):]
+    assert "cp.async.bulk.prefetch.tensor" not in body
+    assert body.index("cp.async.bulk.tensor") > body.index("griddepcontrol.wait")
+    assert body.index("griddepcontrol.launch_dependents") > body.rindex("wgmma.wait_group.sync.aligned 0")
+    # A split cluster adds its fragments over distributed shared memory, after two cluster barriers.
+    assert ("ld.shared::cluster.v4.f32" in body) == (split > 1)
+    assert body.count("barrier.cluster.arrive") == (3 if split > 1 else 0)
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+DEV = "cuda"
+# N ragged against the 64-row tiles, K off the k-block (still 16-byte rows), tokens around the
+# n8 / n16 tiles.
+SHAPES = [(1, 264, 144), (5, 4160, 4112), (8, 3584, 3584), (3, 2112, 2000), (9, 200, 1040), (16, 4096, 528), (17, 330, 1040),
+          (64, 520, 2064)]
+
+
+def _operands(m, n, k, ab):
+    if ab == FP8:
+        a = (torch.randn(m, k, device=DEV) * 2).to(FP8)
+        w = (torch.randn(n, k, device=DEV) * 2).to(FP8)
+    else:
+        a = torch.randn(m, k, device=DEV, dtype=ab)
+        w = torch.randn(n, k, device=DEV, dtype=ab)
+    return a, w
+
+
+def _run(a, w, out, scale_a=None, scale_b=None, bias=None, config=None, k_major=True):
+    """out = a @ w.t() on the decode kernel, the weight K-major (w.t()) or N-major (a (K, N) copy)."""
+    args = GemmArgs(a, w.t() if k_major else w.t().contiguous(), out, scale_a, scale_b, bias, True)
+    built = plan.build(args, variant="cuda.decode", config=config)
+    assert built.variant == "cuda.decode"
+    built(args)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("k_major", [True, False], ids=["kmajor", "nmajor"])
+@pytest.mark.parametrize("ab, out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                                           (torch.bfloat16, torch.float32)], ids=["bf16", "fp16", "bf16-f32out"])
+def test_16bit_matches_float64(ab, out_dtype, k_major, shape, seeded):
+    m, n, k = shape
+    if not k_major and n % 8:
+        pytest.skip("an N-major weight's rows must be 16-byte aligned (TMA)")
+    a, w = _operands(m, n, k, ab)
+    big, out = _poisoned_out(m, n, out_dtype)
+    _run(a, w, out, k_major=k_major)
+    check_product(out, a, w.t(), what=f"{ab} {shape}", accumulation=2.0**-12)
+    _check_untouched(big, m, n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("scaling", ["tensor", "row", "row-bias-f32out"])
+def test_fp8_matches_float64(scaling, shape, seeded):
+    m, n, k = shape
+    a, w = _operands(m, n, k, FP8)
+    row = scaling != "tensor"
+    sa = torch.rand(m if row else 1, device=DEV) + 0.5
+    sb = torch.rand(n if row else 1, device=DEV) + 0.5
+    bias = torch.randn(n, device=DEV, dtype=torch.bfloat16) if "bias" in scaling else None
+    out_dtype = torch.float32 if "f32out" in scaling else torch.bfloat16
+    big, out = _poisoned_out(m, n, out_dtype)
+    _run(a, w, out, sa, sb, bias)
+    expect = out.double()
+    if bias is not None:
+        expect = expect - bias.double()  # bias is added exactly in fp32
+    check_product(expect, a, w.t(), sa, sb, what=f"fp8 {scaling} {shape}")
+    _check_untouched(big, m, n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", decode.CONFIGS, ids=lambda c: c.label())
+def test_every_config(config, seeded):
+    """8-token tiles walk 16 tokens in two CTA rows, wider ones leave rows empty; 8 stages wrap
+    the ring many times."""
+    m, n, k = 16, 320, 2112
+    a, w = _operands(m, n, k, torch.bfloat16)
+    big, out = _poisoned_out(m, n, torch.bfloat16)
+    _run(a, w, out, config=config)
+    check_product(out, a, w.t(), what=config.label(), accumulation=2.0**-12)
+    _check_untouched(big, m, n)
+
+
+@pytest.mark.gpu
+def test_refusals():
+    a, w = _operands(65, 4096, 4096, torch.bfloat16)
+    out = torch.empty(65, 4096, device=DEV, dtype=torch.bfloat16)
+    assert "M=65 > 64" in decode.supports(GemmArgs(a, w.t(), out))
+    assert decode.supports(GemmArgs(a[:1], w.t().contiguous(), out[:1])) is None  # 16-bit N-major: taken
+    wide = torch.empty(1, 8192, device=DEV, dtype=torch.bfloat16)
+    assert "columns must be contiguous" in decode.supports(GemmArgs(a[:1], w.t(), wide[:, ::2]))
+    q, wq = _operands(1, 4096, 4096, FP8)
+    one = torch.ones(1, device=DEV)
+    assert "use_fast_accum=False" in decode.supports(GemmArgs(q, wq.t(), out[:1], one, one, None, False))
+    assert "K-major" in decode.supports(GemmArgs(q, wq.t().contiguous(), out[:1], one, one, None, True))
+    block = (Scaling.BLOCK_1X128, Scaling.BLOCK_128X128)
+    assert "block scales" in decode.supports(GemmArgs(q, wq.t(), out[:1], one, one, None, True, block))
+    with pytest.raises(ValueError, match="cuda.decode: M=65"):
+        plan.build(GemmArgs(a, w.t(), out), variant="cuda.decode")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16])
+def test_public_api_takes_it_and_graph_replays_read_new_inputs(m, seeded):
+    x = torch.randn(m, 4096, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(4096, 4096, device=DEV, dtype=torch.bfloat16) / 64
+    assert plan.choose(GemmArgs(x, w.t(), torch.empty(m, 4096, device=DEV, dtype=torch.bfloat16))).name == "cuda.decode"
+    y = tmagemm.matmul(x, w.t())
+    torch.cuda.synchronize()
+    check_product(y, x, w.t(), what="eager", accumulation=2.0**-12)
+    static_x = x.clone()
+    tmagemm.matmul(static_x, w.t())  # warm-up on the capture's signature
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = tmagemm.matmul(static_x, w.t())
+    for replay in range(3):
+        static_x.copy_(torch.randn_like(static_x))
+        static_y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_product(static_y, static_x, w.t(), what=f"replay {replay}", accumulation=2.0**-12)
+
+
+@pytest.fixture(params=["pdl", "no-pdl"])
+def pdl_mode(request, monkeypatch):
+    if request.param == "no-pdl":
+        monkeypatch.setenv("TMAGEMM_PDL", "0")
+    else:
+        monkeypatch.delenv("TMAGEMM_PDL", raising=False)
+    plan.clear_plans()
+    yield request.param
+    plan.clear_plans()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16])
+def test_chain_and_a_weight_the_previous_kernel_writes(m, pdl_mode, seeded):
+    """Each GEMM reads the previous one's output, eagerly and in a CUDA graph; then a weight
+    written by the kernel just before is read fresh (no load of it may run ahead of the grid
+    dependency wait)."""
+    widths = (4096, 3584, 4096, 3584)
+    ws = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) / k**0.5 for k, n in zip(widths, widths[1:])]
+
+    def chain(x):
+        steps = []
+        for w in ws:
+            y = tmagemm.matmul(x, w.t())
+            steps.append((x, w, y))
+            x = y
+        return steps
+
+    x0 = torch.randn(m, widths[0], device=DEV, dtype=torch.bfloat16)
+    for i, (x, w, y) in enumerate(chain(x0)):
+        torch.cuda.synchronize()
+        check_product(y, x, w.t(), what=f"{pdl_mode} eager step {i}", accumulation=2.0**-12)
+    static_x = x0.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = chain(static_x)
+    for replay in range(2):
+        static_x.copy_(torch.randn_like(static_x))
+        for _, _, y in captured:
+            y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (x, w, y) in enumerate(captured):
+            check_product(y, x, w.t(), what=f"{pdl_mode} replay {replay} step {i}", accumulation=2.0**-12)
+
+    p = torch.randn(4096, 64, device=DEV, dtype=torch.bfloat16)
+    q = torch.randn(64, 4096, device=DEV, dtype=torch.bfloat16) / 8
+    x = torch.randn(m, 4096, device=DEV, dtype=torch.bfloat16)
+    for _ in range(3):
+        w = tmagemm.matmul(p, q)  # (N, K) weight, written just before its use
+        y = tmagemm.matmul(x, w.t())
+        torch.cuda.synchronize()
+        check_product(y, x, w.t(), what=f"{pdl_mode} fresh weight", accumulation=2.0**-12)
+        p.add_(0.5)
