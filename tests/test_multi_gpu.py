@@ -25,10 +25,11 @@ def _two_hoppers() -> bool:
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _two_hoppers(), reason="needs two Hopper (sm_90) GPUs")]
 
-# (N, K) per M. N = K = 4096 at M = 1 and 16 puts fp8 on the split-K kernel (fp8, M <= 16,
-# K >= 4096: plan._splitk_first), whose workspace is per device; 2048 elsewhere keeps the float64
-# references of M = 4096 cheap. "auto" then covers split-K, the Triton tile kernel and the native
-# persistent kernel (M = 4096); "triton" and "cuda" force their families.
+# (N, K) per M. N = K = 4096 at M = 1 and 16 puts "auto" and "cuda" on the native decode kernel
+# (clusters of 2 CTAs; its modules are loaded per device) and "triton" on split-K, whose workspace
+# is per device; 2048 elsewhere keeps the float64 references of M = 4096 cheap. "auto" then
+# covers the decode kernel, the Triton tile kernel and the native persistent kernel (M = 4096);
+# "triton" and "cuda" force their families.
 SHAPES = {1: (4096, 4096), 16: (4096, 4096), 256: (2048, 2048), 4096: (2048, 2048)}
 KINDS = ("fp8-tensor", "fp8-row", "bf16")
 # "op": the torch.library ops (torch.ops.tmagemm.*), which torch.compile calls, with backend "auto".
