@@ -20,7 +20,9 @@ from tmagemm import inspection, plan
 from tmagemm.cuda import decode
 from tmagemm.plan import GemmArgs, Scaling
 
-from gemm_ref import check_product
+from gemm_ref import assert_close, check_product
+from test_blockscaled import WGMMA_TOL, block_reference, outer_major
+from test_blockscaled import operands as block_operands
 from test_native_gemm import _check_untouched, _poisoned_out, needs_nvrtc
 
 FP8 = torch.float8_e4m3fn
@@ -29,11 +31,13 @@ FP8 = torch.float8_e4m3fn
 
 
 def test_params_struct_matches_device_layout():
-    # gemm_sm90_decode.cu: 6 int, then 4 pointers and the output's row stride, 8-byte aligned.
-    assert ctypes.sizeof(decode._DecodeParams) == 64
+    # gemm_sm90_decode.cu: 6 int, then 4 pointers, the output's row stride and the block scales'
+    # four strides, 8-byte aligned.
+    assert ctypes.sizeof(decode._DecodeParams) == 96
     assert decode._DecodeParams.scale_a.offset == 24
     assert decode._DecodeParams.out.offset == 48
     assert decode._DecodeParams.ldo.offset == 56
+    assert decode._DecodeParams.sa_row.offset == 64 and decode._DecodeParams.sb_k.offset == 88
 
 
 def test_configs():
@@ -83,7 +87,9 @@ def test_dispatcher_puts_the_decode_kernel_first_where_measured():
     assert first(8, 28672, 4096) != "cuda.decode"  # 448 weight tiles: more than one per SM
     assert first(1, 7168, 16384) != "cuda.decode"  # 256 k-blocks for each of 112 unsplit CTAs
     block = (Scaling.BLOCK_1X128, Scaling.BLOCK_128X128)
-    assert "cuda.decode" not in plan.preference(_args(1, 4096, 4096, FP8, block_scaling=block))
+    assert plan.preference(_args(1, 4096, 4096, FP8, block_scaling=block))[:2] == ("cuda.decode", "triton.splitk")
+    assert plan.preference(_args(8, 4096, 4096, FP8, block_scaling=block))[0] == "cuda.decode"
+    assert "cuda.decode" not in plan.preference(_args(9, 4096, 4096, FP8, block_scaling=block))  # block: <= 8 tokens
 
 
 def test_cpu_tensors_are_refused_with_a_reason():
@@ -109,6 +115,7 @@ def test_aot_source_matches_the_launcher_build():
                          ids=["bf16", "bf16-nmajor", "fp16-f32out-nmajor", "fp8", "fp8-f32out"])
 @pytest.mark.parametrize("split", [1, 4])
 def test_builds_for_sm90a(ab, out, k_major, tokens, split):
+    """Every operand type and weight layout, with and without a cluster split."""
     config = decode.DecodeConfig(tokens, decode.STAGES_SHORT, split)
     module = decode.compile_module(config, ab, out, k_major)
     art = inspection.artifacts_from_binary("decode", module.ptx, module.cubin)
@@ -128,6 +135,22 @@ def test_builds_for_sm90a(ab, out, k_major, tokens, split):
     # A split cluster adds its fragments over distributed shared memory, after two cluster barriers.
     assert ("ld.shared::cluster.v4.f32" in body) == (split > 1)
     assert body.count("barrier.cluster.arrive") == (3 if split > 1 else 0)
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("tokens", [8, 16, 64])
+@pytest.mark.parametrize("scales", [decode.SCALES_BLOCK_128X128, decode.SCALES_BLOCK_PER_ROW], ids=["128x128", "per_row"])
+def test_block_scaled_builds_for_sm90a(scales, tokens):
+    """Block scales: four fp8 wgmma per k-block into one of two fragments taking turns (one in
+    flight while the other is scaled into the accumulator); a clean build without spills."""
+    module = decode.compile_module(decode.DecodeConfig(tokens, decode.STAGES_SHORT, 2), FP8, torch.bfloat16,
+                                   scales=scales)
+    s = inspection.summarize(inspection.artifacts_from_binary("decode", module.ptx, module.cubin))
+    assert s["sass QGMMA"] % 4 == 0 and s["sass LDL"] == 0 and s["sass STL"] == 0
+    body = module.ptx[module.ptx.index(".entry"):]
+    assert "wgmma.wait_group.sync.aligned 1" in body and "cp.async.ca.shared.global" in body
+    with pytest.raises(Exception, match="block scales: fp8"):
+        decode.compile_module(decode.DecodeConfig(8, 8), torch.bfloat16, torch.bfloat16, scales=scales)
 
 
 # ------------------------------------------------------------------------------------------ GPU
@@ -194,6 +217,49 @@ def test_fp8_matches_float64(scaling, shape, seeded):
     _check_untouched(big, m, n)
 
 
+BLOCK_128 = (Scaling.BLOCK_1X128, Scaling.BLOCK_128X128)
+PER_ROW = (Scaling.BLOCK_1X128, Scaling.BLOCK_1X128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[2] % 16 == 0], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("recipe", [BLOCK_128, PER_ROW], ids=["128x128", "per_row"])
+@pytest.mark.parametrize("sa_layout, out_dtype, bias", [("row", torch.bfloat16, False), ("outer", torch.float32, True)])
+def test_block_scaled_matches_float64(recipe, sa_layout, out_dtype, bias, shape, seeded):
+    """Against the float64 product of the exactly dequantized operands; K off the 128-deep scale
+    blocks (a partial last block), N off the 128-row weight blocks, both scale_a layouts."""
+    m, n, k = shape
+    a, w, sa, sb = block_operands(m, n, k, recipe, device=DEV)
+    sa = outer_major(sa) if sa_layout == "outer" else sa
+    b = torch.randn(n, device=DEV).to(torch.bfloat16) if bias else None
+    big, out = _poisoned_out(m, n, out_dtype)
+    args = GemmArgs(a, w.t(), out, sa, sb, b, True, recipe)
+    built = plan.build(args, variant="cuda.decode")
+    built(args)
+    torch.cuda.synchronize()
+    assert_close(out, block_reference(a, w, sa, sb, recipe, b), WGMMA_TOL[out_dtype], f"{recipe[1].name} {shape}")
+    _check_untouched(big, m, n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", decode.SPLITS)
+def test_block_scaled_extreme_scales_and_every_split(split, seeded):
+    """Scales from 1e-6 to 1e4 (each k-block's product scaled on its own), and a NaN scale
+    reaching exactly the outputs of its token (and nothing else) through the split's reduction."""
+    m, n, k = 9, 320, 4096
+    a, w, sa, sb = block_operands(m, n, k, BLOCK_128, device=DEV, low=1e-6, high=1e4)
+    config = decode.DecodeConfig(16, decode.STAGES_SHORT, split)
+    out = torch.empty(m, n, device=DEV, dtype=torch.float32)
+    args = GemmArgs(a, w.t(), out, sa, sb, None, True, BLOCK_128)
+    plan.build(args, variant="cuda.decode", config=config)(args)
+    torch.cuda.synchronize()
+    assert_close(out, block_reference(a, w, sa, sb, BLOCK_128), WGMMA_TOL[torch.float32], f"split {split}")
+    sa[3, 7] = float("nan")
+    plan.build(args, variant="cuda.decode", config=config)(args)
+    torch.cuda.synchronize()
+    assert bool(out[3].isnan().all()) and not bool(out[torch.arange(m) != 3].isnan().any())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", decode.CONFIGS, ids=lambda c: c.label())
 def test_every_config(config, seeded):
@@ -220,7 +286,10 @@ def test_refusals():
     assert "use_fast_accum=False" in decode.supports(GemmArgs(q, wq.t(), out[:1], one, one, None, False))
     assert "K-major" in decode.supports(GemmArgs(q, wq.t().contiguous(), out[:1], one, one, None, True))
     block = (Scaling.BLOCK_1X128, Scaling.BLOCK_128X128)
-    assert "block scales" in decode.supports(GemmArgs(q, wq.t(), out[:1], one, one, None, True, block))
+    assert "scale_a" in decode.supports(GemmArgs(q, wq.t(), out[:1], one, one, None, True, block))  # shapes named
+    sa, sb = torch.ones(1, 32, device=DEV), torch.ones(32, 32, device=DEV)
+    assert decode.supports(GemmArgs(q, wq.t(), out[:1], sa, sb, None, False, block)) is None  # promotes per k-block
+    assert "column-major" in decode.supports(GemmArgs(q, wq.t().contiguous(), out[:1], sa, sb, None, True, block))
     with pytest.raises(ValueError, match="cuda.decode: M=65"):
         plan.build(GemmArgs(a, w.t(), out), variant="cuda.decode")
 

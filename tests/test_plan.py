@@ -164,12 +164,15 @@ def test_scaling_description():
     assert args.scaling == (plan.Scaling.ROW, plan.Scaling.TENSOR)
 
 
-S, T, C = "triton.splitk", "triton.blockscaled", "cuda.blockscaled"
+S, T, C, D = "triton.splitk", "triton.blockscaled", "cuda.blockscaled", "cuda.decode"
 
 
 @pytest.mark.parametrize("m, n, k, expected", [
-    (1, 51200, 5120, (S, C, T)),  # M <= 16: split-K always
-    (16, 5120, 2048, (S, T, C)),
+    (1, 51200, 5120, (S, C, T)),  # M <= 16: split-K (800 weight tiles: past the decode kernel's rule)
+    (8, 5120, 2048, (D, S, T, C)),  # the decode kernel where its rule takes the shape, split-K next
+    (16, 5120, 2048, (S, T, C)),  # block-scaled: the decode kernel up to 8 tokens
+    (1, 7168, 16384, (S, T, C)),  # 128 k-blocks for each of 112 CTAs
+    (17, 5120, 2048, (T, C, S)),  # past M = 16: no decode kernel
     (32, 4096, 7168, (S, T, C)),  # 64 tiles: 4 slices
     (32, 14336, 8192, (S, C, T)),  # 224 tiles fill the SMs unsplit: split-K streams faster at M <= 32
     (32, 28672, 4096, (S, C, T)),

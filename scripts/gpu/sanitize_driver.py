@@ -54,6 +54,7 @@ BLOCK_CASES = [
     ("triton", 17, 264, 576),
     ("triton", 5, 264, 700),
     ("triton", 3, 200, 4096),  # small M: split-K, 8 K slices
+    ("cuda", 7, 2100, 8208),  # the decode kernel: clusters of 4, each CTA's scales in two chunks, K off the blocks
 ]
 # Grouped GEMMs through the public API: (scaling, layout, E, rows of A (M_total or max_m), N, K,
 # counts). The counts include decreasing offsets, offsets past M_total, counts past max_m and

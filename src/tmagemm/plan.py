@@ -242,6 +242,10 @@ SPLITK_16BIT_LONG_K = 8192
 # split-K was ahead: more tiles (N = 14336-37888, 2-11%) or a longer share of K per CTA
 # (7168 x 16384 and 7168 x 18432, 1-6%). Narrower or shorter weights were not measured.
 DECODE_MAX_M = 16
+# Block-scaled (1x128 x 128x128 or per-row), same rule up to 8 tokens (H200, BENCHMARKS.md): the
+# decode-stack layers at M = 1 and 8 0.4-4% faster than on split-K, single kernels at one token
+# 2% faster (flushed) on the block preset's shapes the rule takes; at 16 tokens 1-9% slower.
+DECODE_BLOCK_MAX_M = 8
 DECODE_MIN_N = 2048
 DECODE_MIN_K = 2048
 DECODE_MAX_TILES_PER_SM = 1
@@ -249,7 +253,8 @@ DECODE_MAX_SHARE = 112
 
 
 def _decode_first(args: GemmArgs) -> bool:
-    if not (args.m <= DECODE_MAX_M and args.n >= DECODE_MIN_N and args.k >= DECODE_MIN_K):
+    max_m = DECODE_MAX_M if args.block_scaling is None else DECODE_BLOCK_MAX_M
+    if not (args.m <= max_m and args.n >= DECODE_MIN_N and args.k >= DECODE_MIN_K):
         return False
     from .cuda.decode import WEIGHT_ROWS, choose_config, k_blocks  # a backend module: imported lazily
 
@@ -373,15 +378,17 @@ def preference(args: GemmArgs) -> tuple[str, ...]:
       accumulation above M = 128 takes the native kernel where :func:`_promoting_native_first`.
     - larger M: the native persistent cooperative kernel (per-shape config), then the Triton
       persistent one.
-    - block-scaled fp8 (1x128 x 128x128): split-K where :func:`_block_splitk_first` (it splits
-      K, or at M <= BLOCK_SWAP_MAX_M the weight alone fills the SMs), then the native block-scaled
-      kernel, or the Triton one first at M <= BLOCK_SMALL_M on weights with N <= BLOCK_SMALL_N.
+    - block-scaled fp8 (1x128 x 128x128 or per-row 1x128): the native decode kernel at decode M
+      (:func:`_decode_first`, up to DECODE_BLOCK_MAX_M tokens); split-K where :func:`_block_splitk_first` (it splits K, or at M <=
+      BLOCK_SWAP_MAX_M the weight alone fills the SMs), then the native block-scaled kernel, or
+      the Triton one first at M <= BLOCK_SMALL_M on weights with N <= BLOCK_SMALL_N.
     """
     if args.block_scaling is not None:
         native = ("cuda.blockscaled", "triton.blockscaled")
         if args.m <= BLOCK_SMALL_M and args.n <= BLOCK_SMALL_N:
             native = native[::-1]
-        return ("triton.splitk", *native) if _block_splitk_first(args) else (*native, "triton.splitk")
+        order = ("triton.splitk", *native) if _block_splitk_first(args) else (*native, "triton.splitk")
+        return ("cuda.decode", *order) if _decode_first(args) else order
     tma = ("triton.tma", "triton.tma_device")
     if _decode_first(args):
         return ("cuda.decode", "triton.splitk", *tma, "triton.persistent", "triton.ptr")

@@ -10,10 +10,11 @@ CTAs split each tile's K without partial sums in global memory, counters or a se
 DECODE_MIN_N`` and the rules beside it).
 
 Scope: M <= 64 (the dispatcher uses it up to ``plan.DECODE_MAX_M``, where it was measured); fp8
-(fast accumulation, tensor- or row-wise scales) with a K-major weight (``b = w.t()`` of a
-row-major (N, K) weight, the ``nn.Linear`` layout) and 16-bit operands with either weight
-layout; bias; bf16 / fp16 / fp32 output with contiguous columns. Everything else is refused with
-its reason.
+with a K-major weight (``b = w.t()`` of a row-major (N, K) weight, the ``nn.Linear`` layout):
+tensor- or row-wise scales with fast accumulation, or block scales (1x128 activations with
+128x128 or per-row 1x128 weight scales, each k-block's product scaled and added in fp32); 16-bit
+operands with either weight layout; bias; bf16 / fp16 / fp32 output with contiguous columns.
+Everything else is refused with its reason.
 """
 
 from __future__ import annotations
@@ -100,6 +101,17 @@ def _max_stages(tokens: int) -> int:
 CONFIGS = tuple(DecodeConfig(t, s, k) for t in TOKENS for s in (STAGES_SHORT, _max_stages(t)) for k in SPLITS)
 
 
+# How the kernel applies scales (TMAGEMM_DECODE_SCALES): in the epilogue (none, tensor- or
+# row-wise), or per k-block with 1x128 activation scales and 128x128 or per-row weight scales.
+SCALES_EPILOGUE, SCALES_BLOCK_128X128, SCALES_BLOCK_PER_ROW = 0, 1, 2
+
+
+def scales_mode(args: GemmArgs) -> int:
+    if args.block_scaling is None:
+        return SCALES_EPILOGUE
+    return SCALES_BLOCK_128X128 if args.block_scaling[1] == Scaling.BLOCK_128X128 else SCALES_BLOCK_PER_ROW
+
+
 def k_blocks(k: int, itemsize: int) -> int:
     """128-byte k-blocks of one weight row: the ring's unit."""
     return -(-k * itemsize // _ROW_BYTES)
@@ -122,7 +134,11 @@ def supports(args: GemmArgs) -> str | None:
     if not _device.is_hopper(args.a.device):
         return f"native kernels need CUDA tensors on a Hopper GPU (sm_90), got {args.a.device}"
     if args.block_scaling is not None:
-        return "block scales are applied by triton.splitk and the block-scaled kernels"
+        from ..triton.matmul_blockscaled import layout_of  # the block recipes' operand and scale rules
+
+        layout = layout_of(args)
+        if isinstance(layout, str):
+            return layout
     if args.m == 0 or args.n == 0 or args.k == 0:
         return "zero-size problems are handled before dispatch"
     if args.m > MAX_M:
@@ -131,7 +147,7 @@ def supports(args: GemmArgs) -> str | None:
         return f"a/b dtypes {args.a.dtype}/{args.b.dtype} not supported (fp16, bf16 or float8_e4m3fn, both equal)"
     if args.out.dtype not in _OUT_TYPES:
         return f"out dtype {args.out.dtype} not supported (bf16, fp16, fp32)"
-    if args.is_fp8 and not args.fast_accum:
+    if args.is_fp8 and not args.fast_accum and args.block_scaling is None:
         return ("use_fast_accum=False needs fp32 promotion of the fp8 partial sums, which the decode kernel "
                 "does not do (triton.splitk does)")
     if (args.scale_a is not None or args.scale_b is not None) and not args.is_fp8:
@@ -163,26 +179,33 @@ class _DecodeParams(ctypes.Structure):
         ("bias", ctypes.c_void_p),
         ("out", ctypes.c_void_p),
         ("ldo", ctypes.c_int64),
+        ("sa_row", ctypes.c_int64),
+        ("sa_k", ctypes.c_int64),
+        ("sb_row", ctypes.c_int64),
+        ("sb_k", ctypes.c_int64),
     ]
 
 
-def defines(config: DecodeConfig, ab_dtype: torch.dtype, out_dtype: torch.dtype, b_k_major: bool = True) -> dict[str, int]:
+def defines(config: DecodeConfig, ab_dtype: torch.dtype, out_dtype: torch.dtype, b_k_major: bool = True,
+            scales: int = SCALES_EPILOGUE) -> dict[str, int]:
     """NVRTC -D flags of one build."""
     return {"TMAGEMM_AB_TYPE": _AB_TYPES[ab_dtype], "TMAGEMM_OUT_TYPE": _OUT_TYPES[out_dtype],
             "TMAGEMM_DECODE_TOKENS": config.tokens, "TMAGEMM_STAGES": config.stages,
-            "TMAGEMM_B_KMAJOR": int(b_k_major), "TMAGEMM_DECODE_SPLIT": config.split}
+            "TMAGEMM_B_KMAJOR": int(b_k_major), "TMAGEMM_DECODE_SPLIT": config.split, "TMAGEMM_DECODE_SCALES": scales}
 
 
-def compile_module(config: DecodeConfig, ab_dtype: torch.dtype, out_dtype: torch.dtype, b_k_major: bool = True):
+def compile_module(config: DecodeConfig, ab_dtype: torch.dtype, out_dtype: torch.dtype, b_k_major: bool = True,
+                   scales: int = SCALES_EPILOGUE):
     """The NVRTC module of one build (no GPU needed; tests inspect its SASS)."""
     from .. import jit
 
-    return jit.compile(SOURCE, defines=defines(config, ab_dtype, out_dtype, b_k_major))
+    return jit.compile(SOURCE, defines=defines(config, ab_dtype, out_dtype, b_k_major, scales))
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(config: DecodeConfig, ab_dtype: torch.dtype, out_dtype: torch.dtype, b_k_major: bool, device_index: int):
-    module = compile_module(config, ab_dtype, out_dtype, b_k_major)
+def _kernel(config: DecodeConfig, ab_dtype: torch.dtype, out_dtype: torch.dtype, b_k_major: bool, scales: int,
+            device_index: int):
+    module = compile_module(config, ab_dtype, out_dtype, b_k_major, scales)
     with torch.cuda.device(device_index):
         return module.function(KERNEL)
 
@@ -203,14 +226,18 @@ class _DecodeLaunch:
         self._x_maps = MapsByAddress(params_for_tensor(args.a, (config.tokens, block_k)))
         p = self.params = _DecodeParams()
         p.m, p.n, p.k = args.m, args.n, args.k
-        p.scale_a_rowwise = int(Scaling.of(args.scale_a) == Scaling.ROW)
-        p.scale_b_colwise = int(Scaling.of(args.scale_b) == Scaling.ROW)
+        scales = scales_mode(args)
+        if scales == SCALES_EPILOGUE:
+            p.scale_a_rowwise = int(Scaling.of(args.scale_a) == Scaling.ROW)
+            p.scale_b_colwise = int(Scaling.of(args.scale_b) == Scaling.ROW)
+        else:  # 2-D block scales, any strides (fixed per plan signature)
+            (p.sa_row, p.sa_k), (p.sb_row, p.sb_k) = args.scale_a.stride(), args.scale_b.stride()
         p.bias_type = _OUT_TYPES[args.bias.dtype] if args.bias is not None else 0
         p.ldo = args.out.stride(0) if args.m > 1 else args.n
         self._pointers = (ctypes.c_void_p * 3)()
         self._pointers[2] = ctypes.addressof(p)
         self.device_index = args.out.get_device()
-        kernel = _kernel(config, args.a.dtype, args.out.dtype, k_major, self.device_index)
+        kernel = _kernel(config, args.a.dtype, args.out.dtype, k_major, scales, self.device_index)
         grid = (-(-args.n // WEIGHT_ROWS), -(-args.m // config.tokens), config.split)
         self._launch = kernel.packed(grid, (THREADS, 1, 1), config.smem_bytes(), self._pointers,
                                      cluster=(1, 1, config.split), pdl=use_pdl(args.out.device))

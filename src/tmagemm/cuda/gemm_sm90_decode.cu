@@ -1,7 +1,10 @@
 // Decode GEMM (M <= 64 tokens) with swap-AB, warp-specialized, over a deep TMA ring
 // (tmagemm/cuda/decode.py, docs/small-m.md "The native decode kernel").
 //
-// out[M, N] = (scale_a * scale_b) * (a[M, K] @ w[N, K]^T) + bias, w the K-major weight (b = w.t()).
+// out[M, N] = (scale_a * scale_b) * (a[M, K] @ w[N, K]^T) + bias, w the K-major weight (b = w.t()),
+// with tensor- or row-wise scales; or with block scales (DeepSeek-V3's recipe: one scale per
+// token per 128 k, one per 128 x 128 block of the weight or per weight row per 128 k), where each
+// 128-deep k-block's product is scaled and added into fp32 on its own.
 // One cluster per 64 weight rows (and per TMAGEMM_DECODE_TOKENS tokens): the weight rows fill
 // wgmma's M dimension and the tokens its N slot (n8 to n64). The cluster's TMAGEMM_DECODE_SPLIT
 // CTAs take equal shares of K, so a narrow weight (64 row tiles for N = 4096) still keeps more
@@ -22,12 +25,14 @@
 //   TMAGEMM_DECODE_TOKENS  8, 16, 32 or 64 (wgmma N)      TMAGEMM_STAGES    ring depth
 //   TMAGEMM_B_KMAJOR  1: the weight is (N, K) row-major (b = w.t()); 0: (K, N) row-major (16-bit only)
 //   TMAGEMM_DECODE_SPLIT  1, 2 or 4: CTAs per cluster along K (launched as cluster (1, 1, split))
+//   TMAGEMM_DECODE_SCALES 0: tensor/row-wise (or none); 1: a 1x128, w 128x128; 2: a 1x128, w 1x128
 #include "tmagemm/ptx.cuh"
 #include "tmagemm/wgmma.cuh"
 
 #if !defined(TMAGEMM_AB_TYPE) || !defined(TMAGEMM_OUT_TYPE) || !defined(TMAGEMM_DECODE_TOKENS) || \
-    !defined(TMAGEMM_STAGES) || !defined(TMAGEMM_B_KMAJOR) || !defined(TMAGEMM_DECODE_SPLIT)
-#error "gemm_sm90_decode.cu needs TMAGEMM_AB_TYPE, TMAGEMM_OUT_TYPE, TMAGEMM_DECODE_TOKENS, TMAGEMM_STAGES, TMAGEMM_B_KMAJOR, TMAGEMM_DECODE_SPLIT"
+    !defined(TMAGEMM_STAGES) || !defined(TMAGEMM_B_KMAJOR) || !defined(TMAGEMM_DECODE_SPLIT) ||       \
+    !defined(TMAGEMM_DECODE_SCALES)
+#error "gemm_sm90_decode.cu needs TMAGEMM_AB_TYPE, TMAGEMM_OUT_TYPE, TMAGEMM_DECODE_TOKENS, TMAGEMM_STAGES, TMAGEMM_B_KMAJOR, TMAGEMM_DECODE_SPLIT, TMAGEMM_DECODE_SCALES"
 #endif
 
 using namespace tmagemm;
@@ -41,6 +46,10 @@ constexpr int kOutType = TMAGEMM_OUT_TYPE;
 constexpr int kTokens = TMAGEMM_DECODE_TOKENS;
 constexpr int kStages = TMAGEMM_STAGES;
 constexpr int kSplit = TMAGEMM_DECODE_SPLIT;
+constexpr int kScales = TMAGEMM_DECODE_SCALES;
+constexpr bool kBlockScales = kScales != 0;
+constexpr int kScaleChunk = kBlockScales ? 16 : 1;  // k-blocks of scales per shared-memory chunk
+constexpr int kScaleRows = kScales == 2 ? 64 : 1;   // weight scale rows per k-block: per row, or one block
 // A K-major weight box is 64 weight rows of 128 bytes of K; an N-major one is 64 rows of K (one
 // k-block of 16-bit values) of 128 bytes of N, which wgmma reads as a transposed (MN-major) A.
 constexpr bool kWeightKMajor = TMAGEMM_B_KMAJOR != 0;
@@ -57,6 +66,7 @@ static_assert(kTokenBytes % 1024 == 0, "128B-swizzled boxes start 1 KB aligned")
 static_assert(kStages >= 2, "at least two stages");
 static_assert(kSplit == 1 || kSplit == 2 || kSplit == 4, "K split: 1, 2 or 4 CTAs per cluster");
 static_assert(kWeightKMajor || kAbType != wgmma::kE4M3, "fp8 wgmma reads K-major operands only");
+static_assert(!kBlockScales || (kAbType == wgmma::kE4M3 && kBlockK == 128), "block scales: fp8, one scale block per k-block");
 
 // Mirrored by a ctypes.Structure in decode.py: keep the field order and types in step.
 struct DecodeParams {
@@ -69,6 +79,9 @@ struct DecodeParams {
   const void* bias;      // null or (N,)
   void* out;             // (M, N), row stride ldo, columns contiguous
   long long ldo;
+  // Block scales (TMAGEMM_DECODE_SCALES != 0), element strides: scale_a (M, KB); scale_b
+  // (ceil(N / 128), KB) for 128 x 128 blocks or (N, KB) per weight row.
+  long long sa_row, sa_k, sb_row, sb_k;
 };
 
 // acc(64 x kTokens) += weight(64 x 32 B of K) * tokens(32 B of K x kTokens): scale-d is a
@@ -146,6 +159,10 @@ extern "C" __global__ void __launch_bounds__(kConsumerThreads + 32, 1)
   __shared__ alignas(8) u64 empty[kStages];  // the consumer warpgroup released the stage
   // A split CTA's fragment, float4 q of thread t at [q * 128 + t]: 16-byte accesses, no conflicts.
   __shared__ alignas(16) float partial[kSplit > 1 ? kAccRegs * kConsumerThreads : 4];
+  // Block scales of two chunks of k-blocks (this one and the next): per token, and per weight
+  // row (or for the one 128 x 128 block the CTA's 64 rows sit in).
+  __shared__ float scale_a_s[kBlockScales ? 2 : 1][kScaleChunk][kTokens];
+  __shared__ float scale_b_s[kBlockScales ? 2 : 1][kScaleChunk][kScaleRows];
 
   const int n0 = blockIdx.x * kRows;
   const int m0 = blockIdx.y * kTokens;
@@ -193,29 +210,118 @@ extern "C" __global__ void __launch_bounds__(kConsumerThreads + 32, 1)
   float acc[kAccRegs];
 #pragma unroll
   for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.0f;
-  for (int kt = 0; kt < k_tiles; ++kt) {
-    const int s = kt % kStages;
-    ptx::mbarrier_wait(&full[s], (kt / kStages) & 1);
-    const u32 w_addr = ptx::smem_u32(weights + s * kWeightBytes);
-    const u64 desc_w = kWeightKMajor ? wgmma::desc_k_major(w_addr) : wgmma::desc_mn_major(w_addr);
-    const u64 desc_x = wgmma::desc_k_major(ptx::smem_u32(tokens + s * kTokenBytes));
-    wgmma::fence_operand(acc);
-    wgmma::fence();
-    // Each wgmma takes 32 bytes of K: the next 32 bytes of a K-major row (the hardware applies
-    // the swizzle to the advanced address), or the next 16 K-rows of an N-major box.
-    constexpr u32 kWeightStep = kWeightKMajor ? 32 : 16 * kRowBytes;
+  // Each wgmma takes 32 bytes of K: the next 32 bytes of a K-major row (the hardware applies
+  // the swizzle to the advanced address), or the next 16 K-rows of an N-major box.
+  constexpr u32 kWeightStep = kWeightKMajor ? 32 : 16 * kRowBytes;
+  if constexpr (kBlockScales) {
+    // Each k-block's product lands in a fresh fragment; once its wgmma retired it is added into
+    // acc times its token's and weight row's scales. The scales come through shared memory in
+    // chunks of kScaleChunk k-blocks, copied (cp.async) a whole chunk ahead: a load per k-block
+    // would put its latency into every step. Register 4j + 2h + e of a fragment: weight row
+    // 16w + l/4 + 8h, token 8j + 2(l % 4) + e.
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    auto load_chunk = [&](int chunk) {  // k-blocks kt0 + chunk * kScaleChunk ... of this CTA's share
+      const int buf = chunk & 1;
+      for (int i = threadIdx.x; i < kScaleChunk * (kTokens + kScaleRows); i += kConsumerThreads) {
+        const bool is_a = i < kScaleChunk * kTokens;
+        const int r = is_a ? i % kTokens : (i - kScaleChunk * kTokens) % kScaleRows;
+        const int c = is_a ? i / kTokens : (i - kScaleChunk * kTokens) / kScaleRows;
+        const int kt = chunk * kScaleChunk + c;
+        float* dst = is_a ? &scale_a_s[buf][c][r] : &scale_b_s[buf][c][r];
+        const int row = is_a ? m0 + r : (kScales == 1 ? n0 / 128 : n0 + r);  // 64 rows sit in one 128-row block
+        if (kt < k_tiles && row < (is_a ? p.m : (kScales == 1 ? (p.n + 127) / 128 : p.n))) {
+          const long long at = is_a ? row * p.sa_row + (kt0 + kt) * p.sa_k : row * p.sb_row + (kt0 + kt) * p.sb_k;
+          ptx::cp_async_4(dst, (is_a ? p.scale_a : p.scale_b) + at);
+        } else {
+          *dst = 0.0f;  // rows and tokens past the edge: their TMA-filled operands are 0 too
+        }
+      }
+      ptx::cp_async_commit();
+    };
+    // Two fragments take turns, so one k-block's wgmma runs while the one before it is scaled.
+    float part0[kAccRegs], part1[kAccRegs];
+    auto issue = [&](int kt, float(&part)[kAccRegs]) {
+      const int s = kt % kStages;
+      ptx::mbarrier_wait(&full[s], (kt / kStages) & 1);
 #pragma unroll
-    for (int kk = 0; kk < kRowBytes / 32; ++kk)
-      mma(acc, wgmma::desc_advance(desc_w, kk * kWeightStep), wgmma::desc_advance(desc_x, kk * 32));
-    wgmma::commit_group();
-    // One batch stays in flight; the one before it has retired and its stage goes back.
-    wgmma::wait_group<1>();
-    wgmma::fence_operand(acc);
-    if (kt > 0 && threadIdx.x == 0) ptx::mbarrier_arrive(&empty[(kt - 1) % kStages]);
-  }
-  if (k_tiles > 0) {
-    wgmma::wait_group<0>();
-    wgmma::fence_operand(acc);
+      for (int i = 0; i < kAccRegs; ++i) part[i] = 0.0f;
+      const u64 desc_w = wgmma::desc_k_major(ptx::smem_u32(weights + s * kWeightBytes));
+      const u64 desc_x = wgmma::desc_k_major(ptx::smem_u32(tokens + s * kTokenBytes));
+      wgmma::fence_operand(part);
+      wgmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < kRowBytes / 32; ++kk)
+        mma(part, wgmma::desc_advance(desc_w, kk * 32), wgmma::desc_advance(desc_x, kk * 32));
+      wgmma::commit_group();
+    };
+    // k-block kt's wgmma has retired (the caller waited): scale it into acc, free its stage.
+    auto retire = [&](int kt, float(&part)[kAccRegs]) {
+      wgmma::fence_operand(part);
+      if (kt % kScaleChunk == 0) {
+        // This chunk's copies are done and visible, and every consumer is past the previous
+        // chunk's last k-block: its buffer takes the next chunk.
+        ptx::cp_async_wait_all();
+        ptx::named_barrier_sync(1, kConsumerThreads);
+        if (kt + kScaleChunk < k_tiles) load_chunk(kt / kScaleChunk + 1);
+      }
+      const int buf = (kt / kScaleChunk) & 1, c = kt % kScaleChunk;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float sb = scale_b_s[buf][c][kScales == 1 ? 0 : 16 * warp + lane / 4 + 8 * h];
+#pragma unroll
+        for (int j = 0; j < kTokens / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            acc[4 * j + 2 * h + e] += part[4 * j + 2 * h + e] * (scale_a_s[buf][c][8 * j + 2 * (lane % 4) + e] * sb);
+      }
+      if (threadIdx.x == 0) ptx::mbarrier_arrive(&empty[kt % kStages]);
+    };
+    load_chunk(0);
+    int kt = 0;
+    for (; kt + 1 < k_tiles; kt += 2) {
+      issue(kt, part0);
+      if (kt > 0) {
+        wgmma::wait_group<1>();
+        retire(kt - 1, part1);
+      }
+      issue(kt + 1, part1);
+      wgmma::wait_group<1>();
+      retire(kt, part0);
+    }
+    if (kt < k_tiles) {  // an odd count: the last k-block
+      issue(kt, part0);
+      if (kt > 0) {
+        wgmma::wait_group<1>();
+        retire(kt - 1, part1);
+      }
+      wgmma::wait_group<0>();
+      retire(kt, part0);
+    } else if (k_tiles > 0) {
+      wgmma::wait_group<0>();
+      retire(kt - 1, part1);
+    }
+  } else {  // tensor/row-wise: one fp32 accumulation over all of K (fast accumulation)
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      const int s = kt % kStages;
+      ptx::mbarrier_wait(&full[s], (kt / kStages) & 1);
+      const u32 w_addr = ptx::smem_u32(weights + s * kWeightBytes);
+      const u64 desc_w = kWeightKMajor ? wgmma::desc_k_major(w_addr) : wgmma::desc_mn_major(w_addr);
+      const u64 desc_x = wgmma::desc_k_major(ptx::smem_u32(tokens + s * kTokenBytes));
+      wgmma::fence_operand(acc);
+      wgmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < kRowBytes / 32; ++kk)
+        mma(acc, wgmma::desc_advance(desc_w, kk * kWeightStep), wgmma::desc_advance(desc_x, kk * 32));
+      wgmma::commit_group();
+      // One batch stays in flight; the one before it has retired and its stage goes back.
+      wgmma::wait_group<1>();
+      wgmma::fence_operand(acc);
+      if (kt > 0 && threadIdx.x == 0) ptx::mbarrier_arrive(&empty[(kt - 1) % kStages]);
+    }
+    if (k_tiles > 0) {
+      wgmma::wait_group<0>();
+      wgmma::fence_operand(acc);
+    }
   }
   ptx::griddep_launch_dependents();  // the stream is done: the next kernel may launch
 
@@ -251,10 +357,10 @@ extern "C" __global__ void __launch_bounds__(kConsumerThreads + 32, 1)
 
   // ---- epilogue: register 4j + 2h + e holds weight row (output column) 16w + l/4 + 8h and
   // token 8j + 2(l % 4) + e (warp w, lane l). The output is at most 16 x 64 values per CTA:
-  // plain stores, each warp writing 16-byte runs of a token's row.
+  // plain stores, each warp writing 16-byte runs of a token's row. Block scales are in acc already.
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const float sa_tensor = p.scale_a && !p.scale_a_rowwise ? p.scale_a[0] : 1.0f;
-  const float sb_tensor = p.scale_b && !p.scale_b_colwise ? p.scale_b[0] : 1.0f;
+  const float sa_tensor = p.scale_a && !p.scale_a_rowwise && !kBlockScales ? p.scale_a[0] : 1.0f;
+  const float sb_tensor = p.scale_b && !p.scale_b_colwise && !kBlockScales ? p.scale_b[0] : 1.0f;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int col = n0 + 16 * warp + lane / 4 + 8 * h;

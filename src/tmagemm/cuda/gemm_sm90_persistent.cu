@@ -281,7 +281,7 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
     // Ping-pong: wait for the other consumer to finish issuing its mainloop. Besides taking
     // turns on the tensor cores, this keeps each full-barrier wait at most one phase ahead of
     // the barrier, which parity waits require.
-    if (kPingPong && i > 0) named_barrier_sync(consumer == 0 ? kBarTurnTo0 : kBarTurnTo1, 256);
+    if (kPingPong && i > 0) ptx::named_barrier_sync(consumer == 0 ? kBarTurnTo0 : kBarTurnTo1, 256);
 
     float part[kPartRegs];  // promotion scratch: one k-block's wgmma sum over 128 columns (kPromote only)
     // Block scales: this thread's two accumulator rows (clamped: rows past M are computed, never
@@ -451,11 +451,11 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
 #pragma unroll
       for (int f = 0; f < kFrags; ++f) epilogue_apply<kBlockN>(acc[f], tile.m0 + 64 * f, tile.n0, params, op);
       if (leader) ptx::tma_store_wait_group_read<0>();
-      named_barrier_sync(kBarConsumer0 + consumer, 128);
+      ptx::named_barrier_sync(kBarConsumer0 + consumer, 128);
 #pragma unroll
       for (int f = 0; f < kFrags; ++f) epilogue_to_smem<kBlockN>(acc[f], ptx::smem_u32(my_epi + f * kFragBytes));
       ptx::fence_proxy_async_shared();
-      named_barrier_sync(kBarConsumer0 + consumer, 128);
+      ptx::named_barrier_sync(kBarConsumer0 + consumer, 128);
       if (leader) {
 #pragma unroll
         for (int f = 0; f < kFrags; ++f)

@@ -99,7 +99,7 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
 
   // ---- epilogue ---------------------------------------------------------------------------------
   // The other consumer may still be reading the ring with wgmma: wait for both before reusing it.
-  named_barrier_sync(kBarConsumers, 128 * kConsumerWarpgroups);
+  ptx::named_barrier_sync(kBarConsumers, 128 * kConsumerWarpgroups);
   const bool leader = threadIdx.x % 128 == 0;
   epilogue_fragment<kBlockN>(acc, smem + consumer * kFragBytes, &map_d, tile.m0 + 64 * consumer, tile.n0, params, op,
                              kBarConsumer0 + consumer, leader);

@@ -119,12 +119,6 @@ struct PipelineState {
   }
 };
 
-// bar.sync on a named barrier: syncs `count` threads (a warpgroup or the consumers) without
-// stalling the rest of the CTA. Id 0 is __syncthreads.
-__device__ __forceinline__ void named_barrier_sync(int id, int count) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-
 // ---------------------------------------------------------------------------------------------
 // Grouped tile order: consecutive tile ids walk `group` rows of tiles column by column, so
 // CTAs running together share A rows and B columns in L2. With `raster_n` the roles swap: ids
@@ -512,11 +506,11 @@ __device__ __forceinline__ void epilogue_passes(const float (&acc)[kN / 2], unsi
       else
         ptx::tma_store_wait_group_read<kBuffers - 1>();
     }
-    named_barrier_sync(bar_id, 128);
+    ptx::named_barrier_sync(bar_id, 128);
     epilogue_to_smem<kN, kPass * kCount, kCount>(acc, ptx::smem_u32(buffer));
     // Generic-proxy writes must be ordered before the async-proxy (TMA) read of the same bytes.
     ptx::fence_proxy_async_shared();
-    named_barrier_sync(bar_id, 128);
+    ptx::named_barrier_sync(bar_id, 128);
     if (clipped)
       epilogue_store_clipped<kPass * kCount, kCount>(buffer, p, row0, col0, row_limit);
     else if (leader)

@@ -355,6 +355,20 @@ __device__ __forceinline__ void tma_store_wait_group_read() {
   asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
 }
 
+// Asynchronous 4-byte copy global -> shared (cp.async, no registers held while it is in flight);
+// a thread's copies complete at cp_async_wait_all, and other threads see them after a barrier.
+__device__ __forceinline__ void cp_async_4(void* smem_dst, const void* gmem_src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_u32(smem_dst)), "l"(gmem_src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
 // L2 prefetch of a box (no shared memory, no barrier): warms L2 for a later load. Only a hint:
 // it writes nothing this kernel reads back, and L2 is the GPU's point of coherence, so it may be
 // issued before griddepcontrol.wait even for data the previous kernel is still writing (the loads
@@ -444,6 +458,12 @@ __device__ __forceinline__ void cluster_wait() {
 __device__ __forceinline__ void cluster_sync() {
   cluster_arrive();
   cluster_wait();
+}
+
+// bar.sync on a named barrier: syncs `count` threads (a warpgroup or the consumers) without
+// stalling the rest of the CTA. Id 0 is __syncthreads.
+__device__ __forceinline__ void named_barrier_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
 // Warp-specialised kernels hand registers from producer warpgroups to consumer warpgroups.
