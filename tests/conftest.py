@@ -40,3 +40,19 @@ def seeded():
     seed = zlib.crc32(os.environ.get("PYTEST_CURRENT_TEST", "").encode())
     torch.manual_seed(seed)
     return seed
+
+
+@pytest.fixture(params=["pdl", "no-pdl"])
+def pdl_mode(request, monkeypatch):
+    """Every kernel with programmatic dependent launch (the default) and without it
+    (TMAGEMM_PDL=0), heuristic configs, plans made afresh in each mode."""
+    from tmagemm import plan
+
+    monkeypatch.setenv("TMAGEMM_AUTOTUNE", "0")
+    if request.param == "no-pdl":
+        monkeypatch.setenv("TMAGEMM_PDL", "0")
+    else:
+        monkeypatch.delenv("TMAGEMM_PDL", raising=False)
+    plan.clear_plans()
+    yield request.param
+    plan.clear_plans()

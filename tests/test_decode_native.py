@@ -316,17 +316,6 @@ def test_public_api_takes_it_and_graph_replays_read_new_inputs(m, seeded):
         check_product(static_y, static_x, w.t(), what=f"replay {replay}", accumulation=2.0**-12)
 
 
-@pytest.fixture(params=["pdl", "no-pdl"])
-def pdl_mode(request, monkeypatch):
-    if request.param == "no-pdl":
-        monkeypatch.setenv("TMAGEMM_PDL", "0")
-    else:
-        monkeypatch.delenv("TMAGEMM_PDL", raising=False)
-    plan.clear_plans()
-    yield request.param
-    plan.clear_plans()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 16])
 def test_chain_and_a_weight_the_previous_kernel_writes(m, pdl_mode, seeded):

@@ -22,7 +22,7 @@ import torch
 from gemm_ref import FP8, check_product, poisoned
 
 import tmagemm
-from tmagemm import inspection, plan, workspace
+from tmagemm import inspection, workspace
 from tmagemm.jit import runtime
 from tmagemm.triton import launch, matmul_grouped, matmul_splitk, matmul_tma
 from tmagemm.triton.common import HAS_GDC
@@ -130,18 +130,6 @@ def test_compiled_kernels_wait_before_any_load(name, spec, monkeypatch):
 
 DEV = "cuda"
 WIDTHS = (1024, 2048, 1152, 3072, 1024)  # every step changes width; multiples of 128 (block scales)
-
-
-@pytest.fixture(params=["pdl", "no-pdl"])
-def pdl_mode(request, monkeypatch):
-    monkeypatch.setenv("TMAGEMM_AUTOTUNE", "0")
-    if request.param == "no-pdl":
-        monkeypatch.setenv("TMAGEMM_PDL", "0")
-    else:
-        monkeypatch.delenv("TMAGEMM_PDL", raising=False)
-    plan.clear_plans()
-    yield request.param
-    plan.clear_plans()
 
 
 def _weights(kind):
