@@ -6,8 +6,8 @@ At decode sizes a GEMM streams its weight once; what is left to win is the start
 each kernel in a chain of them. This kernel has the shape cuBLAS picks at one token (64 weight
 rows per CTA, a deep ring), and where a narrow weight would leave SMs idle, clusters of 2 or 4
 CTAs split each tile's K without partial sums in global memory, counters or a second kernel.
-``plan.preference`` puts it first at M <= 16 where it measured ahead of split-K (``plan.
-DECODE_MIN_N`` and the rules beside it).
+``plan.preference`` puts it first at M <= 16 (block-scaled: M <= 8) where it measured ahead of
+split-K (``plan.DECODE_MIN_N`` and the rules beside it).
 
 Scope: M <= 64 (the dispatcher uses it up to ``plan.DECODE_MAX_M``, where it was measured); fp8
 with a K-major weight (``b = w.t()`` of a row-major (N, K) weight, the ``nn.Linear`` layout):
@@ -67,7 +67,8 @@ class DecodeConfig:
 
     def smem_bytes(self) -> int:
         """Dynamic shared memory: the ring plus 1 KB to align it for the 128-byte swizzle (a
-        split CTA's fragment buffer is static shared memory, at most 16 KB more)."""
+        split CTA's fragment buffer and two chunks of block scales are static shared memory, at
+        most 32 KB more)."""
         return self.stages * (WEIGHT_ROWS + self.tokens) * _ROW_BYTES + 1024
 
     def label(self) -> str:
@@ -86,9 +87,10 @@ STAGES_64 = 12  # 64-token tiles: 16 KB stages, 12 fit shared memory
 # and 16, fp8 and bf16, the 13 decode-stack projections with at most 2 x 132 weight tiles;
 # BENCHMARKS.md): clusters of 4 or 2 CTAs share K while that keeps the CTAs within
 # SPLIT_FILL x SMs (N = 4096: 2 CTAs per tile, 7.90 us against 8.68 unsplit for fp8 at one token;
-# N = 2112: 4, 7.88 against 11.81); a split CTA whose share of K is at least LONG_SHARE k-blocks
-# keeps 16 stages (bf16 4096 x 14336: 31.0 against 33.3 us), everything else takes 8. Within
-# 1.6% of the best of the six measured configs in geomean, 11% at worst.
+# N = 2112: 4, 7.88 against 11.81); CTAs that fit one per SM, each with a share of K of at least
+# LONG_SHARE k-blocks, keep 16 stages (bf16 4096 x 14336: 31.0 against 33.3 us; fp8 8192 x 7168:
+# 17.3 against 19.1), everything else takes 8. Where the dispatcher takes the kernel, within 1.6%
+# of the best of the six measured configs in geomean, 10% at worst.
 SPLIT_FILL = 1.25
 LONG_SHARE = 48
 MIN_SHARE = 8  # a split never leaves a CTA fewer k-blocks than this
