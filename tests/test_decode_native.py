@@ -275,6 +275,21 @@ def test_every_config(config, seeded):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", decode.CONFIGS, ids=lambda c: c.label())
+def test_block_scaled_every_config(config, seeded):
+    """Every tile, ring depth and split with per-row block scales (the most shared memory: 64
+    tokens, 12 stages, 4 CTAs is the largest build); 40 k-blocks cross the scale chunks."""
+    m, n, k = 40, 320, 5100
+    a, w, sa, sb = block_operands(m, n, k, PER_ROW, device=DEV)
+    big, out = _poisoned_out(m, n, torch.bfloat16)
+    args = GemmArgs(a, w.t(), out, sa, sb, None, True, PER_ROW)
+    plan.build(args, variant="cuda.decode", config=config)(args)
+    torch.cuda.synchronize()
+    assert_close(out, block_reference(a, w, sa, sb, PER_ROW), WGMMA_TOL[torch.bfloat16], config.label())
+    _check_untouched(big, m, n)
+
+
+@pytest.mark.gpu
 def test_refusals():
     a, w = _operands(65, 4096, 4096, torch.bfloat16)
     out = torch.empty(65, 4096, device=DEV, dtype=torch.bfloat16)
