@@ -368,8 +368,8 @@ def preference(args: GemmArgs) -> tuple[str, ...]:
     A variant is skipped when it is not registered or refuses the problem; the pointer kernel
     accepts everything.
     - decode M (see :func:`_decode_first`): the native decode kernel, whose clusters share a
-      narrow weight's K (fp8 with fast accumulation and K-major weights, 16-bit operands with
-      either weight layout; it refuses the rest), then split-K.
+      narrow weight's K (fp8 with K-major weights and fast accumulation or block scales, 16-bit
+      operands with either weight layout; it refuses the rest), then split-K.
     - small M (see :func:`_splitk_first`): split-K, whose partial sums keep enough CTAs streaming
       the weight.
     - M <= MID_M (256): the non-persistent Triton kernel with host-encoded tensor maps, launched
@@ -379,9 +379,10 @@ def preference(args: GemmArgs) -> tuple[str, ...]:
     - larger M: the native persistent cooperative kernel (per-shape config), then the Triton
       persistent one.
     - block-scaled fp8 (1x128 x 128x128 or per-row 1x128): the native decode kernel at decode M
-      (:func:`_decode_first`, up to DECODE_BLOCK_MAX_M tokens); split-K where :func:`_block_splitk_first` (it splits K, or at M <=
-      BLOCK_SWAP_MAX_M the weight alone fills the SMs), then the native block-scaled kernel, or
-      the Triton one first at M <= BLOCK_SMALL_M on weights with N <= BLOCK_SMALL_N.
+      (:func:`_decode_first`, up to DECODE_BLOCK_MAX_M tokens); split-K where
+      :func:`_block_splitk_first` (it splits K, or at M <= BLOCK_SWAP_MAX_M the weight alone
+      fills the SMs), then the native block-scaled kernel, or the Triton one first at M <=
+      BLOCK_SMALL_M on weights with N <= BLOCK_SMALL_N.
     """
     if args.block_scaling is not None:
         native = ("cuda.blockscaled", "triton.blockscaled")
