@@ -150,3 +150,18 @@ def test_device_desc_plan_reused_across_calls(seeded):
     for problem in args:
         launcher(problem)
         assert_close(problem.out, reference(problem.a, problem.b), TOL[torch.float32], "reused plan")
+
+
+@pytest.mark.parametrize("name", ["triton.tma", "triton.tma_device", "triton.persistent"])
+@pytest.mark.parametrize("m", [65, 100, 127])
+def test_last_row_tile_overlaps_its_neighbour(name, m, seeded):
+    """A ragged M over one 64-row tile: the last tile starts at M - 64 and shares rows with its
+    neighbour; every row (the shared ones written twice) must hold the product."""
+    n, k = 40, 96
+    a, b = fp8_operands(m, n, k, DEVICE)
+    scale_a = torch.rand(m, 1, device=DEVICE) + 0.5
+    scale_b = torch.rand(1, n, device=DEVICE) + 0.5
+    bias = torch.randn(n, device=DEVICE).to(torch.bfloat16)
+    out = poisoned((m, n), torch.bfloat16, DEVICE)
+    _run(name, GemmArgs(a, b, out, scale_a, scale_b, bias, True), TritonGemmConfig(64, 32, 64, 1, 2, 4))
+    assert_close(out, reference(a, b, scale_a, scale_b, bias), TOL[torch.bfloat16], f"{name} M={m}")

@@ -26,8 +26,8 @@ import triton.language as tl
 from .. import device, tma, tuning
 from ..configs import TritonGemmConfig
 from ..plan import GemmArgs, Plan, Scaling, Variant
-from .common import (SCALES_AHEAD_MIN_ROWS, block_scaled_add, grouped_tile, let_next_kernel_launch, load_block_scales,
-                     wait_for_previous_kernel)
+from .common import (SCALES_AHEAD_MIN_ROWS, block_scaled_add, first_row_in_bounds, grouped_tile, let_next_kernel_launch,
+                     load_block_scales, wait_for_previous_kernel)
 from .host import GEMM_OPERANDS, descriptor
 from .launch import KernelCall, aot_spec as _aot_spec, direct_launch, pdl
 from .matmul_tma import store_tile
@@ -55,7 +55,7 @@ def blockscaled_gemm_kernel(
 
     # ---- scheduler: grouped tile order (A row panels and B column panels reused from L2)
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-    off_m = pid_m * BLOCK_M
+    off_m = first_row_in_bounds(pid_m, BLOCK_M, M)
     off_n = pid_n * BLOCK_N
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)

@@ -20,7 +20,8 @@ import triton.language as tl
 from .. import device
 from ..configs import TritonGemmConfig
 from ..plan import GemmArgs, Variant
-from .common import grouped_tile, let_next_kernel_launch, mma, scale_bias_epilogue, wait_for_previous_kernel
+from .common import (first_row_in_bounds, grouped_tile, let_next_kernel_launch, mma, scale_bias_epilogue,
+                     wait_for_previous_kernel)
 from .host import GEMM_OPERANDS, Layout, example_args, operand_descriptors, tma_builder, tma_layout, tma_supports
 from .launch import KernelCall, aot_spec as _aot_spec, pdl
 from .matmul_tma import load_a_tile, load_b_tile, store_tile
@@ -56,7 +57,7 @@ def persistent_gemm_kernel(
     # Static round-robin scheduler: program p takes tiles p, p + NUM_SMS, ...
     for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS):
         pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * BLOCK_M
+        off_m = first_row_in_bounds(pid_m, BLOCK_M, M)
         off_n = pid_n * BLOCK_N
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

@@ -14,7 +14,8 @@ import triton.language as tl
 from .. import device, tma
 from ..configs import TritonGemmConfig
 from ..plan import GemmArgs, Variant
-from .common import grouped_tile, let_next_kernel_launch, mma, scale_bias_epilogue, wait_for_previous_kernel
+from .common import (first_row_in_bounds, grouped_tile, let_next_kernel_launch, mma, scale_bias_epilogue,
+                     wait_for_previous_kernel)
 from .host import GEMM_OPERANDS, Layout, example_args, install_allocator, operand_descriptors, tma_builder, tma_layout, tma_supports
 from .launch import KernelCall, aot_spec as _aot_spec, pdl
 
@@ -88,7 +89,7 @@ def tma_gemm_kernel(
         if TMA_STORE:
             c_desc = device_descriptor(c_ptr, M, N, stride_cm, True, BLOCK_M, BLOCK_N)
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-    off_m = pid_m * BLOCK_M
+    off_m = first_row_in_bounds(pid_m, BLOCK_M, M)
     off_n = pid_n * BLOCK_N
 
     # K loop: TMA zero-fills the ragged last K tile, so no masks are needed here.
