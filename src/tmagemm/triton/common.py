@@ -60,14 +60,17 @@ def grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def first_row_in_bounds(pid_m, BLOCK_M: tl.constexpr, M):
+def first_row_in_bounds(pid_m, BLOCK_M: tl.constexpr, M, A_ROW_MAJOR: tl.constexpr):
     """First row of row tile ``pid_m``. Where M is ragged and spans at least one tile, the last
     tile starts at M - BLOCK_M, overlapping its neighbour, instead of reaching past M: a TMA box
     that is partly out of bounds loads far slower than one inside (H200, fp8 64-row tiles at
-    M = 96: 17-20% slower per GEMM on 4096- to 18944-deep weights). The shared rows are
-    computed twice with the same inputs in the same order, so both stores write the same bits.
-    Below one tile (M < BLOCK_M) the box still reaches past M."""
-    return tl.minimum(pid_m * BLOCK_M, tl.maximum(M - BLOCK_M, 0))
+    M = 96: 17-20% slower per GEMM on 4096- to 18944-deep weights). The shared rows are computed
+    twice with the same inputs in the same order, so both stores write the same bits. A
+    column-major A has M as its contiguous dimension, where TMA box starts must be 16-byte
+    aligned: there the start is rounded up to 16 rows (at most 15 rows past M). Below one tile
+    (M < BLOCK_M) the box still reaches past M."""
+    ALIGN: tl.constexpr = 1 if A_ROW_MAJOR else 16
+    return tl.minimum(pid_m * BLOCK_M, tl.maximum(M - BLOCK_M + ALIGN - 1, 0) // ALIGN * ALIGN)
 
 
 @triton.jit

@@ -55,7 +55,7 @@ def blockscaled_gemm_kernel(
 
     # ---- scheduler: grouped tile order (A row panels and B column panels reused from L2)
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-    off_m = first_row_in_bounds(pid_m, BLOCK_M, M)
+    off_m = first_row_in_bounds(pid_m, BLOCK_M, M, True)
     off_n = pid_n * BLOCK_N
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)

@@ -57,7 +57,7 @@ def persistent_gemm_kernel(
     # Static round-robin scheduler: program p takes tiles p, p + NUM_SMS, ...
     for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS):
         pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        off_m = first_row_in_bounds(pid_m, BLOCK_M, M)
+        off_m = first_row_in_bounds(pid_m, BLOCK_M, M, A_ROW_MAJOR)
         off_n = pid_n * BLOCK_N
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

@@ -89,7 +89,7 @@ def tma_gemm_kernel(
         if TMA_STORE:
             c_desc = device_descriptor(c_ptr, M, N, stride_cm, True, BLOCK_M, BLOCK_N)
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-    off_m = first_row_in_bounds(pid_m, BLOCK_M, M)
+    off_m = first_row_in_bounds(pid_m, BLOCK_M, M, A_ROW_MAJOR)
     off_n = pid_n * BLOCK_N
 
     # K loop: TMA zero-fills the ragged last K tile, so no masks are needed here.
