@@ -11,7 +11,7 @@ from gemm_ref import assert_close, fp8_operands, poisoned, reference
 from tmagemm import plan
 from tmagemm.configs import TritonGemmConfig
 from tmagemm.plan import GemmArgs
-from tmagemm.triton import matmul_tma
+from tmagemm.triton import host, matmul_tma
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
@@ -165,3 +165,21 @@ def test_last_row_tile_overlaps_its_neighbour(name, m, seeded):
     out = poisoned((m, n), torch.bfloat16, DEVICE)
     _run(name, GemmArgs(a, b, out, scale_a, scale_b, bias, True), TritonGemmConfig(64, 32, 64, 1, 2, 4))
     assert_close(out, reference(a, b, scale_a, scale_b, bias), TOL[torch.bfloat16], f"{name} M={m}")
+
+
+@pytest.mark.parametrize("name", ["triton.tma", "triton.tma_device"])
+@pytest.mark.parametrize("m", [1, 19, 32, 33])
+def test_activation_pointer_loads_up_to_half_a_tile(name, m, seeded):
+    """Up to half a 64-row tile the activation comes through masked pointer loads (above it through
+    TMA); both read a row-major A with a padded row stride and K off the tile."""
+    n, k = 40, 208
+    config = TritonGemmConfig(64, 32, 64, 1, 2, 4)
+    a, b = fp8_operands(m, n, k, DEVICE)
+    a = _layout(a, True, pad=16)
+    scale_a = torch.rand(m, 1, device=DEVICE) + 0.5
+    scale_b = torch.tensor([0.75], device=DEVICE)
+    out = poisoned((m, n), torch.bfloat16, DEVICE)
+    args = GemmArgs(a, b, out, scale_a, scale_b, None, True)
+    assert matmul_tma.a_pointer_loads(args, config, host.tma_layout(args)) == (m <= 32)
+    _run(name, args, config)
+    assert_close(out, reference(a, b, scale_a, scale_b), TOL[torch.bfloat16], f"{name} M={m}")

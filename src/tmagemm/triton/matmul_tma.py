@@ -31,6 +31,16 @@ def load_a_tile(a_desc, off_m, off_k, A_ROW_MAJOR: tl.constexpr):
 
 
 @triton.jit
+def load_a_rows(a_ptr, off_m, off_k, M, K, lead_a, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BM, BK] tile of a row-major A through masked pointer loads (rows past M and columns past
+    K read 0), pipelined by Triton like the TMA loads."""
+    rows = off_m + tl.arange(0, BLOCK_M)
+    cols = off_k + tl.arange(0, BLOCK_K)
+    return tl.load(a_ptr + rows[:, None] * lead_a + cols[None, :], mask=(rows[:, None] < M) & (cols[None, :] < K),
+                   other=0.0)
+
+
+@triton.jit
 def load_b_tile(b_desc, off_k, off_n, B_ROW_MAJOR: tl.constexpr):
     """[BK, BN] tile of B; a K-major B (w.t() of an (N, K) weight) is loaded as [BN, BK] and
     transposed, which wgmma reads directly from shared memory (required for fp8)."""
@@ -75,7 +85,7 @@ def tma_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     A_ROW_MAJOR: tl.constexpr, B_ROW_MAJOR: tl.constexpr, TMA_STORE: tl.constexpr,
     SCALE_A: tl.constexpr, SCALE_B: tl.constexpr, HAS_BIAS: tl.constexpr, FAST_ACCUM: tl.constexpr,
-    DEVICE_DESC: tl.constexpr, PDL: tl.constexpr,
+    DEVICE_DESC: tl.constexpr, A_POINTERS: tl.constexpr, PDL: tl.constexpr,
 ):
     # PDL: every read and write below comes after the previous kernel has finished (device-built
     # maps too: their scratch may be memory that kernel was still using).
@@ -84,7 +94,8 @@ def tma_gemm_kernel(
         # a_desc / b_desc are base pointers: each program encodes its own tensor maps in a
         # global scratch slot, so the host launches with plain pointers and encodes nothing
         # (host-side encoding per call is what made the seed write-ups' end-to-end latency explode).
-        a_desc = device_descriptor(a_desc, M, K, lead_a, A_ROW_MAJOR, BLOCK_M, BLOCK_K)
+        if not A_POINTERS:
+            a_desc = device_descriptor(a_desc, M, K, lead_a, A_ROW_MAJOR, BLOCK_M, BLOCK_K)
         b_desc = device_descriptor(b_desc, K, N, lead_b, B_ROW_MAJOR, BLOCK_K, BLOCK_N)
         if TMA_STORE:
             c_desc = device_descriptor(c_ptr, M, N, stride_cm, True, BLOCK_M, BLOCK_N)
@@ -95,7 +106,10 @@ def tma_gemm_kernel(
     # K loop: TMA zero-fills the ragged last K tile, so no masks are needed here.
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
-        a = load_a_tile(a_desc, off_m, k * BLOCK_K, A_ROW_MAJOR)
+        if A_POINTERS:  # a_desc is A's base pointer (see a_pointer_loads)
+            a = load_a_rows(a_desc, off_m, k * BLOCK_K, M, K, lead_a, BLOCK_M, BLOCK_K)
+        else:
+            a = load_a_tile(a_desc, off_m, k * BLOCK_K, A_ROW_MAJOR)
         b = load_b_tile(b_desc, k * BLOCK_K, off_n, B_ROW_MAJOR)
         acc = mma(a, b, acc, FAST_ACCUM, BLOCK_K)
     let_next_kernel_launch(PDL)
@@ -224,6 +238,15 @@ def heuristic(args: GemmArgs) -> TritonGemmConfig:
     return TritonGemmConfig(128, 256, 64, 8, 3, 8)
 
 
+def a_pointer_loads(args: GemmArgs, config: TritonGemmConfig, layout: Layout) -> bool:
+    """Whether A comes through masked pointer loads instead of TMA: a row-major A of at most half
+    a row tile (M <= block_m / 2), whose TMA box would hang half or more past row M. Such a box
+    loads far slower than one inside (docs/small-m.md, "Rows past M"); H200 decode stacks at
+    M = 17-32 ran 0.974 -> 1.005x cuBLAS (fp8 tensor-wise), 0.990 -> 1.021x (bf16) with pointer
+    loads, no layer slower. A box with fewer rows past M (M = 48 of 64) stayed ahead of them."""
+    return layout.a_row_major and args.a.stride(1) == 1 and args.m <= config.block_m // 2
+
+
 def kernel_call(args: GemmArgs, config: TritonGemmConfig, layout: Layout, device_desc: bool = False) -> KernelCall:
     """One launch (see host.tma_builder)."""
     if device_desc:
@@ -235,13 +258,16 @@ def kernel_call(args: GemmArgs, config: TritonGemmConfig, layout: Layout, device
         a_desc, b_desc, c_desc = operand_descriptors(
             args, layout, config.block_m, config.block_n, config.block_k, config.block_n
         )
+    a_pointers = a_pointer_loads(args, config, layout)
+    if a_pointers:
+        a_desc, lead_a = args.a, args.a.stride(0)
     grid = (triton.cdiv(args.m, config.block_m) * triton.cdiv(args.n, config.block_n),)
     values = dict(
         a_desc=a_desc, b_desc=b_desc, c_desc=c_desc, c_ptr=args.out, scale_a_ptr=args.scale_a,
         scale_b_ptr=args.scale_b, bias_ptr=args.bias, M=args.m, N=args.n, K=args.k,
         stride_cm=args.out.stride(0), stride_cn=args.out.stride(1), lead_a=lead_a, lead_b=lead_b,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        **layout.constexprs(args.fast_accum), DEVICE_DESC=device_desc, PDL=pdl(args.out),
+        **layout.constexprs(args.fast_accum), DEVICE_DESC=device_desc, A_POINTERS=a_pointers, PDL=pdl(args.out),
     )
     return KernelCall(tma_gemm_kernel, grid, values, dict(num_warps=config.num_warps, num_stages=config.num_stages),
                       GEMM_OPERANDS)
