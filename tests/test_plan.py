@@ -51,6 +51,12 @@ def _args(m, n, k, dtype=F8):
         (64, 4096, 14336, torch.bfloat16, "triton.tma"),
         (65, 4096, 4096, torch.bfloat16, "triton.tma"),
         (4096, 4096, 4096, torch.bfloat16, "cuda.persistent_coop"),
+        (128, 37888, 3584, F8, "cuda.persistent_coop"),  # one row of tiles on a wide weight (_native_wide_first)
+        (112, 24576, 1536, F8, "cuda.persistent_coop"),
+        (111, 24576, 1536, F8, "triton.tma"),  # below WIDE_MIN_M
+        (128, 14336, 4096, F8, "triton.tma"),  # narrower than WIDE_MIN_N
+        (128, 36864, 7168, F8, "triton.tma"),  # deeper than WIDE_MAX_K
+        (128, 37888, 3584, torch.bfloat16, "triton.tma"),  # 16-bit: not measured
     ],
 )
 def test_preference_table(m, n, k, dtype, first):
@@ -66,6 +72,7 @@ def test_preference_table(m, n, k, dtype, first):
         (256, 4096, False, "triton.tma"),  # 64 tiles: half the SMs
         (128, 8192, False, "triton.tma"),  # M <= 128: the Triton tile kernel was ahead
         (256, 8192, True, "triton.tma"),  # fast accumulation: unchanged
+        (128, 36864, False, "triton.tma"),  # the wide-weight rule is for fast accumulation only (K = 4096)
     ],
 )
 def test_exact_fp8_above_m_128_prefers_native_tiles_that_fill_the_sms(m, n, fast_accum, first):

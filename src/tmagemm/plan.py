@@ -375,7 +375,9 @@ def preference(args: GemmArgs) -> tuple[str, ...]:
     - M <= MID_M (256): the non-persistent Triton kernel with host-encoded tensor maps, launched
       directly (maps cached per address, so no per-call encode); its device-built-map twin
       ``triton.tma_device`` costs ~2.5 us more GPU time and stays a fallback. fp8 without fast
-      accumulation above M = 128 takes the native kernel where :func:`_promoting_native_first`.
+      accumulation above M = 128 takes the native kernel where :func:`_promoting_native_first`,
+      and fp8 with fast accumulation at 112-128 tokens on wide weights where
+      :func:`_native_wide_first`.
     - larger M: the native persistent cooperative kernel (per-shape config), then the Triton
       persistent one.
     - block-scaled fp8 (1x128 x 128x128 or per-row 1x128): the native decode kernel at decode M
@@ -395,9 +397,20 @@ def preference(args: GemmArgs) -> tuple[str, ...]:
         return ("cuda.decode", "triton.splitk", *tma, "triton.persistent", "triton.ptr")
     if _splitk_first(args):
         return ("triton.splitk", *tma, "triton.persistent", "triton.ptr")
-    if args.m <= MID_M and not _promoting_native_first(args):
+    if args.m <= MID_M and not _promoting_native_first(args) and not _native_wide_first(args):
         return (*tma, "triton.persistent", "cuda.persistent_coop", "triton.ptr")
     return ("cuda.persistent_coop", "triton.persistent", *tma, "triton.ptr")
+
+
+def _native_wide_first(args: GemmArgs) -> bool:
+    """fp8 (fast accumulation, tensor- or row-wise scales) with one row of 128-row tiles on a wide
+    weight: the native cooperative kernel's 128x128 tiles on every SM ahead of the Triton 64-row
+    tiles (cuda/gemm.py, WIDE_MIN_M, WIDE_MIN_N and WIDE_MAX_K, say where and by how much)."""
+    if not args.is_fp8 or not args.fast_accum or args.block_scaling is not None:
+        return False
+    from .cuda.gemm import WIDE_MAX_K, WIDE_MIN_M, WIDE_MIN_N  # a backend module: imported lazily
+
+    return WIDE_MIN_M <= args.m <= 128 and args.n >= WIDE_MIN_N and args.k <= WIDE_MAX_K
 
 
 def _promoting_native_first(args: GemmArgs) -> bool:
