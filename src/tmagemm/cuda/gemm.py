@@ -443,12 +443,12 @@ _PINGPONG_FP8_MIN = (4096, 8192, 8192)  # fp8 M, N, K from which ping-pong beat 
 _COOP_N128 = NativeGemmConfig("persistent", block_n=128, stages=6)
 # One row of 128-row tiles (WIDE_MIN_M <= M <= 128, fp8) on a weight at least WIDE_MIN_N rows wide
 # and at most WIDE_MAX_K deep: the same 128x128 tiles on every SM, which the dispatcher then runs
-# ahead of the Triton 64-row tiles. 8 chained copies per GEMM in one CUDA graph, M = 112 and 128:
-# on an H200 28672 x 4096, 37888 x 3584 and 24576 x 1536 5-13% faster than the Triton tiles, on
-# an H100 level, level and 9-10% faster. On 36864 x 7168 the H200 gained 5% and the H100 lost
-# 0-2% (DeepSeek-V3's decode stack 1% slower): deeper weights keep the Triton tiles. 128x256
-# tiles ran 2-20% slower than these; at M = 96 the native tiles were mixed (+3% to -10%), at
-# 64-80 and on 14336-wide weights the Triton tiles stayed ahead or level.
+# ahead of the Triton 64-row tiles. 8 chained copies per GEMM in one CUDA graph: on an H200 at
+# M = 112 and 128, 28672 x 4096, 37888 x 3584 and 24576 x 1536 5-13% faster than the Triton
+# tiles; on an H100 at M = 96, level, level and 5% faster. On 36864 x 7168 the H200 gained 6% and
+# the H100 lost 0.4-1.1% (DeepSeek-V3's decode stack 1% slower): deeper weights keep the Triton
+# tiles. 128x256 tiles ran 2-20% slower than these; at M = 96 the native tiles were mixed on the
+# H200 (+3% to -10%), at 64-80 and on 14336-wide weights the Triton tiles stayed ahead or level.
 WIDE_MIN_M = 112
 WIDE_MIN_N = 24576
 WIDE_MAX_K = 4096
