@@ -14,6 +14,8 @@ from tmagemm.plan import GemmArgs
 from tmagemm.triton import host, matmul_tma
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# CPU: the Triton interpreter (CI); GPU: every case on CUDA (the GPU job's `-m "gpu or anydevice"`).
+pytestmark = pytest.mark.anydevice
 ON_GPU = DEVICE == "cuda"
 VARIANTS = ["triton.tma", "triton.tma_device", "triton.persistent", "triton.ptr"]
 # Ragged against every tile size used below: M=1 and 17, N and K off 32/64/128.

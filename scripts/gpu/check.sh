@@ -11,7 +11,7 @@
 # Environment (all optional):
 #   OUT=/tmp/check_out                        where everything is written
 #   SKIP_TESTS=1 SKIP_SANITIZER=1 SKIP_BENCH=1  leave a step out
-#   PYTEST_ARGS="tests/"                      what `pytest -m gpu` runs, e.g. "tests/test_splitk.py -x"
+#   PYTEST_ARGS="tests/"                      what `pytest -m "gpu or anydevice"` runs, e.g. "tests/test_splitk.py -x"
 #   SANITIZER_TOOLS="memcheck racecheck synccheck"
 #   BENCH_ARGS="--preset sweep --m 16,256,1024,4096 --budget-ms 50"   (--graph and --out are added)
 #   TEST_TIMEOUT=480 SANITIZER_TIMEOUT=240 BENCH_TIMEOUT=300          seconds (sanitizer: per tool)
@@ -40,11 +40,11 @@ grep -E "^(gpu|driver|cuda_bindings|nvrtc|git_sha) " "$OUT/env.txt"
 if [ -z "${SKIP_TESTS:-}" ]; then
   echo "== GPU tests"
   # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
-  timeout "${TEST_TIMEOUT:-480}" python -m pytest -q -p no:cacheprovider -m gpu ${PYTEST_ARGS:-tests/} \
+  timeout "${TEST_TIMEOUT:-480}" python -m pytest -q -p no:cacheprovider -m "gpu or anydevice" ${PYTEST_ARGS:-tests/} \
     >"$OUT/pytest.log" 2>&1
   rc=$?
   grep -E "^(FAILED|ERROR) " "$OUT/pytest.log" | cut -c1-200 | head -n 20
-  record "pytest -m gpu" $rc "$(grep -E "[0-9]+ [a-z]+.* in [0-9.]+s" "$OUT/pytest.log" | tail -n 1)"
+  record "pytest -m 'gpu or anydevice'" $rc "$(grep -E "[0-9]+ [a-z]+.* in [0-9.]+s" "$OUT/pytest.log" | tail -n 1)"
 fi
 
 if [ -z "${SKIP_SANITIZER:-}" ]; then
