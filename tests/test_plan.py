@@ -30,8 +30,13 @@ def _args(m, n, k, dtype=F8):
         (1, 28672, 4096, F8, "triton.splitk"),  # 448 weight tiles: more than one per SM
         (1, 7168, 16384, F8, "triton.splitk"),  # 128 k-blocks for each of 112 CTAs
         (1, 8192, 7168, F8, "cuda.decode"),  # 56 k-blocks for each of 128 CTAs
-        (32, 4096, 14336, F8, "triton.splitk"),  # K > 8192
+        (32, 3584, 18944, F8, "triton.splitk"),  # K > 8192 on a weight narrower than FP8_TILE_MIN_N
+        (32, 4096, 14336, F8, "triton.tma"),  # K > 8192, but FP8_TILE_MIN_N <= N <= FP8_TILE_MAX_N
+        (17, 28672, 4096, F8, "triton.tma"),  # 117 MB weight, N <= FP8_TILE_MAX_N
+        (32, 36864, 7168, F8, "triton.splitk"),  # 264 MB weight wider than FP8_TILE_MAX_N
         (32, 57344, 8192, F8, "triton.splitk"),  # 470 MB weight
+        (16, 7168, 16384, F8, "triton.splitk"),  # M <= 16: split-K (the decode kernel refuses 128 k-blocks a CTA)
+        (32, 4096, 14336, torch.bfloat16, "triton.splitk"),  # 16-bit: the 100 MB rule stays
         (64, 4096, 4096, F8, "triton.tma"),
         (256, 4096, 4096, F8, "triton.tma"),
         (257, 4096, 4096, F8, "cuda.persistent_coop"),  # 128x128 tiles (coop_config)

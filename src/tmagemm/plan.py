@@ -265,6 +265,16 @@ def _decode_first(args: GemmArgs) -> bool:
             and k_blocks(args.k, itemsize) <= DECODE_MAX_SHARE * split)
 
 
+# fp8 from 17 to 32 tokens on weights FP8_TILE_MIN_N to FP8_TILE_MAX_N wide: the tile kernel (its
+# activation through pointer loads, matmul_tma.a_pointer_loads), also on K > 8192 and on 100 MB
+# weights, where split-K ran before the pointer loads. Decode stacks at M = 24 and 32, two
+# rounds: fp8 tensor-wise 0.991 -> 1.010x cuBLAS on an H200 (Llama-3-8B 5% faster per layer),
+# 1.007 -> 1.017x on an H100, no layer slower. Per GEMM (H200, M = 32) split-K stayed ahead on
+# 3584-wide weights and on the widest ones (36864 x 7168, 37888 x 3584: 6-9%).
+FP8_TILE_MIN_N = 4096
+FP8_TILE_MAX_N = 32768
+
+
 def _splitk_first(args: GemmArgs) -> bool:
     """Small M where split-K measured ahead of the tile kernel (H200, graph-timed vs cuBLAS fp8,
     docs/small-m.md): fp8 at M <= 16 with K >= 3072 (N = K = 4096: 0.88-0.92x vs 0.82-0.87x;
@@ -275,8 +285,10 @@ def _splitk_first(args: GemmArgs) -> bool:
     fp16 at M <= 16 (H100, M = 8 and 16 on N = K = 4096, 3584, 6144 / 14336 x 4096 and 4096 x
     14336, either weight layout: split-K ahead of the tile kernel's heuristic tiles at 14 of 20
     points, by up to 15%, and behind at 6 by at most 3%), and bf16 / fp16 up to
-    SPLITK_16BIT_MAX_M on long K over narrow weights (above)."""
-    if args.m <= 32 and args.n * args.k * args.b.element_size() >= 100e6:
+    SPLITK_16BIT_MAX_M on long K over narrow weights (above). fp8 at 17-32 tokens on weights
+    FP8_TILE_MIN_N to FP8_TILE_MAX_N wide keeps the tile kernel (above)."""
+    fp8_tile = args.is_fp8 and 16 < args.m <= 32 and FP8_TILE_MIN_N <= args.n <= FP8_TILE_MAX_N
+    if args.m <= 32 and args.n * args.k * args.b.element_size() >= 100e6 and not fp8_tile:
         return True
     if not args.is_fp8:
         if args.m <= 16:
@@ -287,7 +299,7 @@ def _splitk_first(args: GemmArgs) -> bool:
 
         sms = device.sms_of(args.out.device)
         return choose_config(args.m, args.n, args.k, args.a.element_size(), sms).split_k >= 3
-    return (args.m <= 16 and args.k >= 3072) or (args.m <= 32 and args.k > 8192)
+    return (args.m <= 16 and args.k >= 3072) or (args.m <= 32 and args.k > 8192 and not fp8_tile)
 
 
 # Block-scaled fp8 at decode-sized M. The split-K kernel (swap-AB, 64 weight rows per tile) wins
