@@ -418,11 +418,11 @@ def _native_wide_first(args: GemmArgs) -> bool:
     """fp8 (fast accumulation, tensor- or row-wise scales) with one row of 128-row tiles on a wide
     weight: the native cooperative kernel's 128x128 tiles on every SM ahead of the Triton 64-row
     tiles (cuda/gemm.py, WIDE_MIN_M, WIDE_MIN_N and WIDE_MAX_K, say where and by how much)."""
-    if not args.is_fp8 or not args.fast_accum or args.block_scaling is not None:
+    if not args.fast_accum or args.block_scaling is not None:
         return False
-    from .cuda.gemm import WIDE_MAX_K, WIDE_MIN_M, WIDE_MIN_N  # a backend module: imported lazily
+    from .cuda.gemm import one_row_wide  # a backend module: imported lazily
 
-    return WIDE_MIN_M <= args.m <= 128 and args.n >= WIDE_MIN_N and args.k <= WIDE_MAX_K
+    return one_row_wide(args.m, args.n, args.k, args.a.element_size())
 
 
 def _promoting_native_first(args: GemmArgs) -> bool:

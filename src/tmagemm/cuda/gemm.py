@@ -500,6 +500,12 @@ def promote_config(m: int, n: int, sms: int) -> NativeGemmConfig:
 NATIVE_CONFIGS["cuda.blockscaled"] = replace(_PROMOTE_WIDE, block_scaled=True)
 
 
+def one_row_wide(m: int, n: int, k: int, ab_itemsize: int) -> bool:
+    """fp8 with one row of 128-row tiles on a wide, shallow weight: where :func:`coop_config`
+    takes 128x128 tiles on every SM and the dispatcher runs them first (WIDE_MIN_M above)."""
+    return ab_itemsize == 1 and WIDE_MIN_M <= m <= 128 and n >= WIDE_MIN_N and k <= WIDE_MAX_K
+
+
 @functools.lru_cache(maxsize=4096)
 def coop_config(
     m: int, n: int, k: int, ab_itemsize: int, b_k_major: bool, sms: int, fast_accum: bool = True
@@ -526,7 +532,7 @@ def coop_config(
     min_m, min_n, min_k = _PINGPONG_FP8_MIN
     if ab_itemsize == 1 and m >= min_m and n >= min_n and k >= min_k:
         return NATIVE_CONFIGS["cuda.persistent_pingpong"]
-    if ab_itemsize == 1 and WIDE_MIN_M <= m <= 128 and n >= WIDE_MIN_N and k <= WIDE_MAX_K:
+    if one_row_wide(m, n, k, ab_itemsize):
         return _COOP_N128
     config = NATIVE_CONFIGS["cuda.persistent_coop"]
     tiles = -(-m // 128) * -(-n // config.block_n)

@@ -101,9 +101,11 @@ def tma_supports(args: GemmArgs) -> str | None:
     return layout if isinstance(layout, str) else None
 
 
-def operand_descriptors(args: GemmArgs, layout: Layout, block_m: int, block_n: int, block_k: int, out_block_n: int):
-    """Descriptors for A, B and (when TMA stores) the output tile."""
-    a_desc = descriptor(args.a, layout.a_row_major, block_m, block_k)
+def operand_descriptors(args: GemmArgs, layout: Layout, block_m: int, block_n: int, block_k: int, out_block_n: int,
+                        a_tma: bool = True):
+    """Descriptors for A (unless ``a_tma`` is False: the kernel reads A through pointers), B and
+    (when TMA stores) the output tile."""
+    a_desc = descriptor(args.a, layout.a_row_major, block_m, block_k) if a_tma else None
     b_desc = descriptor(args.b, layout.b_row_major, block_k, block_n)
     c_desc = descriptor(args.out, True, block_m, out_block_n) if layout.tma_store else None
     return a_desc, b_desc, c_desc

@@ -249,6 +249,7 @@ def a_pointer_loads(args: GemmArgs, config: TritonGemmConfig, layout: Layout) ->
 
 def kernel_call(args: GemmArgs, config: TritonGemmConfig, layout: Layout, device_desc: bool = False) -> KernelCall:
     """One launch (see host.tma_builder)."""
+    a_pointers = a_pointer_loads(args, config, layout)
     if device_desc:
         install_allocator()
         a_desc, b_desc, c_desc = args.a, args.b, None
@@ -256,10 +257,9 @@ def kernel_call(args: GemmArgs, config: TritonGemmConfig, layout: Layout, device
     else:
         lead_a = lead_b = 0  # unused: the host descriptors carry the strides
         a_desc, b_desc, c_desc = operand_descriptors(
-            args, layout, config.block_m, config.block_n, config.block_k, config.block_n
+            args, layout, config.block_m, config.block_n, config.block_k, config.block_n, a_tma=not a_pointers
         )
-    a_pointers = a_pointer_loads(args, config, layout)
-    if a_pointers:
+    if a_pointers:  # the kernel reads A from its base pointer with its row stride
         a_desc, lead_a = args.a, args.a.stride(0)
     grid = (triton.cdiv(args.m, config.block_m) * triton.cdiv(args.n, config.block_n),)
     values = dict(
