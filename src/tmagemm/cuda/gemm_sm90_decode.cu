@@ -136,15 +136,6 @@ __device__ __forceinline__ void mma(float (&d)[kAccRegs], u64 desc_w, u64 desc_x
 #undef TMAGEMM_DECODE_F4
 #undef TMAGEMM_DECODE_TRANSPOSE
 #undef TMAGEMM_DECODE_WGMMA
-
-__device__ __forceinline__ float bias_value(const void* bias, int col, int type) {
-  if (type == wgmma::kOutF32) return static_cast<const float*>(bias)[col];
-  const unsigned short bits = static_cast<const unsigned short*>(bias)[col];
-  if (type == wgmma::kOutBF16) return __uint_as_float(static_cast<u32>(bits) << 16);
-  float out;
-  asm("cvt.f32.f16 %0, %1;\n" : "=f"(out) : "h"(bits));
-  return out;
-}
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(kConsumerThreads + 32, 1)
@@ -367,7 +358,7 @@ extern "C" __global__ void __launch_bounds__(kConsumerThreads + 32, 1)
     if (col >= p.n) continue;
     float col_scale = sb_tensor * sa_tensor;
     if (p.scale_b_colwise) col_scale *= p.scale_b[col];
-    const float add = p.bias ? bias_value(p.bias, col, p.bias_type) : 0.0f;
+    const float add = p.bias ? wgmma::load_as_float(p.bias, col, p.bias_type) : 0.0f;
 #pragma unroll
     for (int j = 0; j < kTokens / 8; ++j)
 #pragma unroll

@@ -282,14 +282,6 @@ __device__ __forceinline__ void mma_stage(float (&acc)[kN / 2], u32 a_addr, u32 
 // lane l) holds rows 16w + l/4 (+8) and columns 8j + 2(l%4) (+1); register 4j + 2h + e is
 // (row + 8h, column + e).
 // ---------------------------------------------------------------------------------------------
-__device__ __forceinline__ float load_as_float(const void* ptr, i64 index, int type) {
-  if (type == wgmma::kOutF32) return static_cast<const float*>(ptr)[index];
-  const unsigned short bits = static_cast<const unsigned short*>(ptr)[index];
-  if (type == wgmma::kOutBF16) return __uint_as_float(static_cast<u32>(bits) << 16);
-  float out;
-  asm("cvt.f32.f16 %0, %1;\n" : "=f"(out) : "h"(bits));
-  return out;
-}
 
 // What the epilogue does to every tile, decided once per kernel before the mainloop: the
 // scalar loads then overlap the pipeline fill instead of stalling each tile's epilogue on an L2
@@ -318,7 +310,7 @@ __device__ __forceinline__ void load_columns(float (&v)[kChunk][2], const void* 
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int c = first + 8 * (j0 + j) + e;
-      v[j][e] = load_as_float(ptr, kClamp ? min(c, n - 1) : c, kType);
+      v[j][e] = wgmma::load_as_float(ptr, kClamp ? min(c, n - 1) : c, kType);
     }
 }
 
@@ -405,7 +397,7 @@ __device__ __forceinline__ void epilogue_apply(float (&acc)[kN / 2], int row0, i
           for (int h = 0; h < 2; ++h)
             if (rows[h] < p.m && col < p.n)
               acc[4 * (j0 + j) + 2 * h + e] +=
-                  p.beta * load_as_float(p.c, static_cast<i64>(rows[h]) * p.ldc + col, kOutType);
+                  p.beta * wgmma::load_as_float(p.c, static_cast<i64>(rows[h]) * p.ldc + col, kOutType);
         }
     }
   }

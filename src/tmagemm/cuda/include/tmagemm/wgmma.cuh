@@ -159,8 +159,19 @@ TMAGEMM_DEFINE_MMA_FP8(256, 128, "%128", "%129", "%130")
 #undef TMAGEMM_WGMMA_D64
 
 // ---------------------------------------------------------------------------------------------
-// Epilogue helpers: packing fp32 pairs to 16-bit and stmatrix.
+// Epilogue helpers: reading an output-typed value as fp32, packing fp32 pairs to 16-bit, stmatrix.
 // ---------------------------------------------------------------------------------------------
+
+// Element ``index`` of an array of output type ``type`` (kOutF16/kOutBF16/kOutF32), as fp32: a
+// bias or C read in the epilogue.
+__device__ __forceinline__ float load_as_float(const void* ptr, long long index, int type) {
+  if (type == kOutF32) return static_cast<const float*>(ptr)[index];
+  const unsigned short bits = static_cast<const unsigned short*>(ptr)[index];
+  if (type == kOutBF16) return __uint_as_float(static_cast<u32>(bits) << 16);
+  float out;
+  asm("cvt.f32.f16 %0, %1;\n" : "=f"(out) : "h"(bits));
+  return out;
+}
 
 // cvt packs its first source into the upper half: pass (hi, lo) so lo lands at the lower address.
 template <int kOutType>
