@@ -56,12 +56,17 @@ def _args(m, n, k, dtype=F8):
         (64, 4096, 14336, torch.bfloat16, "triton.tma"),
         (65, 4096, 4096, torch.bfloat16, "triton.tma"),
         (4096, 4096, 4096, torch.bfloat16, "cuda.persistent_coop"),
-        (128, 37888, 3584, F8, "cuda.persistent_coop"),  # one row of tiles on a wide weight (_native_wide_first)
+        (128, 28672, 4096, F8, "cuda.persistent_coop"),  # one row of tiles on a wide weight (_native_wide_first)
         (112, 24576, 1536, F8, "cuda.persistent_coop"),
         (111, 24576, 1536, F8, "triton.tma"),  # below WIDE_MIN_M
         (128, 14336, 4096, F8, "triton.tma"),  # narrower than WIDE_MIN_N
-        (128, 36864, 7168, F8, "triton.tma"),  # deeper than WIDE_MAX_K
-        (128, 37888, 3584, torch.bfloat16, "triton.tma"),  # 16-bit: not measured
+        (128, 28672, 8192, F8, "triton.tma"),  # deeper than WIDE_MAX_K
+        (128, 28672, 4096, torch.bfloat16, "triton.tma"),  # 16-bit: not measured
+        (128, 37888, 3584, F8, "mixed.wave_split"),  # 2.24 waves of 128-column tiles (_wave_split_first)
+        (128, 36864, 7168, F8, "mixed.wave_split"),
+        (96, 37888, 3584, torch.bfloat16, "mixed.wave_split"),
+        (95, 37888, 3584, torch.bfloat16, "triton.tma"),  # from 96 tokens
+        (95, 36864, 7168, F8, "triton.tma"),
     ],
 )
 def test_preference_table(m, n, k, dtype, first):

@@ -34,9 +34,10 @@ FAMILY_MODULES = (
     "tmagemm.triton.matmul_blockscaled",
     "tmagemm.cuda.gemm",
     "tmagemm.cuda.decode",
+    "tmagemm.wave_split",
 )
 
-BACKENDS = ("auto", "triton", "cuda")
+BACKENDS = ("auto", "triton", "cuda")  # what callers may force; "mixed" plans (both kinds) run under "auto" only
 
 
 class Scaling(enum.IntEnum):
@@ -167,7 +168,7 @@ class Variant:
     """
 
     name: str
-    backend: str  # "triton" or "cuda"
+    backend: str  # "triton", "cuda", or "mixed" (a plan of both kinds: "auto" only)
     description: str
     supports: Callable[[GemmArgs], str | None]
     build: Callable[..., Plan]
@@ -389,7 +390,9 @@ def preference(args: GemmArgs) -> tuple[str, ...]:
       ``triton.tma_device`` costs ~2.5 us more GPU time and stays a fallback. fp8 without fast
       accumulation above M = 128 takes the native kernel where :func:`_promoting_native_first`,
       and fp8 with fast accumulation at 112-128 tokens on wide weights where
-      :func:`_native_wide_first`.
+      :func:`_native_wide_first`. Ahead of all of these, one row of 128-row tiles on a weight
+      a little over two or more waves wide runs as ``mixed.wave_split``
+      (:func:`_wave_split_first`): the whole waves on native tiles, the rest as its own GEMM.
     - larger M: the native persistent cooperative kernel (per-shape config), then the Triton
       persistent one.
     - block-scaled fp8 (1x128 x 128x128 or per-row 1x128): the native decode kernel at decode M
@@ -410,8 +413,19 @@ def preference(args: GemmArgs) -> tuple[str, ...]:
     if _splitk_first(args):
         return ("triton.splitk", *tma, "triton.persistent", "triton.ptr")
     if args.m <= MID_M and not _promoting_native_first(args) and not _native_wide_first(args):
-        return (*tma, "triton.persistent", "cuda.persistent_coop", "triton.ptr")
-    return ("cuda.persistent_coop", "triton.persistent", *tma, "triton.ptr")
+        order = (*tma, "triton.persistent", "cuda.persistent_coop", "triton.ptr")
+    else:
+        order = ("cuda.persistent_coop", "triton.persistent", *tma, "triton.ptr")
+    return ("mixed.wave_split", *order) if _wave_split_first(args) else order
+
+
+def _wave_split_first(args: GemmArgs) -> bool:
+    """One row of 128-row tiles on a weight a little over two or more waves of 128-column tiles
+    wide (fp8 with fast accumulation and tensor-wise scales, or 16-bit operands): whole waves on
+    the native tiles, the rest as its own GEMM (wave_split.py says where and by how much)."""
+    from .wave_split import refusal  # imports this module: loaded lazily
+
+    return refusal(args) is None
 
 
 def _native_wide_first(args: GemmArgs) -> bool:

@@ -440,7 +440,7 @@ _BALANCE_MAX_WAVES = 9  # measured up to 9 waves; at 14 waves (N = 14336) it was
 _PINGPONG_FP8_MIN = (4096, 8192, 8192)  # fp8 M, N, K from which ping-pong beat cooperative (8192^3)
 # Cooperative 128x128 tiles (6 stages): for problems whose 128x256 tiles would leave at least half
 # of the SMs idle (fp8 512 x 4096 x 4096: 64 tiles -> 128; 0.99x cuBLAS instead of 0.66x, H200).
-_COOP_N128 = NativeGemmConfig("persistent", block_n=128, stages=6)
+COOP_N128 = NativeGemmConfig("persistent", block_n=128, stages=6)
 # One row of 128-row tiles (WIDE_MIN_M <= M <= 128, fp8) on a weight at least WIDE_MIN_N rows wide
 # and at most WIDE_MAX_K deep: the same 128x128 tiles on every SM, which the dispatcher then runs
 # ahead of the Triton 64-row tiles. 8 chained copies per GEMM in one CUDA graph: on an H200 at
@@ -454,7 +454,7 @@ WIDE_MIN_N = 24576
 WIDE_MAX_K = 4096
 # fp8 with use_fast_accum=False: the same tiles with per-k-block fp32 promotion into one
 # 128-column scratch fragment (the base of the promoting candidates below).
-_COOP_PROMOTE = replace(_COOP_N128, promote=True)
+_COOP_PROMOTE = replace(COOP_N128, promote=True)
 # The promoting tiles `tmagemm bench --configs` times side by side: 128 or 256 wide (promoted
 # 128 columns at a time), 128 wide with two scratch fragments, alone or as 2x1 clusters
 # multicasting B.
@@ -533,11 +533,11 @@ def coop_config(
     if ab_itemsize == 1 and m >= min_m and n >= min_n and k >= min_k:
         return NATIVE_CONFIGS["cuda.persistent_pingpong"]
     if one_row_wide(m, n, k, ab_itemsize):
-        return _COOP_N128
+        return COOP_N128
     config = NATIVE_CONFIGS["cuda.persistent_coop"]
     tiles = -(-m // 128) * -(-n // config.block_n)
-    if 2 * tiles <= sms and -(-m // 128) * -(-n // _COOP_N128.block_n) > tiles:
-        return _COOP_N128
+    if 2 * tiles <= sms and -(-m // 128) * -(-n // COOP_N128.block_n) > tiles:
+        return COOP_N128
     waves = -(-tiles // sms)
     if 2 <= waves <= _BALANCE_MAX_WAVES and k * ab_itemsize <= _BALANCE_MAX_K_BYTES:
         ctas = -(-tiles // waves)
