@@ -16,9 +16,9 @@ weights of 2.12-3.21 waves (35840-54272 columns, K = 2048-7168), 1.02-1.08x fast
 single launch on an H100 and 1.05-1.20x on an H200 (fp8 with fast accumulation and tensor-wise
 scales, and bf16; fp8 at K = 2048 and 112-128 tokens level, within 0.7%). At 72 tokens fp8 was
 1.01-1.08x faster per GEMM but the DeepSeek-V3 decode stack gained nothing (0.3-0.9% slower),
-and bf16 on the H200 was mixed (0.98-1.07x): the rule starts at 96 tokens. Weights of 1.45 and
-1.70 waves (24576 and 28672 columns) were 2-14% slower split this way: the last wave must be
-short. Row-wise scales keep the single launch: per GEMM the split was 1% slower at 72 tokens (the
+and bf16 on the H200 was mixed (0.98-1.07x): the rule starts at 96 tokens. fp8 on weights of
+1.45 and 1.70 waves (24576 x 1536, 28672 x 4096; H200, 128 tokens) ran 14-15% slower split this
+way: the last wave must be short. Row-wise scales keep the single launch: per GEMM the split was 1% slower at 72 tokens (the
 native tiles' row-wise epilogue costs them 3-8% there) and the Qwen2.5-7B decode stack 1-6%
 slower per layer at 72-128 tokens.
 """
