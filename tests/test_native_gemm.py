@@ -140,13 +140,17 @@ def test_coop_config_choices():
     assert native.coop_config(512, 4096, 4096, 1, True, 114) == default  # 64 tiles > half of 114 SMs
     assert native.coop_config(1024, 4096, 4096, 1, True, 132) == default  # 128 tiles: most SMs busy
     assert native.coop_config(17, 72, 336, 2, False, 132) == default  # one tile either way
-    # fp8, one row of 128-row tiles from WIDE_MIN_M tokens on a weight WIDE_MIN_N wide: 128x128 tiles, every SM.
+    # fp8 and 16-bit, one row of 128-row tiles from WIDE_MIN_M tokens on a weight WIDE_MIN_N wide: 128x128 tiles, every SM.
     assert native.coop_config(128, 37888, 3584, 1, True, 132) == native.NativeGemmConfig("persistent", block_n=128, stages=6)
     assert native.coop_config(112, 24576, 4096, 1, True, 132).block_n == 128
     assert native.coop_config(111, 24576, 1536, 1, True, 132).block_n == 256  # below WIDE_MIN_M
     assert native.coop_config(128, 24575, 1536, 1, True, 132).block_n == 256  # narrower than WIDE_MIN_N
     assert native.coop_config(128, 36864, 4097, 1, True, 132).block_n == 256  # deeper than WIDE_MAX_K
-    assert native.coop_config(128, 37888, 3584, 2, True, 132).block_n == 256  # 16-bit: not measured
+    assert native.coop_config(128, 37888, 3584, 2, True, 132).block_n == 128  # 16-bit operands too
+    assert native.coop_config(128, 37888, 3584, 4, True, 132).block_n == 256  # no fp32 wgmma operands
+    assert native.coop_config(128, 24576, 2048, 2, True, 132).block_n == 128
+    assert native.coop_config(128, 24576, 1536, 2, True, 132).block_n == 256  # 16-bit below WIDE_MIN_K_16BIT
+    assert native.coop_config(128, 24576, 1536, 1, True, 132).block_n == 128  # fp8 at any depth
 
 
 @pytest.mark.parametrize("shape", _HEURISTIC_SHAPES, ids=lambda s: "x".join(map(str, s)))

@@ -61,7 +61,8 @@ def _args(m, n, k, dtype=F8):
         (111, 24576, 1536, F8, "triton.tma"),  # below WIDE_MIN_M
         (128, 14336, 4096, F8, "triton.tma"),  # narrower than WIDE_MIN_N
         (128, 28672, 8192, F8, "triton.tma"),  # deeper than WIDE_MAX_K
-        (128, 28672, 4096, torch.bfloat16, "triton.tma"),  # 16-bit: not measured
+        (128, 28672, 4096, torch.bfloat16, "cuda.persistent_coop"),  # 16-bit too ...
+        (128, 24576, 1536, torch.bfloat16, "triton.tma"),  # ... from WIDE_MIN_K_16BIT deep
         (128, 37888, 3584, F8, "mixed.wave_split"),  # 2.24 waves of 128-column tiles (_wave_split_first)
         (128, 36864, 7168, F8, "mixed.wave_split"),
         (96, 37888, 3584, torch.bfloat16, "mixed.wave_split"),

@@ -389,7 +389,7 @@ def preference(args: GemmArgs) -> tuple[str, ...]:
       directly (maps cached per address, so no per-call encode); its device-built-map twin
       ``triton.tma_device`` costs ~2.5 us more GPU time and stays a fallback. fp8 without fast
       accumulation above M = 128 takes the native kernel where :func:`_promoting_native_first`,
-      and fp8 with fast accumulation at 112-128 tokens on wide weights where
+      and fp8 with fast accumulation or 16-bit operands at 112-128 tokens on wide weights where
       :func:`_native_wide_first`. Ahead of all of these, one row of 128-row tiles on a weight
       a little over two or more waves wide runs as ``mixed.wave_split``
       (:func:`_wave_split_first`): the whole waves on native tiles, the rest as its own GEMM.
@@ -429,9 +429,10 @@ def _wave_split_first(args: GemmArgs) -> bool:
 
 
 def _native_wide_first(args: GemmArgs) -> bool:
-    """fp8 (fast accumulation, tensor- or row-wise scales) with one row of 128-row tiles on a wide
-    weight: the native cooperative kernel's 128x128 tiles on every SM ahead of the Triton 64-row
-    tiles (cuda/gemm.py, WIDE_MIN_M, WIDE_MIN_N and WIDE_MAX_K, say where and by how much)."""
+    """fp8 (fast accumulation, tensor- or row-wise scales) or 16-bit operands with one row of
+    128-row tiles on a wide weight: the native cooperative kernel's 128x128 tiles on every SM ahead
+    of the Triton 64-row tiles (cuda/gemm.py, WIDE_MIN_M, WIDE_MIN_N, WIDE_MAX_K and
+    WIDE_MIN_K_16BIT, say where and by how much)."""
     if not args.fast_accum or args.block_scaling is not None:
         return False
     from .cuda.gemm import one_row_wide  # a backend module: imported lazily

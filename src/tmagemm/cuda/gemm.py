@@ -441,7 +441,7 @@ _PINGPONG_FP8_MIN = (4096, 8192, 8192)  # fp8 M, N, K from which ping-pong beat 
 # Cooperative 128x128 tiles (6 stages): for problems whose 128x256 tiles would leave at least half
 # of the SMs idle (fp8 512 x 4096 x 4096: 64 tiles -> 128; 0.99x cuBLAS instead of 0.66x, H200).
 COOP_N128 = NativeGemmConfig("persistent", block_n=128, stages=6)
-# One row of 128-row tiles (WIDE_MIN_M <= M <= 128, fp8) on a weight at least WIDE_MIN_N rows wide
+# One row of 128-row tiles (WIDE_MIN_M <= M <= 128; fp8, 16-bit below) on a weight at least WIDE_MIN_N rows wide
 # and at most WIDE_MAX_K deep: the same 128x128 tiles on every SM, which the dispatcher then runs
 # ahead of the Triton 64-row tiles. 8 chained copies per GEMM in one CUDA graph: on an H200 at
 # M = 112 and 128, 28672 x 4096, 37888 x 3584 and 24576 x 1536 5-13% faster than the Triton
@@ -449,9 +449,16 @@ COOP_N128 = NativeGemmConfig("persistent", block_n=128, stages=6)
 # the H100 lost 0.4-1.1% (DeepSeek-V3's decode stack 1% slower): deeper weights keep the Triton
 # tiles. 128x256 tiles ran 2-20% slower than these; at M = 96 the native tiles were mixed on the
 # H200 (+3% to -10%), at 64-80 and on 14336-wide weights the Triton tiles stayed ahead or level.
+# 16-bit operands take the same tiles from WIDE_MIN_K_16BIT deep (2026-11-26, decode stacks at
+# M = 112 / 128, two rounds per GPU): Llama-3-8B (28672 x 4096) 4.9-5.2% faster per layer on an
+# H200 and 0.7-0.9% on an H100; DeepSeek-V3's q_b (24576 x 1536) left its stack 0.6-0.8% slower
+# on the H200 (level on the H100), so 16-bit weights under 2048 deep (between the depth that lost
+# and the shallowest that gained) keep the Triton tiles. (Wider ones, e.g. Qwen2.5-7B's 37888 x
+# 3584, whose H100 stack was 3% slower this way, take wave_split first.)
 WIDE_MIN_M = 112
 WIDE_MIN_N = 24576
 WIDE_MAX_K = 4096
+WIDE_MIN_K_16BIT = 2048
 # fp8 with use_fast_accum=False: the same tiles with per-k-block fp32 promotion into one
 # 128-column scratch fragment (the base of the promoting candidates below).
 _COOP_PROMOTE = replace(COOP_N128, promote=True)
@@ -501,9 +508,11 @@ NATIVE_CONFIGS["cuda.blockscaled"] = replace(_PROMOTE_WIDE, block_scaled=True)
 
 
 def one_row_wide(m: int, n: int, k: int, ab_itemsize: int) -> bool:
-    """fp8 with one row of 128-row tiles on a wide, shallow weight: where :func:`coop_config`
-    takes 128x128 tiles on every SM and the dispatcher runs them first (WIDE_MIN_M above)."""
-    return ab_itemsize == 1 and WIDE_MIN_M <= m <= 128 and n >= WIDE_MIN_N and k <= WIDE_MAX_K
+    """One row of 128-row tiles on a wide, shallow weight (fp8, or 16-bit from WIDE_MIN_K_16BIT
+    deep): where :func:`coop_config` takes 128x128 tiles on every SM and the dispatcher runs them
+    first (WIDE_MIN_M above)."""
+    depth_ok = k <= WIDE_MAX_K and (ab_itemsize == 1 or (ab_itemsize == 2 and k >= WIDE_MIN_K_16BIT))
+    return depth_ok and WIDE_MIN_M <= m <= 128 and n >= WIDE_MIN_N
 
 
 @functools.lru_cache(maxsize=4096)
@@ -522,8 +531,9 @@ def coop_config(
       (e.g. 128 instead of 132 for 512 tiles), so every CTA walks the same number of tiles (+0.4-2%).
     * 128x256 tiles for at most half the SMs, where 128x128 tiles are more: cooperative 128x128
       tiles (twice the CTAs at work).
-    * fp8, one row of tiles (WIDE_MIN_M <= M <= 128) on a weight of at least WIDE_MIN_N rows and
-      at most WIDE_MAX_K deep: cooperative 128x128 tiles on every SM (see WIDE_MIN_M).
+    * one row of tiles (WIDE_MIN_M <= M <= 128) on a weight of at least WIDE_MIN_N rows and at
+      most WIDE_MAX_K deep (16-bit: at least WIDE_MIN_K_16BIT): cooperative 128x128 tiles on
+      every SM (see WIDE_MIN_M).
     * otherwise the 4-stage cooperative default (1 CTA per SM).
     * fp8 without ``fast_accum``: cooperative tiles with fp32 promotion (:func:`promote_config`).
     """
