@@ -43,6 +43,12 @@ def _meta_args(m, n, k, dtype=FP8, **kw):
     return GemmArgs(a, b, torch.empty(m, n, dtype=torch.bfloat16, device="meta"), **kw)
 
 
+def test_tile_width_is_the_native_tiles():
+    from tmagemm.cuda.gemm import COOP_N128
+
+    assert wave_split.TILE_N == COOP_N128.block_n  # lead_columns counts the tiles build launches
+
+
 def test_preference_and_refusals():
     assert plan.preference(_meta_args(128, 36864, 7168))[0] == wave_split.NAME
     one = torch.empty(1, device="meta")

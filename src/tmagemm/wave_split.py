@@ -57,6 +57,10 @@ def lead_columns(m: int, n: int, ab_itemsize: int, sms: int) -> int:
     return waves * sms * TILE_N
 
 
+def _columns_of(args: GemmArgs) -> int:
+    return lead_columns(args.m, args.n, args.a.element_size(), device.sms_of(args.out.device))
+
+
 def _slice(operands: tuple, start: int, stop: int) -> tuple:
     """The operands of output columns [start, stop): b's and out's columns, a column-wise scale
     and the bias sliced alike (the activation and its scale are shared). A column-wise scale
@@ -84,7 +88,7 @@ def refusal(args: GemmArgs) -> str | None:
     if Scaling.ROW in args.scaling:
         return ("row-wise scales: the split was slower on the Qwen2.5-7B decode stack (1-6% per layer, "
                 "BENCHMARKS.md 2026-11-26)")
-    if not lead_columns(args.m, args.n, args.a.element_size(), device.sms_of(args.out.device)):
+    if not _columns_of(args):
         return (f"M={args.m}, N={args.n}: not one row of 128-row tiles whose 128-column tiles make "
                 f"at least {MIN_WAVES} whole waves and a last wave of at most {MAX_LAST_WAVE:.0%} of the SMs")
     return None
@@ -96,16 +100,14 @@ def supports(args: GemmArgs) -> str | None:
         return reason
     from .cuda.gemm import COOP_N128, unsupported_reason  # a backend module: imported lazily
 
-    columns = lead_columns(args.m, args.n, args.a.element_size(), device.sms_of(args.out.device))
-    return unsupported_reason(_parts(args, columns)[0], COOP_N128)
+    return unsupported_reason(_parts(args, _columns_of(args))[0], COOP_N128)
 
 
 def build(args: GemmArgs, config: WaveSplitConfig | None = None) -> Plan:
     from . import plan
     from .cuda.gemm import COOP_N128
 
-    config = config or WaveSplitConfig(lead_columns(args.m, args.n, args.a.element_size(),
-                                                    device.sms_of(args.out.device)))
+    config = config or WaveSplitConfig(_columns_of(args))
     if not 0 < config.columns < args.n or config.columns % TILE_N:
         raise ValueError(f"{NAME}: columns must be a multiple of {TILE_N} in (0, N={args.n}), got {config.columns}")
     lead_args, rest_args = _parts(args, config.columns)
@@ -114,9 +116,11 @@ def build(args: GemmArgs, config: WaveSplitConfig | None = None) -> Plan:
     columns, n = config.columns, args.n
 
     def launch(a, b, out, scale_a, scale_b, bias) -> None:
-        operands = (a, b, out, scale_a, scale_b, bias)
-        lead.launch(*_slice(operands, 0, columns))
-        rest.launch(*_slice(operands, columns, n))
+        # The lead's columns start at the full operands' addresses, and a native launch reads only
+        # the operands' addresses (its tensor maps and grid come from the plan's slice): the full
+        # tensors serve, and only the rest is sliced (two views, ~3 us of host time per call).
+        lead.launch(a, b, out, scale_a, scale_b, bias)
+        rest.launch(*_slice((a, b, out, scale_a, scale_b, bias), columns, n))
 
     return Plan(NAME, config, launch, lead.device_index, direct=lead.direct and rest.direct)
 
