@@ -267,29 +267,26 @@ extern "C" __global__ void __launch_bounds__(kConsumerThreads + 32, 1)
       }
       if (threadIdx.x == 0) ptx::mbarrier_arrive(&empty[kt % kStages]);
     };
+    // Even k-blocks go to part0, odd ones to part1 (register arrays cannot be picked at run
+    // time); each step issues one and retires the one before it.
     load_chunk(0);
-    int kt = 0;
-    for (; kt + 1 < k_tiles; kt += 2) {
+    for (int kt = 0; kt < k_tiles; kt += 2) {
       issue(kt, part0);
       if (kt > 0) {
         wgmma::wait_group<1>();
         retire(kt - 1, part1);
       }
+      if (kt + 1 == k_tiles) break;
       issue(kt + 1, part1);
       wgmma::wait_group<1>();
       retire(kt, part0);
     }
-    if (kt < k_tiles) {  // an odd count: the last k-block
-      issue(kt, part0);
-      if (kt > 0) {
-        wgmma::wait_group<1>();
-        retire(kt - 1, part1);
-      }
+    if (k_tiles > 0) {  // the last k-block
       wgmma::wait_group<0>();
-      retire(kt, part0);
-    } else if (k_tiles > 0) {
-      wgmma::wait_group<0>();
-      retire(kt - 1, part1);
+      if (k_tiles % 2)
+        retire(k_tiles - 1, part0);
+      else
+        retire(k_tiles - 1, part1);
     }
   } else {  // tensor/row-wise: one fp32 accumulation over all of K (fast accumulation)
     for (int kt = 0; kt < k_tiles; ++kt) {
