@@ -755,6 +755,51 @@ def test_gpu_native_fp8(layout, recipe, seeded):
 
 
 @gpu
+@pytest.mark.parametrize("recipe", ["bf16", "block_c2", "row_promote_c1"])
+def test_gpu_native_tail_split(recipe, seeded):
+    """Groups whose tiles leave a last wave on at most half of the few CTAs, K deep enough for two
+    slices: later slices hand their sums to the first. The kernel counts the tiles on the device,
+    so graph replays with new offsets change the tail (split, then none, then split again)."""
+    e, n = len(SIZES), 400
+    k = 2048 if recipe == "bf16" else 4096  # 32 k-blocks: two slices of TAIL_MIN_K_BLOCKS
+    a, b, counts, kw = _native_operands(FP8 if recipe != "bf16" else torch.bfloat16, GroupLayout.CONTIGUOUS, k, n)
+    if recipe == "bf16":
+        args = grouped.mm_args(a, b, out=poisoned((a.shape[0], n), torch.bfloat16), **kw)
+        a_deq, b_deq, sms, rel = a.double().cpu(), b.double().cpu(), 12, 8e-3
+        config = _native_config(_COOP, e, tail_split=4)  # 28 tiles on 12 CTAs: 4 in 2 slices
+    elif recipe == "block_c2":
+        kb, nb = k // 128, -(-n // 128)
+        sa = (torch.rand(kb, a.shape[0], device=DEV) + 0.5).t()
+        sb = torch.rand(e, nb, kb, device=DEV) + 0.5
+        args = grouped.scaled_mm_args(a, b, sa, sb, out_dtype=torch.float32, out=poisoned((a.shape[0], n)), **kw)
+        a_deq, b_deq = _block_deq(a, b, sa, sb)
+        sms, rel = 16, REL8
+        config = _native_config(_PROMOTE, e, block_scaled=True, tail_split=4)  # 18 pair tiles on 8 pairs
+    else:
+        sa, sb = torch.rand(a.shape[0], device=DEV) + 0.5, torch.rand(e, n, device=DEV) + 0.5
+        args = grouped.scaled_mm_args(a, b, sa, sb, out_dtype=torch.float32, use_fast_accum=False,
+                                      out=poisoned((a.shape[0], n)), **kw)
+        a_deq, b_deq = a.double().cpu() * sa.double().cpu()[:, None], b.double().cpu() * sb.double().cpu()[:, None, :]
+        sms, rel = 11, REL8
+        config = _native_config(native_gemm._PROMOTE_NARROW, e, cluster_m=1, tail_split=4)  # 56 tiles on 11 CTAs
+    assert native.unsupported_reason(args, config) is None
+    out = grouped.run(args, config=config, num_sms=sms)
+    check(out, reference(a_deq, b_deq, counts, GroupLayout.CONTIGUOUS), rel, f"tail split {recipe}")
+    plan = native.build(args, config, sms)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(*args.operands)
+    offs = kw["offs"]
+    for sizes in ([0, 0, 0, 1200, 0, 0, 0], [100] * 7, [0, 300, 1, 513, 129, 192, 65]):
+        ends = torch.tensor(sizes).cumsum(0).tolist()
+        offs.copy_(counts_tensor(ends))
+        args.out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(args.out, reference(a_deq, b_deq, ends, GroupLayout.CONTIGUOUS), rel, f"tail split {recipe} replay {sizes}")
+
+
+@gpu
 def test_gpu_native_batched_single_expert_and_bad_offsets(seeded):
     k, n = 256, 256
     a = torch.randn(3, 200, k, device=DEV).bfloat16()
@@ -864,6 +909,7 @@ def test_native_config_rule_is_pure():
     big = block(1024)
     config = native.config_for(big)
     assert config == native.config_for(big) and config.groups == e
+    assert config.tail_split == native_gemm.TAIL_SPLIT  # the kernel cuts a short last wave into K slices
     assert config.block_scaled and config.cluster_m == 2 and config.block_n == 256
     assert native.config_for(block(512)).cluster_m == 1  # short groups: single CTAs
     assert native.config_for(block(1024, masked=True)).cluster_m == 1  # max_m bounds the rows, not their count

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import replace
 import math
+from pathlib import Path
 import re
 
 import pytest
@@ -60,8 +61,9 @@ needs_nvrtc = pytest.mark.skipif(_nvrtc_reason() is not None, reason=str(_nvrtc_
 def test_params_struct_matches_device_layout():
     # gemm_sm90.cuh: 4 int + 2 float, 6 x 8-byte fields, 4 int, then the block scales' 2 pointers
     # and 4 strides = 128 bytes; the grouped fields: a pointer, 4 int, 3 strides, the output
-    # pointer and its stride = 64 bytes; pointers 8-aligned.
-    assert ctypes.sizeof(native._Params) == 192
+    # pointer and its stride = 64 bytes; the tail split's scratch and counter pointers = 16 bytes;
+    # pointers 8-aligned.
+    assert ctypes.sizeof(native._Params) == 208
     assert native._Params.c.offset == 24
     assert native._Params.bias.offset == 56
     assert native._Params.scale_a_rowwise.offset == 64
@@ -70,6 +72,8 @@ def test_params_struct_matches_device_layout():
     assert native._Params.group_counts.offset == 128
     assert native._Params.scale_b_group.offset == 152
     assert native._Params.d.offset == 176
+    assert native._Params.tail_partials.offset == 192
+    assert native._Params.tail_counters.offset == 200
 
 
 @pytest.mark.parametrize("name", sorted(native.NATIVE_CONFIGS))
@@ -158,23 +162,74 @@ def test_coop_config_promotes_fp8_without_fast_accum(shape):
     m, n, k = shape
     config = native.coop_config(m, n, k, 1, True, 132, fast_accum=False)
     assert config.promote and not config.pingpong and config.fitted(4).is_valid(4), config
-    assert config == native.promote_config(m, n, 132)
+    assert config == native.promote_config(m, n, k, 132)
     assert config.is_valid(2) and config.fitted(4).is_valid(4)
     assert not native.coop_config(m, n, k, 1, True, 132).promote
     assert native.coop_config(m, n, k, 2, False, 132, fast_accum=False) == native.coop_config(m, n, k, 2, False, 132)
 
 
 def test_promote_config_choices():
-    wide = native.promote_config(4096, 4096, 132)  # 512 wide tiles: 256 pairs
-    assert (wide.block_n, wide.promote_depth, wide.cluster_m, wide.ctas) == (256, 1, 2, 128)  # 4 waves of 64 pairs
+    wide = native.promote_config(4096, 4096, 7168, 132)  # 512 wide tiles: 256 pairs
+    assert (wide.block_n, wide.promote_depth, wide.cluster_m, wide.ctas, wide.tail_split) == (256, 1, 2, 128, 0)
     # 160 wide tiles take 2 waves, 320 narrow ones 3 waves of tiles half the size
-    narrow = native.promote_config(1024, 5120, 132)
-    assert (narrow.block_n, narrow.promote_depth, narrow.cluster_m) == (128, 2, 2)
-    assert native.promote_config(1024, 2112, 132).block_n == 256  # one wave either way: the faster tile
-    one_row = native.promote_config(128, 51200, 132)
+    narrow = native.promote_config(1024, 5120, 2048, 132)
+    assert (narrow.block_n, narrow.promote_depth, narrow.cluster_m, narrow.tail_split) == (128, 2, 2, 0)
+    # 36 wide pairs: one wave on 36 of 66 slots; 68 narrow pairs: one wave and 2 pairs cut in 3
+    # K slices, 1.33 waves of tiles half the size
+    split = native.promote_config(1024, 2112, 7168, 132)
+    assert (split.block_n, split.tail_split, split.ctas) == (128, native.TAIL_SPLIT, 0)
+    assert native.promote_config(1024, 2112, 2048, 132).block_n == 256  # 16 k-blocks: no slices, one wave either way
+    # 144 wide pairs: 2 waves and 12 pairs, cut into 3 slices of at least 16 k-blocks each
+    tail = native.promote_config(4096, 2112, 7168, 132)
+    assert (tail.block_n, tail.cluster_m, tail.tail_split, tail.ctas) == (256, 2, native.TAIL_SPLIT, 0)
+    one_row = native.promote_config(128, 51200, 5120, 132)
     assert one_row.cluster_m == 1 and one_row.ctas == 0  # nothing to pair; every SM streams the weight
     for m, n in ((1, 8), (17, 577), (300, 2112), (8192, 51200)):
-        assert native.promote_config(m, n, 132).fitted(4).is_valid(4)
+        assert native.promote_config(m, n, 4096, 132).fitted(4).is_valid(4)
+
+
+def test_tail_split_rule():
+    """cuda.gemm.tail_split mirrors the kernel's tail_schedule (same constants)."""
+    source = (Path(native.__file__).parent / "gemm_sm90_persistent.cu").read_text()
+    assert re.search(r"kTailMinKBlocks = (\d+);", source).group(1) == str(native.TAIL_MIN_K_BLOCKS)
+    assert native.tail_split(288, 132, 56, 4) == 3  # 24 tiles left: 5 slices fit the clusters, 3 the k-blocks
+    assert native.tail_split(288, 132, 112, 4) == 4  # at most max_split
+    assert native.tail_split(288, 132, 112, 8) == 5  # clusters // tail
+    assert native.tail_split(256, 132, 112, 4) == 1  # 124 tiles left: more than half of the clusters
+    assert native.tail_split(264, 132, 112, 4) == 1  # whole waves
+    assert native.tail_split(288, 132, 31, 4) == 1  # slices under TAIL_MIN_K_BLOCKS
+    assert native.tail_split(288, 132, 112, 0) == 1  # off
+    assert native.tail_split(16, 132, 64, 4) == 4  # fewer tiles than clusters: the idle ones take slices
+    assert native.tail_split(5, 0, 64, 4) == 1
+
+
+def test_tail_scratch_floats():
+    config = replace(native.NATIVE_CONFIGS["cuda.persistent_coop_mc"], tail_split=4)
+    # 144 pair tiles on 66 clusters, 56 k-blocks: 12 tiles in 3 slices, 2 later slices x 2 CTAs x
+    # 2 consumers, 64 x 256 floats each.
+    assert native.tail_scratch_floats(config, 144, 66, 56, exact=True) == 12 * 2 * 2 * 2 * 64 * 256
+    assert native.tail_scratch_floats(config, 132, 66, 56, exact=True) == 0  # no tail
+    # Grouped (tiles known on the device only): at most clusters - 1 later slices.
+    assert native.tail_scratch_floats(config, 1000, 66, 56, exact=False) == 65 * 2 * 2 * 64 * 256
+    assert native.tail_scratch_floats(replace(config, tail_split=0), 144, 66, 56, exact=True) == 0
+
+
+def test_tail_split_configs():
+    coop = native.NATIVE_CONFIGS["cuda.persistent_coop"]
+    assert replace(coop, tail_split=4).is_valid(2) and replace(coop, tail_split=4).label().endswith("t4")
+    for bad in (replace(coop, tail_split=1), replace(coop, tail_split=9),
+                replace(native.NATIVE_CONFIGS["cuda.persistent_pingpong"], tail_split=4),
+                replace(native.NATIVE_CONFIGS["cuda.warp_specialized"], tail_split=4)):
+        assert not bad.is_valid(2), bad
+    # 288 tiles of 128x256 on 132 SMs: 24 left over, cut into K slices (the balanced grid of
+    # before would run 3 waves of 96 CTAs).
+    for itemsize in (1, 2):
+        config = native.coop_config(4096, 2112, 7168, itemsize, True, 132)
+        assert (config.tail_split, config.ctas) == (native.TAIL_SPLIT, 0)
+    # 512 tiles: 116 left over, more than half the SMs: the balanced grid of 128 CTAs.
+    assert native.coop_config(4096, 4096, 7168, 1, True, 132).tail_split == 0
+    # 2048 deep fp8: 16 k-blocks, too few for slices.
+    assert native.coop_config(2048, 7168, 2048, 1, True, 132).tail_split == 0
 
 
 def test_promote_needs_the_cooperative_schedule():
@@ -285,6 +340,35 @@ def test_promoted_fp8_builds_for_sm90a(config, out):
     assert _count(sass, "QGMMA") == (12 if config.promote_depth == 2 else 4 * parts)
     assert "QGMMA.64x128x32.F32.E4M3.E4M3" in sass
     assert _count(sass, "FADD") >= 64 * parts, "the promotion adds"
+    assert _count(sass, "LDL") == 0 and _count(sass, "STL") == 0
+    assert "are serialized" not in module.log, "ptxas serialized the wgmmas"
+    assert jit.resource_usage(module.cubin, native.kernel_name(config)).registers == 168
+
+
+_TAIL_BUILDS = [
+    (replace(native.NATIVE_CONFIGS["cuda.persistent_coop"], tail_split=4), FP8, torch.bfloat16, True),
+    (replace(native.NATIVE_CONFIGS["cuda.persistent_coop_mc"], tail_split=4), torch.bfloat16, torch.float32, False),
+    (replace(native._PROMOTE_WIDE, tail_split=4, block_scaled=True), FP8, torch.bfloat16, True),
+    (replace(native._PROMOTE_NARROW, tail_split=4), FP8, torch.float32, True),
+]
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("config, ab, out, k_major", _TAIL_BUILDS, ids=lambda c: getattr(c, "label", lambda: None)())
+def test_tail_split_builds_for_sm90a(config, ab, out, k_major):
+    """The tail slices' hand-over: 16-byte fragment stores and loads through L2, one release add
+    after a GPU-scope fence and an acquire spin, and the mainloop as before (no spills, wgmmas
+    not serialized, the register split)."""
+    from tmagemm import jit
+
+    config = config.fitted(torch.empty((), dtype=out).element_size())
+    module = native.compile_module(config, ab, out, k_major)
+    sass = jit.sass(module.cubin)
+    frag_vectors = config.block_n // 2 // 4  # float4s of one consumer's fragment per thread
+    assert _count(sass, "STG.E.128.STRONG.GPU") == frag_vectors
+    assert _count(sass, "LDG.E.128.STRONG.GPU") == frag_vectors
+    assert _count(sass, "REDG.E.ADD.S32.STRONG.GPU") == 1 and "NANOSLEEP" in sass
+    assert _count(sass, "MEMBAR.ALL.GPU") == 1 + (1 if config.cluster_m > 1 else 0)
     assert _count(sass, "LDL") == 0 and _count(sass, "STL") == 0
     assert "are serialized" not in module.log, "ptxas serialized the wgmmas"
     assert jit.resource_usage(module.cubin, native.kernel_name(config)).registers == 168
@@ -624,6 +708,109 @@ def test_block_scaled_every_promoting_tile(config, m, n, k, seeded):
 def test_promoted_fp8_every_promoting_tile(config, m, n, k, seeded):
     big, out, ref, bound = _promoted_run(m, n, k, config)
     _assert_close(out, ref, rtol=0.0, atol=bound, what=f"promoted fp8 {config.label()}")
+    _check_untouched(big, m, n)
+
+
+# Tail splits: CTA counts that leave a last wave on at most half of the clusters, K deep enough
+# for 2-4 slices of TAIL_MIN_K_BLOCKS k-blocks (each case asserts that its launch splits); ragged
+# M, N and K, one row of tiles on more CTAs than tiles, single CTAs and 2x1 clusters.
+_COOP = native.NATIVE_CONFIGS["cuda.persistent_coop"]
+_TAIL_CASES = [
+    ("fp8_tensorwise", replace(_COOP, ctas=11, tail_split=4), "fp8", (727, 1000, 8208)),
+    ("fp8_one_row", replace(_COOP, ctas=16, tail_split=4), "fp8", (1, 1000, 8208)),
+    ("bf16_nmajor_fp32", replace(_COOP, ctas=10, tail_split=4), "bf16", (300, 1000, 4160)),
+    ("fp16_pairs", replace(native.NATIVE_CONFIGS["cuda.persistent_coop_mc"], ctas=10, tail_split=4), "fp16",
+     (727, 1000, 2112)),
+    ("promoted_pairs", replace(native._PROMOTE_WIDE, ctas=10, tail_split=4), "promoted", (727, 1000, 4224)),
+    ("block_pairs", replace(native._PROMOTE_WIDE, ctas=10, tail_split=4, block_scaled=True), "block",
+     (727, 1000, 4224)),
+    ("block_narrow", replace(native._PROMOTE_NARROW, cluster_m=1, ctas=10, tail_split=4, block_scaled=True), "block",
+     (300, 1000, 4224)),
+]
+
+
+def _tail_problem(kind, m, n, k):
+    """(args in a poisoned output, the poisoned buffer, the variant, refill(): new A in place, and
+    reference() -> (float64 result, atol, rtol) of the current inputs)."""
+    from tmagemm.plan import Scaling
+
+    if kind == "block":
+        a, w, sa, sb = _block_operands(m, n, k)
+        big, out = _poisoned_out(m, n, torch.float32)
+        bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        args = GemmArgs(a, w.t(), out, sa, sb, bias, True, (Scaling.BLOCK_1X128, Scaling.BLOCK_128X128))
+
+        def reference():
+            kb = torch.arange(k, device="cuda") // 128
+            w_abs = w.double().abs() * sb.double()[torch.arange(n, device="cuda") // 128][:, kb]
+            magnitude = (a.double().abs() * sa.double()[:, kb]) @ w_abs.t()
+            return _block_reference(a, w, sa, sb) + bias.double(), 2.0**-10 * magnitude + 1e-6, 1e-5
+
+        return args, big, "cuda.blockscaled", lambda: a.copy_((torch.randn(m, k, device="cuda") * 4).to(FP8)), reference
+    ab = {"fp8": FP8, "promoted": FP8, "bf16": torch.bfloat16, "fp16": torch.float16}[kind]
+    out_dtype = {"fp8": torch.bfloat16, "promoted": torch.float32, "bf16": torch.float32, "fp16": torch.float16}[kind]
+    a, b = _operands(m, n, k, ab, ab == FP8)
+    big, out = _poisoned_out(m, n, out_dtype)
+    if kind == "promoted":  # row-wise scales and a bias, fp32 promotion of every k-block
+        scale_a, scale_b = torch.rand(m, device="cuda") + 0.5, torch.rand(n, device="cuda") + 0.5
+        bias = torch.randn(n, device="cuda", dtype=torch.float32)
+        args = GemmArgs(a, b, out, scale_a, scale_b, bias, fast_accum=False)
+
+        def reference():
+            scales = scale_a.double()[:, None] * scale_b.double()[None, :]
+            ref = (a.double() @ b.double()) * scales + bias.double()
+            return ref, _PROMOTED_ATOL * (a.double().abs() @ b.double().abs()) * scales + 2.0**-22 * ref.abs(), 0.0
+    else:
+        scale_a = scale_b = None
+        if ab == FP8:
+            scale_a, scale_b = torch.rand(1, device="cuda") + 0.5, torch.rand(1, device="cuda") + 0.5
+        args = GemmArgs(a, b, out, scale_a, scale_b, None)
+
+        def reference():
+            tol = _OUT_TOL[out_dtype]
+            ref, atol = a.double() @ b.double(), tol * math.sqrt(k) * 2
+            if ab == FP8:
+                scale = scale_a.double() * scale_b.double()
+                ref, atol = ref * scale, atol + _fp8_accum_atol(a, b) * scale
+            return ref, atol, tol
+
+    def refill():
+        a.copy_(_operands(m, 1, k, ab, True)[0])
+
+    return args, big, "cuda.persistent_coop", refill, reference
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", _TAIL_CASES, ids=lambda c: c[0])
+def test_tail_split_matches_float64(case, seeded):
+    """Eager twice (the first launch re-arms its counters for the second; the same bits both
+    times), then replays of a CUDA graph (scratch from the capture) on new inputs."""
+    label, config, kind, (m, n, k) = case
+    args, big, name, refill, reference = _tail_problem(kind, m, n, k)
+    cm = config.cluster_m
+    tiles = -(-m // (128 * cm)) * -(-n // config.block_n)
+    k_blocks = -(-k * args.a.element_size() // 128)
+    clusters = min(config.ctas // cm, tiles * config.tail_split)
+    assert native.tail_split(tiles, clusters, k_blocks, config.tail_split) > 1, "the case does not split"
+    plan = next(v for v in native.VARIANTS if v.name == name).build(args, config)
+    plan(args)
+    first = args.out.clone()
+    plan(args)
+    torch.cuda.synchronize()
+    assert torch.equal(first, args.out), "two launches on the same inputs differ"
+    ref, atol, rtol = reference()
+    _assert_close(args.out, ref, rtol=rtol, atol=atol, what=f"tail split {label}")
+    _check_untouched(big, m, n)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan(args)
+    for replay in range(2):
+        refill()
+        args.out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, atol, rtol = reference()
+        _assert_close(args.out, ref, rtol=rtol, atol=atol, what=f"tail split {label}, graph replay {replay}")
     _check_untouched(big, m, n)
 
 

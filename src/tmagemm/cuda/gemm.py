@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import device as _device
-from .. import envs, tma
+from .. import envs, tma, workspace
 from ..jit.runtime import stream_getter
 from ..plan import GemmArgs, Plan, Scaling, Variant
 from ..tma import MapsByAddress, params_for_tensor
@@ -66,7 +66,10 @@ class NativeGemmConfig:
     mainloop also multiplies each k-block's sum by its 1x128 activation and 128x128 weight scales
     (fp8 block-scaled checkpoints); ``groups``: 0 for one GEMM, E for the grouped kernel over E
     experts (cuda/grouped.py; persistent cooperative only), whose table of group sizes takes
-    shared memory. Block M is always 128 and block K one 128-byte row."""
+    shared memory; ``tail_split``: 0, or up to this many K slices for the tiles of a last wave
+    that would leave at least half of the clusters idle (:func:`tail_split`; persistent
+    cooperative only, with scratch from tmagemm.workspace). Block M is always 128 and block K one
+    128-byte row."""
 
     kernel: str
     block_n: int
@@ -82,6 +85,7 @@ class NativeGemmConfig:
     promote_depth: int = 1
     block_scaled: bool = False
     groups: int = 0
+    tail_split: int = 0
 
     @property
     def threads(self) -> int:
@@ -98,7 +102,8 @@ class NativeGemmConfig:
         promotion = ("p" if self.promote_depth == 1 else "p2") if self.promote else ""
         extra = "".join((f"c{self.cluster_m}" if self.cluster_m > 1 else "", f"n{self.ctas}" if self.ctas else "",
                          f"g{self.group_m}" if self.group_m != 8 else "", "r" if self.raster_n else "",
-                         promotion, "b" if self.block_scaled else "", f"e{self.groups}" if self.groups else ""))
+                         promotion, "b" if self.block_scaled else "", f"e{self.groups}" if self.groups else "",
+                         f"t{self.tail_split}" if self.tail_split else ""))
         return f"{schedule}128x{self.block_n}s{self.stages}{extra}"
 
     def epilogue_bytes(self, out_itemsize: int) -> int:
@@ -142,6 +147,7 @@ class NativeGemmConfig:
             and (self.promote_depth == 1 or (self.promote_depth == 2 and self.promote and self.block_n == 128))
             and (not self.block_scaled or self.promote)  # scales ride on the promotion step
             and (self.groups == 0 or (self.kernel == "persistent" and not self.pingpong and self.groups > 0))
+            and (self.tail_split == 0 or (2 <= self.tail_split <= 8 and self.kernel == "persistent" and not self.pingpong))
             and self.smem_bytes(out_itemsize) + 256 <= _device.SM90_SMEM_PER_BLOCK
         )
 
@@ -151,6 +157,38 @@ class NativeGemmConfig:
         while not config.is_valid(out_itemsize) and config.stages > 2:
             config = replace(config, stages=config.stages - 1)
         return config
+
+
+# gemm_sm90_persistent.cu's kTailMinKBlocks: a tail slice has at least this many k-blocks.
+TAIL_MIN_K_BLOCKS = 16
+# Slices per tail tile at most, in the dispatcher's configs (coop_config, promote_config,
+# cuda.grouped.config_for). The tile's first slice reads the others' fp32 fragments (128 KB per
+# CTA each for 128x256 tiles) on one SM, so each slice more adds to the tail's end.
+TAIL_SPLIT = 4
+
+
+def tail_split(tiles: int, clusters: int, k_blocks: int, max_split: int) -> int:
+    """K slices per tile of the last wave (1: none), the persistent kernel's ``tail_schedule``:
+    a last wave of ``tiles % clusters`` tiles on at most half of the clusters is cut into as many
+    slices as the clusters, ``max_split`` and slices of TAIL_MIN_K_BLOCKS k-blocks allow."""
+    tail = tiles % clusters if clusters else 0
+    split = min(max_split, clusters // tail, k_blocks // TAIL_MIN_K_BLOCKS) if tail and max_split else 0
+    return split if split >= 2 else 1
+
+
+def tail_scratch_floats(config: NativeGemmConfig, tiles: int, clusters: int, k_blocks: int, exact: bool) -> int:
+    """fp32 scratch one launch's tail slices need: one 64 x block_n fragment per later slice of a
+    tail tile, per CTA of its cluster and consumer warpgroup. ``exact``: ``tiles`` is the count
+    (else an upper bound, as for grouped GEMMs, whose tiles the kernel counts: tail * (split - 1)
+    < clusters for any count)."""
+    if not config.tail_split:
+        return 0
+    if exact:
+        split = tail_split(tiles, clusters, k_blocks, config.tail_split)
+        slices = (tiles % clusters) * (split - 1)
+    else:
+        slices = clusters - 1
+    return slices * config.cluster_m * 2 * 64 * config.block_n
 
 
 # Each native variant's default config; stages are the most that fit with 16-bit output.
@@ -206,6 +244,8 @@ class _Params(ctypes.Structure):
         ("block_scale_b_group", ctypes.c_int64),
         ("d", ctypes.c_void_p),
         ("ldd", ctypes.c_int64),
+        ("tail_partials", ctypes.c_void_p),
+        ("tail_counters", ctypes.c_void_p),
     ]
 
 
@@ -282,6 +322,7 @@ def _defines(config: NativeGemmConfig, ab_dtype: torch.dtype, out_dtype: torch.d
         defines["TMAGEMM_PROMOTE"] = config.promote_depth if config.promote else 0
         defines["TMAGEMM_BLOCK_SCALED"] = int(config.block_scaled)
         defines["TMAGEMM_GROUPED"] = int(config.groups > 0)
+        defines["TMAGEMM_TAIL_SPLIT"] = config.tail_split
     return defines
 
 
@@ -314,7 +355,7 @@ class _MappedLaunch:
     goal)."""
 
     def __init__(self, config: NativeGemmConfig, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b_k_major: bool,
-                 params: _Params, tiles: int):
+                 params: _Params, tiles: int, exact_tiles: bool = True):
         out_size = out.element_size()
         block_k = _ROW_BYTES // a.element_size()
         b_box = (config.block_n // config.cluster_m, block_k) if b_k_major else (block_k, 64)
@@ -331,11 +372,20 @@ class _MappedLaunch:
         kernel = _kernel(config, a.dtype, out.dtype, b_k_major, self.device_index)
         cm = config.cluster_m
         smem, block, cluster = config.smem_bytes(out_size), (config.threads, 1, 1), (cm, 1, 1)
+        self._tail_scratch = None
         if config.kernel == "persistent":
             clusters = (config.ctas or _device.sm_count(self.device_index)) // cm
             if cm > 1:  # never more clusters than fit at once: the extra ones would form a second wave
                 clusters = min(clusters, kernel.max_active_clusters(block, smem, cluster))
-            grid = cm * min(tiles, clusters)
+            # With a tail split the clusters beyond the tiles take K slices of them. Every CTA is
+            # resident at once either way, which the slices' hand-over relies on.
+            clusters = min(tiles * max(config.tail_split, 1), clusters)
+            grid = cm * clusters
+            floats = tail_scratch_floats(config, tiles, clusters, -(-params.k // (_ROW_BYTES // a.element_size())),
+                                         exact_tiles)
+            if floats:
+                workspace.top_up(self.device_index)
+                self._tail_scratch = workspace.getter(self.device_index, floats)
         else:
             grid = tiles
         self.pdl = use_pdl(out.device)
@@ -351,6 +401,9 @@ class _MappedLaunch:
             params.scale_a = scale_a.data_ptr() if scale_a is not None else None
             params.scale_b = scale_b.data_ptr() if scale_b is not None else None
         params.bias = bias.data_ptr() if bias is not None else None
+        if self._tail_scratch is not None:  # this stream's (or this capture's) scratch
+            scratch = self._tail_scratch()
+            params.tail_partials, params.tail_counters = scratch.partials.data_ptr(), scratch.counters.data_ptr()
         pointers = self._pointers
         pointers[0] = self._maps[0].get(a.data_ptr()).address
         pointers[1] = self._maps[1].get(b.data_ptr()).address
@@ -479,27 +532,34 @@ _PROMOTE_NARROW = replace(_COOP_PROMOTE, promote_depth=2, cluster_m=2)
 _PROMOTE_NARROW_TILE_TIME = 0.56  # a narrow tile's time in wide-tile times (half the work at 0.9x)
 
 
-def promote_config(m: int, n: int, sms: int) -> NativeGemmConfig:
+def promote_config(m: int, n: int, k: int, sms: int) -> NativeGemmConfig:
     """The promoting config for one problem (fp8 without fast accumulation, and block scales):
     wide tiles unless the narrow ones finish the waves of tiles sooner; clusters where there are
-    two rows of tiles to pair (a single row would leave every second CTA idle)."""
+    two rows of tiles to pair (a single row would leave every second CTA idle); a tail split
+    where the last wave would leave at least half of the clusters idle."""
     rows = -(-m // 128)
     cluster = 2 if rows >= 2 else 1
     slots = sms // cluster  # clusters at work at once
+    k_blocks = -(-k // 128)
 
     def cluster_tiles(block_n: int) -> int:
         return -(-rows // cluster) * -(-n // block_n)
 
-    def waves(block_n: int) -> int:
-        return -(-cluster_tiles(block_n) // slots)
+    def waves(block_n: int) -> float:  # a split tail takes 1 / split of a wave
+        tiles = cluster_tiles(block_n)
+        split = tail_split(tiles, slots, k_blocks, TAIL_SPLIT)
+        return tiles // slots + 1 / split if split > 1 else -(-tiles // slots)
 
     narrow = waves(_PROMOTE_NARROW.block_n) * _PROMOTE_NARROW_TILE_TIME < waves(_PROMOTE_WIDE.block_n)
     config = replace(_PROMOTE_NARROW if narrow else _PROMOTE_WIDE, cluster_m=cluster)
+    tiles = cluster_tiles(config.block_n)
+    if tail_split(tiles, slots, k_blocks, TAIL_SPLIT) > 1:
+        return replace(config, tail_split=TAIL_SPLIT)
     # Two or more rows of tiles: the fewest CTAs that keep the number of waves (e.g. 128 instead
     # of 132 for 4 waves of 128 CTAs), so every CTA walks the same number of tiles and idle SMs
     # leave the others more power. One row (M <= 128) streams the weight: every SM that can pull
     # bytes should (M = 64, 51200 x 5120: 100 balanced CTAs 133.9 us, all 132 117.6 us; H100).
-    busy = -(-cluster_tiles(config.block_n) // waves(config.block_n))
+    busy = -(-tiles // -(-tiles // slots))
     return replace(config, ctas=busy * cluster) if rows >= 2 and busy < slots else config
 
 
@@ -538,7 +598,7 @@ def coop_config(
     * fp8 without ``fast_accum``: cooperative tiles with fp32 promotion (:func:`promote_config`).
     """
     if ab_itemsize == 1 and not fast_accum:
-        return promote_config(m, n, sms)
+        return promote_config(m, n, k, sms)
     min_m, min_n, min_k = _PINGPONG_FP8_MIN
     if ab_itemsize == 1 and m >= min_m and n >= min_n and k >= min_k:
         return NATIVE_CONFIGS["cuda.persistent_pingpong"]
@@ -548,6 +608,8 @@ def coop_config(
     tiles = -(-m // 128) * -(-n // config.block_n)
     if 2 * tiles <= sms and -(-m // 128) * -(-n // COOP_N128.block_n) > tiles:
         return COOP_N128
+    if tail_split(tiles, sms, -(-k * ab_itemsize // _ROW_BYTES), TAIL_SPLIT) > 1:
+        return replace(config, tail_split=TAIL_SPLIT)
     waves = -(-tiles // sms)
     if 2 <= waves <= _BALANCE_MAX_WAVES and k * ab_itemsize <= _BALANCE_MAX_K_BYTES:
         ctas = -(-tiles // waves)

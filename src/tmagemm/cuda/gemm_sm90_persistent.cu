@@ -24,12 +24,20 @@
 // that starts inside group g may run past the group's last row: those rows (the next group's,
 // or padding) only feed output rows that are never stored, since the epilogue clips the tile's
 // stores at the group's end.
+//
+// TMAGEMM_TAIL_SPLIT = S >= 2 (cooperative only): when the tiles leave a last wave on at most half
+// of the clusters, those last tiles are cut along K into up to S slices, and the clusters that
+// would idle run the later slices (stream-K over the tail wave only; the whole tiles before it
+// keep their order and L2 reuse). A slice's consumers hand their fp32 fragments to the tile's
+// first slice through global scratch and a counter; the first slice adds them in slice order and
+// runs the epilogue. Every cluster takes at most one slice, after its whole tiles, so every slice
+// a first slice waits for runs on a resident CTA (the grid never exceeds what fits at once).
 #include "tmagemm/gemm_sm90.cuh"
 
 #if !defined(TMAGEMM_PINGPONG) || !defined(TMAGEMM_CLUSTER_M) || !defined(TMAGEMM_EPI_PASSES) || \
     !defined(TMAGEMM_EPI_BUFFERS) || !defined(TMAGEMM_PROMOTE) || !defined(TMAGEMM_BLOCK_SCALED) || \
-    !defined(TMAGEMM_GROUPED)
-#error "gemm_sm90_persistent.cu needs TMAGEMM_PINGPONG (0 cooperative, 1 ping-pong), TMAGEMM_CLUSTER_M (1, 2), TMAGEMM_EPI_PASSES, TMAGEMM_EPI_BUFFERS, TMAGEMM_PROMOTE (0, 1, 2), TMAGEMM_BLOCK_SCALED (0, 1), TMAGEMM_GROUPED (0, 1)"
+    !defined(TMAGEMM_GROUPED) || !defined(TMAGEMM_TAIL_SPLIT)
+#error "gemm_sm90_persistent.cu needs TMAGEMM_PINGPONG (0 cooperative, 1 ping-pong), TMAGEMM_CLUSTER_M (1, 2), TMAGEMM_EPI_PASSES, TMAGEMM_EPI_BUFFERS, TMAGEMM_PROMOTE (0, 1, 2), TMAGEMM_BLOCK_SCALED (0, 1), TMAGEMM_GROUPED (0, 1), TMAGEMM_TAIL_SPLIT (0, 2-8)"
 #endif
 
 using namespace tmagemm;
@@ -85,6 +93,73 @@ constexpr int kBarTurnTo0 = 4;
 constexpr bool kGrouped = TMAGEMM_GROUPED != 0;
 static_assert(!kGrouped || !kPingPong, "grouped GEMMs: cooperative schedule (its epilogue clips rows per fragment)");
 constexpr int kClusterRows = kBlockM * kCluster;  // rows of A per cluster tile
+
+// Tail split: at most kTailSplit slices of at least kTailMinKBlocks k-blocks each (shorter ones
+// would spend their time filling and draining the ring). cuda/gemm.py's tail_split mirrors the rule.
+constexpr int kTailSplit = TMAGEMM_TAIL_SPLIT;
+constexpr int kTailMinKBlocks = 16;
+static_assert(kTailSplit == 0 || (kTailSplit >= 2 && kTailSplit <= 8 && !kPingPong),
+              "tail split: 2-8 slices, cooperative schedule");
+
+// One launch's schedule: cluster tiles [0, whole) are walked whole with the stride `clusters`;
+// the `tail` tiles after them are cut into `split` K slices each. Cluster u < tail * split runs
+// slice u / tail of tile whole + u % tail after its whole tiles.
+struct TailSchedule {
+  int whole, tail, split;
+};
+
+__device__ __forceinline__ TailSchedule tail_schedule(int tiles, int clusters, int k_tiles) {
+  const int tail = tiles % clusters;
+  const int split = tail ? min(min(kTailSplit, clusters / tail), k_tiles / kTailMinKBlocks) : 0;
+  return split >= 2 ? TailSchedule{tiles - tail, tail, split} : TailSchedule{tiles, 0, 1};
+}
+
+// One item of a cluster's walk: a cluster tile and its k-blocks [k0, k1); `slice` is -1 for a
+// whole tile, else the tile's K slice (and `slot` the tile's place in the tail).
+struct Work {
+  int tile, k0, k1, slot, slice;
+};
+
+// Tail split, after a slice's mainloop: a later slice (slice > 0) publishes its consumer's fp32
+// fragment and returns false (the tile's first slice stores it); the first slice waits for the
+// others, adds them in slice order (the same sum whatever the timing) and returns true.
+__device__ __forceinline__ bool tail_reduce(float (&acc)[kAccRegs], const Work& w, int split, int rank, int consumer,
+                                            const Params& p, bool leader) {
+  constexpr int kFragFloats = 128 * kAccRegs;
+  const int t = threadIdx.x % 128;
+  const int unit = (w.slot * kCluster + rank) * kConsumerWarpgroups + consumer;
+  int* counter = p.tail_counters + unit;
+  float* fragments = p.tail_partials + static_cast<i64>(unit) * (split - 1) * kFragFloats;
+  const int barrier = kBarConsumer0 + consumer;
+  if (w.slice > 0) {
+    // Thread-major float4s: each store instruction of the warpgroup writes 2 KB contiguously.
+    float* mine = fragments + static_cast<i64>(w.slice - 1) * kFragFloats;
+#pragma unroll
+    for (int j = 0; j < kAccRegs / 4; ++j)
+      ptx::st_global_cg_v4(mine + (j * 128 + t) * 4, acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
+    ptx::named_barrier_sync(barrier, 128);
+    if (leader) ptx::red_add_release_gpu(counter, 1);
+    return false;
+  }
+  if (leader) {
+    while (ptx::ld_acquire_gpu(counter) < split - 1) __nanosleep(64);
+    *counter = 0;  // re-armed for the next launch: nothing else touches it in this one
+  }
+  ptx::named_barrier_sync(barrier, 128);
+  for (int s = 0; s < split - 1; ++s) {
+    const float* other = fragments + static_cast<i64>(s) * kFragFloats;
+#pragma unroll
+    for (int j = 0; j < kAccRegs / 4; ++j) {
+      float x, y, z, v;
+      ptx::ld_global_cg_v4(other + (j * 128 + t) * 4, x, y, z, v);
+      acc[4 * j] += x;
+      acc[4 * j + 1] += y;
+      acc[4 * j + 2] += z;
+      acc[4 * j + 3] += v;
+    }
+  }
+  return true;
+}
 
 // Grouped: rows of every group into table[1 + g] and the cluster tiles of all groups into
 // table[0], by one warp. Contiguous groups end at the running maximum of offs clamped to [0, M]
@@ -209,7 +284,8 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
   wait_for_previous_kernel();
 
   // Tiles of the problem (grouped: known once the group sizes, maybe written by the previous
-  // kernel, are read); local tile i of this cluster is cluster tile cluster + i * clusters.
+  // kernel, are read); local tile i < my_whole of this cluster is cluster tile cluster + i *
+  // clusters, and with a tail split its last item may be one K slice of a tail tile.
   int tiles;
   if constexpr (kGrouped) {
     if (threadIdx.x < 32) build_group_table(group_table, params, tiles_n);
@@ -218,14 +294,21 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
   } else {
     tiles = ceil_div(params.m, kClusterRows) * tiles_n;
   }
-  const int my_tiles = cluster < tiles ? (tiles - cluster + clusters - 1) / clusters : 0;
-  GroupCursor cursor;  // grouped: this thread's place in the walk
+  const TailSchedule sched = kTailSplit ? tail_schedule(tiles, clusters, k_tiles) : TailSchedule{tiles, 0, 1};
+  const int my_whole = cluster < sched.whole ? (sched.whole - cluster + clusters - 1) / clusters : 0;
+  const int my_tiles = my_whole + (cluster < sched.tail * sched.split ? 1 : 0);
+  auto work = [&](int i) {
+    if (kTailSplit == 0 || i < my_whole) return Work{cluster + i * clusters, 0, k_tiles, 0, -1};
+    const int slot = cluster % sched.tail, slice = cluster / sched.tail;
+    return Work{sched.whole + slot, slice * k_tiles / sched.split, (slice + 1) * k_tiles / sched.split, slot, slice};
+  };
+  GroupCursor cursor;  // grouped: this thread's place in the walk (its tile ids only increase)
   if constexpr (kGrouped) cursor = first_group(group_table, tiles_n);
-  auto tile_coord = [&](int i) {
+  auto tile_coord = [&](int tile) {
     if constexpr (kGrouped)
-      return group_tile_origin(cursor, group_table, cluster + i * clusters, params, tiles_n, rank);
+      return group_tile_origin(cursor, group_table, tile, params, tiles_n, rank);
     else
-      return tile_origin<kCluster>(cluster + i * clusters, params, rank);
+      return tile_origin<kCluster>(tile, params, rank);
   };
 
   if (warpgroup == 0) {
@@ -234,8 +317,9 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
     if (threadIdx.x == 0) {
       PipelineState write;
       for (int i = 0; i < my_tiles; ++i) {
-        const TileCoord tile = tile_coord(i);
-        for (int kt = 0; kt < k_tiles; ++kt) {
+        const Work w = work(i);
+        const TileCoord tile = tile_coord(w.tile);
+        for (int kt = w.k0; kt < w.k1; ++kt) {
           ptx::mbarrier_wait(&empty[write.index], write.phase ^ 1);
           load_stage<kCluster>(smem + write.index * kStageBytes, &full[write.index], &map_a, &map_b, kt, tile.m0,
                                tile.n0, rank, tile.group * params.b_group_rows);
@@ -272,7 +356,9 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
     for (int kt = 0; kt < k_tiles; ++kt) read.advance();
 
   for (int i = first; i < my_tiles; i += step) {
-    const TileCoord tile = tile_coord(i);
+    const Work w = work(i);
+    const TileCoord tile = tile_coord(w.tile);
+    const int k_blocks = w.k1 - w.k0;  // k_tiles but in a tail slice
 #pragma unroll
     for (int f = 0; f < kFrags; ++f)
 #pragma unroll
@@ -295,12 +381,13 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
       const int row_end = kGrouped ? tile.row_end : params.m;
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        sa_ptr[h] = params.block_scale_a + min(row + 8 * h, row_end - 1) * params.block_scale_a_m;
+        sa_ptr[h] = params.block_scale_a + min(row + 8 * h, row_end - 1) * params.block_scale_a_m +
+                    w.k0 * params.block_scale_a_k;
       const int last_block = ceil_div(params.n, kPromoteN) - 1;
       const float* sb = params.block_scale_b + (kGrouped ? tile.group * params.block_scale_b_group : 0);
 #pragma unroll
       for (int p = 0; p < kPromoteParts; ++p)
-        sb_ptr[p] = sb + min(tile.n0 / kPromoteN + p, last_block) * params.block_scale_b_n;
+        sb_ptr[p] = sb + min(tile.n0 / kPromoteN + p, last_block) * params.block_scale_b_n + w.k0 * params.block_scale_b_k;
     }
     // The scales of k-block kt + 1 are loaded while k-block kt runs: an L2 round trip takes
     // longer than one k-block's wgmmas, so loading them in the same iteration would stall the
@@ -319,7 +406,7 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
       }
     };
     if constexpr (kBlockScaled) {
-      if (k_tiles > 0) load_next_scales();
+      if (k_blocks > 0) load_next_scales();
     }
     // Block scales of k-block kt, sa[row + 8h] * sb[block of part p], taken before the next
     // k-block's are loaded.
@@ -329,7 +416,7 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
         for (int p = 0; p < kPromoteParts; ++p)
 #pragma unroll
           for (int h = 0; h < 2; ++h) s_row[p][h] = sa_next[h] * sb_next[p];
-        if (kt + 1 < k_tiles) load_next_scales();
+        if (kt + 1 < k_blocks) load_next_scales();
       }
     };
     // Adds part p's retired scratch fragment (scaled, with block scales). Register 4j + 2h + e
@@ -373,7 +460,7 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
       // within its step (ptxas serializes the wgmmas when a group stays in flight across the
       // loop's back edge).
       int kt = 0;
-      for (; kt + 1 < k_tiles; kt += 2) {
+      for (; kt + 1 < k_blocks; kt += 2) {
         issue(part);
         issue(part_odd);
         wgmma::wait_group<1>();
@@ -381,13 +468,13 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
         wgmma::wait_group<0>();
         retire(part_odd, kt + 1);
       }
-      if (kt < k_tiles) {  // odd k_tiles: the last k-block alone
+      if (kt < k_blocks) {  // odd count: the last k-block alone
         issue(part);
         wgmma::wait_group<0>();
         retire(part, kt);
       }
     } else {
-      for (int kt = 0; kt < k_tiles; ++kt) {
+      for (int kt = 0; kt < k_blocks; ++kt) {
         float s_row[kPromoteParts][2];
         take_scales(kt, s_row);
         ptx::mbarrier_wait(&full[read.index], read.phase);
@@ -436,9 +523,14 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
       wgmma::wait_group<0>();
 #pragma unroll
       for (int f = 0; f < kFrags; ++f) wgmma::fence_operand(acc[f]);
-      if (k_tiles > 0) release_stage<kCluster>(&empty[release.index]);
+      if (k_blocks > 0) release_stage<kCluster>(&empty[release.index]);
       if (kPingPong)
         for (int kt = 0; kt < k_tiles; ++kt) read.advance();
+    }
+
+    // A tail slice: the later ones hand their sums to the first, which runs the epilogue.
+    if constexpr (kTailSplit != 0) {
+      if (w.slice >= 0 && !tail_reduce(acc[0], w, sched.split, rank, consumer, params, leader)) continue;
     }
 
     // ---- epilogue (overlaps the producer's loads and, in ping-pong, the other's mainloop) ------

@@ -22,8 +22,8 @@ from .. import device as _device
 from .. import tma
 from ..grouped import GroupedArgs, GroupLayout, GroupScaling
 from ..plan import Plan
-from .gemm import (_OUT_TYPES, _PROMOTE_NARROW, _PROMOTE_WIDE, _ROW_BYTES, NATIVE_CONFIGS, NativeGemmConfig,
-                   _MappedLaunch, _Params)
+from .gemm import (_OUT_TYPES, _PROMOTE_NARROW, _PROMOTE_WIDE, _ROW_BYTES, NATIVE_CONFIGS, TAIL_SPLIT,
+                   NativeGemmConfig, _MappedLaunch, _Params)
 
 NAME = "cuda.grouped"
 # Where this kernel runs instead of the Triton one: the groups' expected rows (the mean for
@@ -70,7 +70,7 @@ def config_for(args: GroupedArgs) -> NativeGemmConfig:
         config = replace(_PROMOTE_NARROW, cluster_m=1)
     else:
         config = NATIVE_CONFIGS["cuda.persistent_coop"]
-    return replace(config, groups=args.e).fitted(args.out.element_size())
+    return replace(config, groups=args.e, tail_split=TAIL_SPLIT).fitted(args.out.element_size())
 
 
 def _operand_views(args: GroupedArgs):
@@ -177,7 +177,7 @@ class _GroupedLaunch:
             p.scale_a_rowwise, p.scale_b_colwise, p.scale_b_group = int(sa_m != 0), int(sb_n != 0), sb_e
         if args.bias is not None:
             p.bias_type, p.bias_group = _OUT_TYPES[args.bias.dtype], args.bias.stride(0)
-        self._core = _MappedLaunch(config, a, b, out, args.b_k_major, p, tile_bound(args, config))
+        self._core = _MappedLaunch(config, a, b, out, args.b_k_major, p, tile_bound(args, config), exact_tiles=False)
         self.pdl = self._core.pdl
         self.device_index = self._core.device_index
 

@@ -103,6 +103,11 @@ struct Params {
   i64 scale_b_group, bias_group, block_scale_b_group;  // element strides from one expert to the next
   void* d;                // the output, for stores clipped at a group's last row
   i64 ldd;
+  // Tail split (TMAGEMM_TAIL_SPLIT, gemm_sm90_persistent.cu): the fp32 fragments of the split
+  // tiles' later K slices, and one arrival counter per (split tile, CTA, consumer), zero between
+  // launches (the kernel re-arms them). Null when no launch of the plan splits.
+  float* tail_partials;
+  int* tail_counters;
 };
 
 // ---------------------------------------------------------------------------------------------

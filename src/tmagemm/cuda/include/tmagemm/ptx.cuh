@@ -411,6 +411,31 @@ __device__ __forceinline__ void griddep_launch_dependents() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Flags between CTAs of one grid (global memory, GPU scope)
+// ---------------------------------------------------------------------------------------------
+// A CTA that publishes data for another: its threads store the data, sync among themselves, then
+// one thread adds to the flag with release semantics (cumulative: it publishes the stores the
+// barrier ordered before it). The reader's one thread spins with acquire loads, then syncs its
+// threads, which read the data through L2 (ld.global.cg: L1 is not coherent across SMs).
+__device__ __forceinline__ void red_add_release_gpu(int* flag, int value) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(flag), "r"(value) : "memory");
+}
+
+__device__ __forceinline__ int ld_acquire_gpu(const int* flag) {
+  int value;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(value) : "l"(flag) : "memory");
+  return value;
+}
+
+__device__ __forceinline__ void st_global_cg_v4(float* dst, float x, float y, float z, float w) {
+  asm volatile("st.global.cg.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(x), "f"(y), "f"(z), "f"(w) : "memory");
+}
+
+__device__ __forceinline__ void ld_global_cg_v4(const float* src, float& x, float& y, float& z, float& w) {
+  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(x), "=f"(y), "=f"(z), "=f"(w) : "l"(src) : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
 // Warp / CTA / cluster helpers
 // ---------------------------------------------------------------------------------------------
 
