@@ -31,8 +31,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _two_hoppers(), reason="ne
 # covers the decode kernel, the Triton tile kernel and the native persistent kernel (M = 4096);
 # "triton" and "cuda" force their families. M = 128 on 35800 columns (280 tiles of 128: two waves
 # of 132 SMs and 16) puts "auto" on mixed.wave_split for fp8 tensor-wise and bf16: a native and a
-# Triton launch per call, on the operands' GPU.
-SHAPES = {1: (4096, 4096), 16: (4096, 4096), 128: (35800, 512), 256: (2048, 2048), 4096: (2048, 2048)}
+# Triton launch per call, on the operands' GPU. M = 1024 on 4352 x 4096 (136 tiles of 128 x 256:
+# one wave and 4 tiles) gives the native persistent kernel a tail split, whose scratch and
+# counters are per device.
+SHAPES = {1: (4096, 4096), 16: (4096, 4096), 128: (35800, 512), 256: (2048, 2048), 1024: (4352, 4096),
+          4096: (2048, 2048)}
 KINDS = ("fp8-tensor", "fp8-row", "bf16")
 # "op": the torch.library ops (torch.ops.tmagemm.*), which torch.compile calls, with backend "auto".
 APIS = ("auto", "triton", "cuda", "op")
