@@ -184,6 +184,10 @@ def test_promote_config_choices():
     assert (tail.block_n, tail.cluster_m, tail.tail_split, tail.ctas) == (256, 2, native.TAIL_SPLIT, 0)
     one_row = native.promote_config(128, 51200, 5120, 132)
     assert one_row.cluster_m == 1 and one_row.ctas == 0  # nothing to pair; every SM streams the weight
+    # One row of tiles never splits (Llama-3-70B TP4's 14336 x 8192 at 64-128 tokens: 56 wide
+    # tiles could take two slices each; it keeps the narrow tiles it had).
+    one_row = native.promote_config(128, 14336, 8192, 132)
+    assert (one_row.block_n, one_row.tail_split) == (128, 0)
     for m, n in ((1, 8), (17, 577), (300, 2112), (8192, 51200)):
         assert native.promote_config(m, n, 4096, 132).fitted(4).is_valid(4)
 
@@ -230,6 +234,8 @@ def test_tail_split_configs():
     assert native.coop_config(4096, 4096, 7168, 1, True, 132).tail_split == 0
     # 2048 deep fp8: 16 k-blocks, too few for slices.
     assert native.coop_config(2048, 7168, 2048, 1, True, 132).tail_split == 0
+    # One row of tiles (M <= 128) never splits: 56 tiles of 14336 columns.
+    assert native.coop_config(128, 14336, 8192, 2, True, 132).tail_split == 0
 
 
 def test_promote_needs_the_cooperative_schedule():

@@ -535,11 +535,15 @@ _PROMOTE_NARROW_TILE_TIME = 0.56  # a narrow tile's time in wide-tile times (hal
 def promote_config(m: int, n: int, k: int, sms: int) -> NativeGemmConfig:
     """The promoting config for one problem (fp8 without fast accumulation, and block scales):
     wide tiles unless the narrow ones finish the waves of tiles sooner; clusters where there are
-    two rows of tiles to pair (a single row would leave every second CTA idle); a tail split
-    where the last wave would leave at least half of the clusters idle."""
+    two rows of tiles to pair (a single row would leave every second CTA idle); with two or more
+    rows of tiles, a tail split where the last wave would leave at least half of the clusters
+    idle. (One row, M <= 128, streams the weight: there the split measured 9-11% slower on the
+    Llama-3-70B TP4 block-scaled decode stack at 64-128 tokens, 3-4% faster on DeepSeek-V3's;
+    H100, BENCHMARKS.md.)"""
     rows = -(-m // 128)
     cluster = 2 if rows >= 2 else 1
     slots = sms // cluster  # clusters at work at once
+    max_split = TAIL_SPLIT if rows >= 2 else 0
     k_blocks = -(-k // 128)
 
     def cluster_tiles(block_n: int) -> int:
@@ -547,14 +551,14 @@ def promote_config(m: int, n: int, k: int, sms: int) -> NativeGemmConfig:
 
     def waves(block_n: int) -> float:  # a split tail takes 1 / split of a wave
         tiles = cluster_tiles(block_n)
-        split = tail_split(tiles, slots, k_blocks, TAIL_SPLIT)
+        split = tail_split(tiles, slots, k_blocks, max_split)
         return tiles // slots + 1 / split if split > 1 else -(-tiles // slots)
 
     narrow = waves(_PROMOTE_NARROW.block_n) * _PROMOTE_NARROW_TILE_TIME < waves(_PROMOTE_WIDE.block_n)
     config = replace(_PROMOTE_NARROW if narrow else _PROMOTE_WIDE, cluster_m=cluster)
     tiles = cluster_tiles(config.block_n)
-    if tail_split(tiles, slots, k_blocks, TAIL_SPLIT) > 1:
-        return replace(config, tail_split=TAIL_SPLIT)
+    if tail_split(tiles, slots, k_blocks, max_split) > 1:
+        return replace(config, tail_split=max_split)
     # Two or more rows of tiles: the fewest CTAs that keep the number of waves (e.g. 128 instead
     # of 132 for 4 waves of 128 CTAs), so every CTA walks the same number of tiles and idle SMs
     # leave the others more power. One row (M <= 128) streams the weight: every SM that can pull
@@ -608,8 +612,8 @@ def coop_config(
     tiles = -(-m // 128) * -(-n // config.block_n)
     if 2 * tiles <= sms and -(-m // 128) * -(-n // COOP_N128.block_n) > tiles:
         return COOP_N128
-    if tail_split(tiles, sms, -(-k * ab_itemsize // _ROW_BYTES), TAIL_SPLIT) > 1:
-        return replace(config, tail_split=TAIL_SPLIT)
+    if m > 128 and tail_split(tiles, sms, -(-k * ab_itemsize // _ROW_BYTES), TAIL_SPLIT) > 1:
+        return replace(config, tail_split=TAIL_SPLIT)  # two or more rows of tiles, as in promote_config
     waves = -(-tiles // sms)
     if 2 <= waves <= _BALANCE_MAX_WAVES and k * ab_itemsize <= _BALANCE_MAX_K_BYTES:
         ctas = -(-tiles // waves)
