@@ -216,6 +216,8 @@ def test_tail_scratch_floats():
     # Grouped (tiles known on the device only): at most clusters - 1 later slices.
     assert native.tail_scratch_floats(config, 1000, 66, 56, exact=False) == 65 * 2 * 2 * 64 * 256
     assert native.tail_scratch_floats(replace(config, tail_split=0), 144, 66, 56, exact=True) == 0
+    # K too short for two slices of TAIL_MIN_K_BLOCKS: no split whatever the count, no scratch.
+    assert native.tail_scratch_floats(config, 1000, 66, 2 * native.TAIL_MIN_K_BLOCKS - 1, exact=False) == 0
 
 
 def test_tail_split_configs():
@@ -236,6 +238,7 @@ def test_tail_split_configs():
     assert native.coop_config(2048, 7168, 2048, 1, True, 132).tail_split == 0
     # One row of tiles (M <= 128) never splits: 56 tiles of 14336 columns.
     assert native.coop_config(128, 14336, 8192, 2, True, 132).tail_split == 0
+    assert (native.dense_tail_split(128), native.dense_tail_split(129)) == (0, native.TAIL_SPLIT)
 
 
 def test_promote_needs_the_cooperative_schedule():

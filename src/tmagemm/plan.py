@@ -257,7 +257,8 @@ def _decode_first(args: GemmArgs) -> bool:
     max_m = DECODE_MAX_M if args.block_scaling is None else DECODE_BLOCK_MAX_M
     if not (args.m <= max_m and args.n >= DECODE_MIN_N and args.k >= DECODE_MIN_K):
         return False
-    from .cuda.decode import WEIGHT_ROWS, choose_config, k_blocks  # a backend module: imported lazily
+    from .cuda.decode import WEIGHT_ROWS, choose_config  # backend modules: imported lazily
+    from .cuda.gemm import k_blocks
 
     sms = device.sms_of(args.out.device)
     itemsize = args.a.element_size()

@@ -31,7 +31,7 @@ from .. import tma
 from ..jit.runtime import stream_getter
 from ..plan import GemmArgs, Plan, Scaling, Variant
 from ..tma import MapsByAddress, params_for_tensor
-from .gemm import _AB_TYPES, _OUT_TYPES, _ROW_BYTES, use_pdl
+from .gemm import _AB_TYPES, _OUT_TYPES, _ROW_BYTES, k_blocks, use_pdl
 
 NAME = "cuda.decode"
 SOURCE = "gemm_sm90_decode.cu"
@@ -112,11 +112,6 @@ def scales_mode(args: GemmArgs) -> int:
     if args.block_scaling is None:
         return SCALES_EPILOGUE
     return SCALES_BLOCK_128X128 if args.block_scaling[1] == Scaling.BLOCK_128X128 else SCALES_BLOCK_PER_ROW
-
-
-def k_blocks(k: int, itemsize: int) -> int:
-    """128-byte k-blocks of one weight row: the ring's unit."""
-    return -(-k * itemsize // _ROW_BYTES)
 
 
 def choose_config(m: int, n: int, k: int, itemsize: int, sms: int) -> DecodeConfig:

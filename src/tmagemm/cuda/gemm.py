@@ -47,6 +47,11 @@ _OUT_TYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 _ROW_BYTES = 128  # one k-block is one 128-byte swizzle row of A and B
 
 
+def k_blocks(k: int, itemsize: int) -> int:
+    """128-byte k-blocks of one operand row: the native kernels' pipeline unit."""
+    return -(-k * itemsize // _ROW_BYTES)
+
+
 @dataclass(frozen=True)
 class NativeGemmConfig:
     """One native kernel's launch shape. ``kernel``: "one_warpgroup" | "warp_specialized" |
@@ -167,24 +172,34 @@ TAIL_MIN_K_BLOCKS = 16
 TAIL_SPLIT = 4
 
 
-def tail_split(tiles: int, clusters: int, k_blocks: int, max_split: int) -> int:
+def tail_split(tiles: int, clusters: int, blocks: int, max_split: int) -> int:
     """K slices per tile of the last wave (1: none), the persistent kernel's ``tail_schedule``:
     a last wave of ``tiles % clusters`` tiles on at most half of the clusters is cut into as many
-    slices as the clusters, ``max_split`` and slices of TAIL_MIN_K_BLOCKS k-blocks allow."""
+    slices as the clusters, ``max_split`` and slices of TAIL_MIN_K_BLOCKS of the ``blocks``
+    k-blocks allow."""
     tail = tiles % clusters if clusters else 0
-    split = min(max_split, clusters // tail, k_blocks // TAIL_MIN_K_BLOCKS) if tail and max_split else 0
+    split = min(max_split, clusters // tail, blocks // TAIL_MIN_K_BLOCKS) if tail and max_split else 0
     return split if split >= 2 else 1
 
 
-def tail_scratch_floats(config: NativeGemmConfig, tiles: int, clusters: int, k_blocks: int, exact: bool) -> int:
+def dense_tail_split(m: int) -> int:
+    """The most slices a dense problem's config allows: TAIL_SPLIT from two rows of 128-row tiles.
+    One row (M <= 128) streams the weight, and there the split measured 9-11% slower on the
+    Llama-3-70B TP4 block-scaled decode stack at 64-128 tokens (3-4% faster on DeepSeek-V3's;
+    H100, BENCHMARKS.md)."""
+    return TAIL_SPLIT if m > 128 else 0
+
+
+def tail_scratch_floats(config: NativeGemmConfig, tiles: int, clusters: int, blocks: int, exact: bool) -> int:
     """fp32 scratch one launch's tail slices need: one 64 x block_n fragment per later slice of a
     tail tile, per CTA of its cluster and consumer warpgroup. ``exact``: ``tiles`` is the count
     (else an upper bound, as for grouped GEMMs, whose tiles the kernel counts: tail * (split - 1)
-    < clusters for any count)."""
-    if not config.tail_split:
+    < clusters for any count). None where K is too short for two slices: the launch then never
+    fetches scratch."""
+    if not config.tail_split or blocks < 2 * TAIL_MIN_K_BLOCKS:
         return 0
     if exact:
-        split = tail_split(tiles, clusters, k_blocks, config.tail_split)
+        split = tail_split(tiles, clusters, blocks, config.tail_split)
         slices = (tiles % clusters) * (split - 1)
     else:
         slices = clusters - 1
@@ -381,8 +396,7 @@ class _MappedLaunch:
             # resident at once either way, which the slices' hand-over relies on.
             clusters = min(tiles * max(config.tail_split, 1), clusters)
             grid = cm * clusters
-            floats = tail_scratch_floats(config, tiles, clusters, -(-params.k // (_ROW_BYTES // a.element_size())),
-                                         exact_tiles)
+            floats = tail_scratch_floats(config, tiles, clusters, k_blocks(params.k, a.element_size()), exact_tiles)
             if floats:
                 workspace.top_up(self.device_index)
                 self._tail_scratch = workspace.getter(self.device_index, floats)
@@ -535,29 +549,26 @@ _PROMOTE_NARROW_TILE_TIME = 0.56  # a narrow tile's time in wide-tile times (hal
 def promote_config(m: int, n: int, k: int, sms: int) -> NativeGemmConfig:
     """The promoting config for one problem (fp8 without fast accumulation, and block scales):
     wide tiles unless the narrow ones finish the waves of tiles sooner; clusters where there are
-    two rows of tiles to pair (a single row would leave every second CTA idle); with two or more
-    rows of tiles, a tail split where the last wave would leave at least half of the clusters
-    idle. (One row, M <= 128, streams the weight: there the split measured 9-11% slower on the
-    Llama-3-70B TP4 block-scaled decode stack at 64-128 tokens, 3-4% faster on DeepSeek-V3's;
-    H100, BENCHMARKS.md.)"""
+    two rows of tiles to pair (a single row would leave every second CTA idle); a tail split
+    where the last wave would leave at least half of the clusters idle (:func:`dense_tail_split`)."""
     rows = -(-m // 128)
     cluster = 2 if rows >= 2 else 1
     slots = sms // cluster  # clusters at work at once
-    max_split = TAIL_SPLIT if rows >= 2 else 0
-    k_blocks = -(-k // 128)
+    max_split = dense_tail_split(m)
+    blocks = k_blocks(k, 1)
 
     def cluster_tiles(block_n: int) -> int:
         return -(-rows // cluster) * -(-n // block_n)
 
     def waves(block_n: int) -> float:  # a split tail takes 1 / split of a wave
         tiles = cluster_tiles(block_n)
-        split = tail_split(tiles, slots, k_blocks, max_split)
+        split = tail_split(tiles, slots, blocks, max_split)
         return tiles // slots + 1 / split if split > 1 else -(-tiles // slots)
 
     narrow = waves(_PROMOTE_NARROW.block_n) * _PROMOTE_NARROW_TILE_TIME < waves(_PROMOTE_WIDE.block_n)
     config = replace(_PROMOTE_NARROW if narrow else _PROMOTE_WIDE, cluster_m=cluster)
     tiles = cluster_tiles(config.block_n)
-    if tail_split(tiles, slots, k_blocks, max_split) > 1:
+    if tail_split(tiles, slots, blocks, max_split) > 1:
         return replace(config, tail_split=max_split)
     # Two or more rows of tiles: the fewest CTAs that keep the number of waves (e.g. 128 instead
     # of 132 for 4 waves of 128 CTAs), so every CTA walks the same number of tiles and idle SMs
@@ -612,8 +623,9 @@ def coop_config(
     tiles = -(-m // 128) * -(-n // config.block_n)
     if 2 * tiles <= sms and -(-m // 128) * -(-n // COOP_N128.block_n) > tiles:
         return COOP_N128
-    if m > 128 and tail_split(tiles, sms, -(-k * ab_itemsize // _ROW_BYTES), TAIL_SPLIT) > 1:
-        return replace(config, tail_split=TAIL_SPLIT)  # two or more rows of tiles, as in promote_config
+    max_split = dense_tail_split(m)
+    if tail_split(tiles, sms, k_blocks(k, ab_itemsize), max_split) > 1:
+        return replace(config, tail_split=max_split)
     waves = -(-tiles // sms)
     if 2 <= waves <= _BALANCE_MAX_WAVES and k * ab_itemsize <= _BALANCE_MAX_K_BYTES:
         ctas = -(-tiles // waves)
