@@ -648,6 +648,32 @@ def test_block_scaled_builds_for_sm90a(config):
     assert "serialized" not in module.log
     assert not native.NATIVE_CONFIGS["cuda.blockscaled"].__class__(
         "persistent", block_n=128, stages=6, block_scaled=True).is_valid(2), "scales need the promoting mainloop"
+    # The scales come with the operands: one loader lane copies 4 row scales and a weight-block
+    # scale per stage and arrives once its copies land; the consumers read no scale from global.
+    assert _count(sass, "LDGSTS.E") == 5 and _count(sass, "ARRIVES.LDGSTSBAR.64.ARVCNT") == 1
+    assert "LDG.E.CONSTANT" not in sass, "a consumer reads its scales from global memory"
+
+
+def test_block_scaled_shared_memory_plan():
+    """cuda.gemm's scale slot mirrors the kernel's kScaleFloats; block-scaled tiles keep their
+    stages by staging half as much output (128 x 256: one buffer; 128 x 128: two passes)."""
+    source = (Path(native.__file__).parent / "gemm_sm90_persistent.cu").read_text()
+    assert "kScaleFloats = kBlockScaled ? (kBlockM + kPromoteParts + 3) / 4 * 4 : 0;" in source
+    assert native.SCALE_SLOT_BYTES == 4 * ((128 + 2 + 3) // 4 * 4) == 4 * ((128 + 1 + 3) // 4 * 4)
+    wide = replace(native._PROMOTE_WIDE, block_scaled=True)
+    assert wide.epi_buffers == 2 and not wide.is_valid(2)
+    fitted = wide.fitted(2)
+    assert (fitted.stages, fitted.epi_buffers) == (4, 1) and fitted.is_valid(2)
+    assert fitted.smem_bytes(2) == wide.smem_bytes(2) - 16384 <= 232448
+    assert wide.scale_bytes() == 4 * native.SCALE_SLOT_BYTES and native._PROMOTE_WIDE.scale_bytes() == 0
+    fp32 = wide.fitted(4)  # one buffer cannot keep 4 stages: 3 stages with both buffers
+    assert (fp32.stages, fp32.epi_buffers) == (3, 2) and fp32.is_valid(4)
+    assert native._PROMOTE_WIDE.fitted(2) == native._PROMOTE_WIDE, "exact mode (no slots) keeps both buffers"
+    narrow = replace(native._PROMOTE_NARROW, block_scaled=True)  # one pass: twice the passes keeps 6 stages
+    assert (narrow.stages, narrow.epi_passes) == (6, 1) and not narrow.is_valid(2)
+    assert (narrow.fitted(2).stages, narrow.fitted(2).epi_passes) == (6, 2)
+    assert (narrow.fitted(4).stages, narrow.fitted(4).epi_passes) == (5, 2)
+    assert native._PROMOTE_NARROW.fitted(2) == native._PROMOTE_NARROW
 
 
 def _block_operands(m, n, k, device="cuda"):

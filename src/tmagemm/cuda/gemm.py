@@ -45,6 +45,9 @@ from ..tma import MapsByAddress, params_for_tensor
 _AB_TYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 _OUT_TYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 _ROW_BYTES = 128  # one k-block is one 128-byte swizzle row of A and B
+# gemm_sm90_persistent.cu's kScaleFloats in bytes: a block-scaled stage's scale slot (128 row
+# scales and one or two weight-block scales, rounded to 16 bytes).
+SCALE_SLOT_BYTES = 4 * 132
 
 
 def k_blocks(k: int, itemsize: int) -> int:
@@ -118,13 +121,19 @@ class NativeGemmConfig:
             return 0
         return (2 if self.pingpong else 1) * 128 * self.block_n * out_itemsize * self.epi_buffers // self.epi_passes
 
+    def scale_bytes(self) -> int:
+        """Block-scaled: one scale slot per stage (the k-block's activation-row and weight-block
+        scales, copied in with the operands)."""
+        return self.stages * SCALE_SLOT_BYTES if self.block_scaled else 0
+
     def group_table_bytes(self) -> int:
         """The grouped kernel's table in shared memory: the tile count and each group's rows."""
         return 4 * (self.groups + 1) if self.groups else 0
 
     def smem_bytes(self, out_itemsize: int) -> int:
         ring = self.stages * self.stage_bytes()
-        return ring + self.epilogue_bytes(out_itemsize) + self.group_table_bytes() + 1024  # + alignment slack
+        extra = self.scale_bytes() + self.group_table_bytes()
+        return ring + self.epilogue_bytes(out_itemsize) + extra + 1024  # + alignment slack
 
     def is_valid(self, out_itemsize: int) -> bool:
         """The one rule the launcher, defaults and tests use to accept a config."""
@@ -157,9 +166,22 @@ class NativeGemmConfig:
         )
 
     def fitted(self, out_itemsize: int) -> "NativeGemmConfig":
-        """The same config with ``stages`` lowered until shared memory fits (fp32 output)."""
+        """The same config with ``stages`` lowered until shared memory fits (fp32 output).
+        Block-scaled configs first try half the epilogue staging at each depth (one buffer instead
+        of two, else twice the passes): their scale slots leave 128 x 256 tiles 320 bytes short
+        of a 4th stage with two buffers, and 128 x 128 tiles 1.4 KB short of a 6th with one pass
+        (H200, BENCHMARKS.md: 4096 x 4096 x 7168 and 4096 x 7168 x 16384 ran 2-5% faster with 4
+        stages than with 3 and two buffers; six 128 x 128 stages with two passes ran 1-8% faster
+        than five on five of eight block-scaled problems at 128-2048 rows, 1-3% slower on three)."""
         config = self
-        while not config.is_valid(out_itemsize) and config.stages > 2:
+        while config.stages > 2:
+            if config.is_valid(out_itemsize):
+                return config
+            if config.block_scaled:
+                half = (replace(config, epi_buffers=1) if config.epi_buffers == 2
+                        else replace(config, epi_passes=2 * config.epi_passes))
+                if half.is_valid(out_itemsize):
+                    return half
             config = replace(config, stages=config.stages - 1)
         return config
 
@@ -578,8 +600,9 @@ def promote_config(m: int, n: int, k: int, sms: int) -> NativeGemmConfig:
     return replace(config, ctas=busy * cluster) if rows >= 2 and busy < slots else config
 
 
-# Block-scaled fp8: the promoting tiles, scaling each k-block's sum as it is added.
-NATIVE_CONFIGS["cuda.blockscaled"] = replace(_PROMOTE_WIDE, block_scaled=True)
+# Block-scaled fp8: the promoting tiles, scaling each k-block's sum as it is added (one epilogue
+# buffer: the stages' scale slots take the room of the second, see NativeGemmConfig.fitted).
+NATIVE_CONFIGS["cuda.blockscaled"] = replace(_PROMOTE_WIDE, block_scaled=True, epi_buffers=1)
 
 
 def one_row_wide(m: int, n: int, k: int, ab_itemsize: int) -> bool:

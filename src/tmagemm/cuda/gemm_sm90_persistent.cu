@@ -69,8 +69,21 @@ static_assert(!kPromote || (kAbType == wgmma::kE4M3 && !kPingPong && kBlockN % k
 // promotion step multiplies each k-block's sum by its scales as it adds it, acc += part * sa[row]
 // * sb[block]. A k-block is one scale block (128 e4m3 of K) and a scratch fragment's 128 columns
 // one weight block, so a thread needs its two rows' sa and one sb per scratch fragment.
+//
+// The scales arrive with the operands: warp 1 of the producer warpgroup copies each k-block's
+// kBlockM row scales and kPromoteParts weight-block scales into the stage's scale slot with
+// cp.async (any scale layout: 4-byte copies through the given strides), and each lane's copies
+// complete an arrival on the stage's full barrier. A consumer reads its scales from shared
+// memory while the k-block's wgmmas run. (Read from global memory in the promotion step
+// instead, the scale loads cost 16-19% at M = 4096, whether or not they hit L1: the step waited
+// for them before it could issue the next wgmmas.)
 constexpr bool kBlockScaled = TMAGEMM_BLOCK_SCALED != 0;
 static_assert(!kBlockScaled || kPromote, "block scaling rides on the promoting mainloop");
+constexpr int kScaleLoaders = kBlockScaled ? 32 : 0;  // the copying lanes: one arrival each per stage
+// floats of a stage's scale slot: sa of the CTA tile's rows, then sb per part (16-byte multiple);
+// cuda/gemm.py's SCALE_SLOT_BYTES mirrors it
+constexpr int kScaleFloats = kBlockScaled ? (kBlockM + kPromoteParts + 3) / 4 * 4 : 0;
+static_assert(kBlockM % 32 == 0, "each scale-loading lane copies kBlockM / 32 row scales");
 // Cooperative: the output fragment is staged in TMAGEMM_EPI_PASSES column slices through
 // TMAGEMM_EPI_BUFFERS slice buffers. Staging less than the fragment buys a 4th ring stage for
 // 128x256 tiles; two buffers let a slice be written while the previous one is still being stored.
@@ -248,8 +261,10 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = aligned_smem(smem_raw);
   unsigned char* epi = smem + kStages * kStageBytes;
-  // Grouped: 1 + E ints after the epilogue buffers (the host sizes the window for them).
-  int* group_table = reinterpret_cast<int*>(epi + kConsumerWarpgroups * kEpiBytesPerConsumer);
+  // Block-scaled: one scale slot per stage after the epilogue buffers; grouped: 1 + E ints after
+  // those (the host sizes the window for both).
+  float* scale_slots = reinterpret_cast<float*>(epi + kConsumerWarpgroups * kEpiBytesPerConsumer);
+  int* group_table = reinterpret_cast<int*>(scale_slots + kStages * kScaleFloats);
   __shared__ alignas(8) u64 full[kStages];
   __shared__ alignas(8) u64 empty[kStages];
 
@@ -268,7 +283,7 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
   // ---- descriptor prefetch, barrier init + fence + sync ------------------------------------
   // (gemm_sm90.cuh, "Programmatic dependent launch": everything up to the wait may overlap the
   // previous kernel, so it touches no global memory.)
-  if (threadIdx.x == 0) init_pipeline(full, empty, kStageReaders, &map_a, &map_b, &map_d);
+  if (threadIdx.x == 0) init_pipeline(full, empty, kStageReaders, &map_a, &map_b, &map_d, 1 + kScaleLoaders);
   if constexpr (kCluster > 1) {
     // The peer's barriers must be initialised before our multicasts and remote arrivals.
     ptx::cluster_arrive();
@@ -335,6 +350,40 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
           write.advance();
         }
       }
+    } else if (kBlockScaled && threadIdx.x / 32 == 1) {
+      // ---- scale loader: the same walk; lane l copies rows l, l + 32, ... and lane p < parts
+      // part p's weight-block scale. Rows past the tile's last (past M or the group's end) take
+      // that row's scales: finite, and their outputs are never stored.
+      const int lane = threadIdx.x % 32;
+      const int last_block = ceil_div(params.n, kPromoteN) - 1;
+      PipelineState write;
+      for (int i = 0; i < my_tiles; ++i) {
+        const Work w = work(i);
+        const TileCoord tile = tile_coord(w.tile);
+        const int row_end = kGrouped ? tile.row_end : params.m;
+        const float* sa[kBlockM / 32];
+#pragma unroll
+        for (int j = 0; j < kBlockM / 32; ++j)
+          sa[j] = params.block_scale_a + min(tile.m0 + lane + 32 * j, row_end - 1) * params.block_scale_a_m +
+                  w.k0 * params.block_scale_a_k;
+        const float* sb = params.block_scale_b + (kGrouped ? tile.group * params.block_scale_b_group : 0) +
+                          min(tile.n0 / kPromoteN + min(lane, kPromoteParts - 1), last_block) * params.block_scale_b_n +
+                          w.k0 * params.block_scale_b_k;
+        for (int kt = w.k0; kt < w.k1; ++kt) {
+          ptx::mbarrier_wait(&empty[write.index], write.phase ^ 1);
+          float* slot = scale_slots + write.index * kScaleFloats;
+#pragma unroll
+          for (int j = 0; j < kBlockM / 32; ++j) {
+            ptx::cp_async_4(slot + lane + 32 * j, sa[j]);
+            sa[j] += params.block_scale_a_k;
+          }
+          if (lane < kPromoteParts) ptx::cp_async_4(slot + kBlockM + lane, sb);
+          sb += params.block_scale_b_k;
+          ptx::cp_async_mbarrier_arrive_noinc(&full[write.index]);
+          write.advance();
+        }
+      }
+      ptx::cp_async_wait_all();
     }
     return;
   }
@@ -370,53 +419,28 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
     if (kPingPong && i > 0) ptx::named_barrier_sync(consumer == 0 ? kBarTurnTo0 : kBarTurnTo1, 256);
 
     float part[kPartRegs];  // promotion scratch: one k-block's wgmma sum over 128 columns (kPromote only)
-    // Block scales: this thread's two accumulator rows (clamped: rows past M are computed, never
-    // stored) and the weight block of each 128 columns (clamped likewise past N). The pointers
-    // walk K one k-block per load: an add per pointer instead of 64-bit index arithmetic.
-    const float* sa_ptr[2];
-    const float* sb_ptr[kPromoteParts];
-    if constexpr (kBlockScaled) {
-      const int t = threadIdx.x % 128;
-      const int row = tile.m0 + 64 * consumer + (t / 32) * 16 + (t % 32) / 4;
-      const int row_end = kGrouped ? tile.row_end : params.m;
+    // Block scales of the k-block in stage `stage` from its scale slot, read once the stage is
+    // full and before it is released: this thread's rows' sa (row, row + 8), then sb per part.
+    using Scales = float[2 + kPromoteParts];
+    auto read_scales = [&](int stage, Scales& raw) {
+      if constexpr (kBlockScaled) {
+        const float* slot = scale_slots + stage * kScaleFloats;
+        const int t = threadIdx.x % 128;
+        const int row = 64 * consumer + (t / 32) * 16 + (t % 32) / 4;
+        raw[0] = slot[row];
+        raw[1] = slot[row + 8];
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
-        sa_ptr[h] = params.block_scale_a + min(row + 8 * h, row_end - 1) * params.block_scale_a_m +
-                    w.k0 * params.block_scale_a_k;
-      const int last_block = ceil_div(params.n, kPromoteN) - 1;
-      const float* sb = params.block_scale_b + (kGrouped ? tile.group * params.block_scale_b_group : 0);
-#pragma unroll
-      for (int p = 0; p < kPromoteParts; ++p)
-        sb_ptr[p] = sb + min(tile.n0 / kPromoteN + p, last_block) * params.block_scale_b_n + w.k0 * params.block_scale_b_k;
-    }
-    // The scales of k-block kt + 1 are loaded while k-block kt runs: an L2 round trip takes
-    // longer than one k-block's wgmmas, so loading them in the same iteration would stall the
-    // promotion step on it. Raw values are kept and multiplied only when used.
-    float sa_next[2] = {1.0f, 1.0f}, sb_next[kPromoteParts];
-    auto load_next_scales = [&]() {
-#pragma unroll
-      for (int p = 0; p < kPromoteParts; ++p) {
-        sb_next[p] = __ldg(sb_ptr[p]);
-        sb_ptr[p] += params.block_scale_b_k;
-      }
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        sa_next[h] = __ldg(sa_ptr[h]);
-        sa_ptr[h] += params.block_scale_a_k;
+        for (int p = 0; p < kPromoteParts; ++p) raw[2 + p] = slot[kBlockM + p];
       }
     };
-    if constexpr (kBlockScaled) {
-      if (k_blocks > 0) load_next_scales();
-    }
-    // Block scales of k-block kt, sa[row + 8h] * sb[block of part p], taken before the next
-    // k-block's are loaded.
-    auto take_scales = [&](int kt, float(&s_row)[kPromoteParts][2]) {
+    // sa[row + 8h] * sb[block of part p], multiplied where used (the shared-memory reads are
+    // issued while the wgmmas run, and nothing waits for them before the next wgmmas issue).
+    auto scale_rows = [&](const Scales& raw, float(&s_row)[kPromoteParts][2]) {
       if constexpr (kBlockScaled) {
 #pragma unroll
         for (int p = 0; p < kPromoteParts; ++p)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) s_row[p][h] = sa_next[h] * sb_next[p];
-        if (kt + 1 < k_blocks) load_next_scales();
+          for (int h = 0; h < 2; ++h) s_row[p][h] = raw[h] * raw[2 + p];
       }
     };
     // Adds part p's retired scratch fragment (scaled, with block scales). Register 4j + 2h + e
@@ -437,7 +461,8 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
       // added, so the consumer keeps a batch on the tensor cores while it adds (with one scratch
       // fragment they idle whenever both consumers add at once).
       float part_odd[kPartRegs];
-      auto issue = [&](float(&dst)[kPartRegs]) {
+      Scales s_even, s_odd;  // each fragment's k-block scales
+      auto issue = [&](float(&dst)[kPartRegs], Scales& raw) {
         ptx::mbarrier_wait(&full[read.index], read.phase);
         const u32 a = ptx::smem_u32(smem + read.index * kStageBytes) + consumer * 64 * kRowBytes;
         const u32 b = ptx::smem_u32(smem + read.index * kStageBytes + kStageBytesA);
@@ -445,15 +470,16 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
         wgmma::fence();
         mma_stage<kPromoteN, true>(dst, a, b);
         wgmma::commit_group();
+        read_scales(read.index, raw);  // while the wgmmas run
         read.advance();
       };
-      // k-block kt's group has retired: free its stage, add its scaled sum.
-      auto retire = [&](float(&src)[kPartRegs], int kt) {
+      // A k-block's group has retired: free its stage, add its scaled sum.
+      auto retire = [&](float(&src)[kPartRegs], const Scales& raw) {
         wgmma::fence_operand(src);
         release_stage<kCluster>(&empty[release.index]);
         release.advance();
         float s_row[kPromoteParts][2];
-        take_scales(kt, s_row);
+        scale_rows(raw, s_row);
         add_part(src, 0, s_row);
       };
       // Two k-blocks per step, both issued before the first is added; every group retires
@@ -461,22 +487,22 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
       // loop's back edge).
       int kt = 0;
       for (; kt + 1 < k_blocks; kt += 2) {
-        issue(part);
-        issue(part_odd);
+        issue(part, s_even);
+        issue(part_odd, s_odd);
         wgmma::wait_group<1>();
-        retire(part, kt);
+        retire(part, s_even);
         wgmma::wait_group<0>();
-        retire(part_odd, kt + 1);
+        retire(part_odd, s_odd);
       }
       if (kt < k_blocks) {  // odd count: the last k-block alone
-        issue(part);
+        issue(part, s_even);
         wgmma::wait_group<0>();
-        retire(part, kt);
+        retire(part, s_even);
       }
     } else {
       for (int kt = 0; kt < k_blocks; ++kt) {
+        Scales raw;
         float s_row[kPromoteParts][2];
-        take_scales(kt, s_row);
         ptx::mbarrier_wait(&full[read.index], read.phase);
         const u32 a = ptx::smem_u32(smem + read.index * kStageBytes) + (kPingPong ? 0 : consumer * 64 * kRowBytes);
         const u32 b = ptx::smem_u32(smem + read.index * kStageBytes + kStageBytesA);
@@ -487,6 +513,10 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
             wgmma::fence();
             mma_stage<kPromoteN, true>(part, a, b + p * kPromoteN * kRowBytes);
             wgmma::commit_group();
+            if (p == 0) {  // while the wgmmas run
+              read_scales(read.index, raw);
+              scale_rows(raw, s_row);
+            }
             // The adds read the scratch registers, so its group must be complete (wait 0; a deeper
             // wait would make ptxas serialize every wgmma). The other consumer's wgmmas keep the
             // tensor core busy meanwhile.

@@ -165,18 +165,19 @@ __device__ __forceinline__ TileCoord tile_origin(int tile, const Params& p, int 
 
 // ---------------------------------------------------------------------------------------------
 // Kernel start, by one thread: prefetch the three tensor maps and initialise the ring's
-// barriers (full: the producer's arrival plus the TMA bytes; empty: `releases` arrivals), then
-// fence so the TMA unit, and the other CTAs of a cluster, see the initialised barriers. The
-// caller then syncs the CTA (or the cluster) before any thread uses them.
+// barriers (full: `loads` arrivals, the producer's plus any copying threads', and the TMA bytes;
+// empty: `releases` arrivals), then fence so the TMA unit, and the other CTAs of a cluster, see
+// the initialised barriers. The caller then syncs the CTA (or the cluster) before any thread
+// uses them.
 // ---------------------------------------------------------------------------------------------
 __device__ __forceinline__ void init_pipeline(u64* full, u64* empty, unsigned releases, const CUtensorMap* map_a,
-                                              const CUtensorMap* map_b, const CUtensorMap* map_d) {
+                                              const CUtensorMap* map_b, const CUtensorMap* map_d, unsigned loads = 1) {
   ptx::tma_prefetch_descriptor(map_a);
   ptx::tma_prefetch_descriptor(map_b);
   ptx::tma_prefetch_descriptor(map_d);
 #pragma unroll
   for (int s = 0; s < kStages; ++s) {
-    ptx::mbarrier_init(&full[s], 1);
+    ptx::mbarrier_init(&full[s], loads);
     ptx::mbarrier_init(&empty[s], releases);
   }
   ptx::fence_barrier_init();

@@ -369,6 +369,13 @@ __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.wait_all;" ::: "memory");
 }
 
+// One arrival on `bar` once every cp.async this thread issued before it has landed (.noinc: the
+// arrival counts against the barrier's expected count, so the barrier is initialised with it);
+// threads that see the phase complete then see the copied data.
+__device__ __forceinline__ void cp_async_mbarrier_arrive_noinc(unsigned long long* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+
 // L2 prefetch of a box (no shared memory, no barrier): warms L2 for a later load. Only a hint:
 // it writes nothing this kernel reads back, and L2 is the GPU's point of coherence, so it may be
 // issued before griddepcontrol.wait even for data the previous kernel is still writing (the loads
