@@ -216,7 +216,7 @@ def tail_scratch_floats(config: NativeGemmConfig, tiles: int, clusters: int, blo
     """fp32 scratch one launch's tail slices need: one 64 x block_n fragment per later slice of a
     tail tile, per CTA of its cluster and consumer warpgroup. ``exact``: ``tiles`` is the count
     (else an upper bound, as for grouped GEMMs, whose tiles the kernel counts: tail * (split - 1)
-    < clusters for any count). None where K is too short for two slices: the launch then never
+    < clusters for any count). 0 where K is too short for two slices: the launch then never
     fetches scratch."""
     if not config.tail_split or blocks < 2 * TAIL_MIN_K_BLOCKS:
         return 0
