@@ -58,17 +58,17 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int i = 0; i < kAccRegs; ++i) acc[f][i] = 0.0f;
 
+  const StageDescs descs(smem, 0);
   PipelineState read;      // stage the warpgroup computes on
   PipelineState released;  // stage whose wgmma batch retired last (refilled next)
   for (int kt = 0; kt < k_tiles; ++kt) {
     ptx::mbarrier_wait(&full[read.index], read.phase);
-    const u32 a = ptx::smem_u32(smem + read.index * kStageBytes);
-    const u32 b = a + kStageBytesA;
+    const u64 a = descs.a_at(read.index), b = descs.b_at(read.index);
     wgmma::fence_operand(acc[0]);
     wgmma::fence_operand(acc[1]);
     wgmma::fence();
     mma_stage<kBlockN>(acc[0], a, b);
-    mma_stage<kBlockN>(acc[1], a + 64 * kRowBytes, b);
+    mma_stage<kBlockN>(acc[1], wgmma::desc_advance(a, 64 * kRowBytes), b);
     wgmma::commit_group();
     // Keep this batch in flight; the previous one has retired, so its stage can be refilled.
     wgmma::wait_group<1>();

@@ -396,6 +396,7 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
   // What the epilogue does to every tile (grouped: decided per tile, whose expert's scales differ).
   const EpilogueOp op = kGrouped ? EpilogueOp{} : epilogue_op(params);
   float acc[kFrags][kAccRegs];
+  const StageDescs descs(smem, kPingPong ? 0 : consumer * 64 * kRowBytes);
 
   PipelineState read;
   // Ping-pong: consumer 1 starts at the second tile's first k-block; both skip the other's tiles.
@@ -464,11 +465,9 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
       Scales s_even, s_odd;  // each fragment's k-block scales
       auto issue = [&](float(&dst)[kPartRegs], Scales& raw) {
         ptx::mbarrier_wait(&full[read.index], read.phase);
-        const u32 a = ptx::smem_u32(smem + read.index * kStageBytes) + consumer * 64 * kRowBytes;
-        const u32 b = ptx::smem_u32(smem + read.index * kStageBytes + kStageBytesA);
         wgmma::fence_operand(dst);  // the previous step's adds read it first
         wgmma::fence();
-        mma_stage<kPromoteN, true>(dst, a, b);
+        mma_stage<kPromoteN, true>(dst, descs.a_at(read.index), descs.b_at(read.index));
         wgmma::commit_group();
         read_scales(read.index, raw);  // while the wgmmas run
         read.advance();
@@ -504,14 +503,13 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
         Scales raw;
         float s_row[kPromoteParts][2];
         ptx::mbarrier_wait(&full[read.index], read.phase);
-        const u32 a = ptx::smem_u32(smem + read.index * kStageBytes) + (kPingPong ? 0 : consumer * 64 * kRowBytes);
-        const u32 b = ptx::smem_u32(smem + read.index * kStageBytes + kStageBytesA);
+        const u64 a = descs.a_at(read.index), b = descs.b_at(read.index);
         if constexpr (kPromote) {
 #pragma unroll
           for (int p = 0; p < kPromoteParts; ++p) {
             wgmma::fence_operand(part);  // the adds of the previous part read it first
             wgmma::fence();
-            mma_stage<kPromoteN, true>(part, a, b + p * kPromoteN * kRowBytes);
+            mma_stage<kPromoteN, true>(part, a, wgmma::desc_advance(b, p * kPromoteN * kRowBytes));
             wgmma::commit_group();
             if (p == 0) {  // while the wgmmas run
               read_scales(read.index, raw);
@@ -531,7 +529,7 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
           for (int f = 0; f < kFrags; ++f) wgmma::fence_operand(acc[f]);
           wgmma::fence();
 #pragma unroll
-          for (int f = 0; f < kFrags; ++f) mma_stage<kBlockN>(acc[f], a + f * 64 * kRowBytes, b);
+          for (int f = 0; f < kFrags; ++f) mma_stage<kBlockN>(acc[f], wgmma::desc_advance(a, f * 64 * kRowBytes), b);
           wgmma::commit_group();
           wgmma::wait_group<1>();
 #pragma unroll

@@ -71,15 +71,14 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
 #pragma unroll
   for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.0f;
 
+  const StageDescs descs(smem, consumer * 64 * kRowBytes);
   PipelineState read;
   PipelineState release;
   for (int kt = 0; kt < k_tiles; ++kt) {
     ptx::mbarrier_wait(&full[read.index], read.phase);
-    const u32 a = ptx::smem_u32(smem + read.index * kStageBytes) + consumer * 64 * kRowBytes;
-    const u32 b = ptx::smem_u32(smem + read.index * kStageBytes + kStageBytesA);
     wgmma::fence_operand(acc);
     wgmma::fence();
-    mma_stage<kBlockN>(acc, a, b);
+    mma_stage<kBlockN>(acc, descs.a_at(read.index), descs.b_at(read.index));
     wgmma::commit_group();
     // One batch stays in flight; the one before it has retired and its stage goes back.
     wgmma::wait_group<1>();

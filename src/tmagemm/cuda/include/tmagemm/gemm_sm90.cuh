@@ -265,13 +265,12 @@ __device__ __forceinline__ void wait_for_previous_kernel() { ptx::griddep_wait()
 __device__ __forceinline__ void let_next_kernel_launch() { ptx::griddep_launch_dependents(); }
 
 // ---------------------------------------------------------------------------------------------
-// Consumer step: acc(64 x kN) += A(64 rows at a_addr) * B(kN columns at b_addr) over one stage;
-// with kOverwrite, acc = A * B over the stage (the first instruction ignores acc's contents).
+// Consumer step: acc(64 x kN) += A(64 rows) * B(kN columns) over one stage, from the operands'
+// shared-memory descriptors; with kOverwrite, acc = A * B over the stage (the first instruction
+// ignores acc's contents).
 // ---------------------------------------------------------------------------------------------
 template <int kN, bool kOverwrite = false>
-__device__ __forceinline__ void mma_stage(float (&acc)[kN / 2], u32 a_addr, u32 b_addr) {
-  const u64 desc_a = wgmma::desc_k_major(a_addr);
-  const u64 desc_b = kBKMajor ? wgmma::desc_k_major(b_addr) : wgmma::desc_mn_major(b_addr);
+__device__ __forceinline__ void mma_stage(float (&acc)[kN / 2], u64 desc_a, u64 desc_b) {
 #pragma unroll
   for (int kk = 0; kk < kMmaPerStage; ++kk) {
     // K-major: the next 32 bytes of each 128-byte row (the hardware applies the swizzle to the
@@ -282,6 +281,33 @@ __device__ __forceinline__ void mma_stage(float (&acc)[kN / 2], u32 a_addr, u32 
                                                             kOverwrite && kk == 0 ? 0 : 1);
   }
 }
+
+// Descriptors of one consumer's A rows and of B in every stage of the ring, built once: stage s
+// is stage 0's descriptors moved by s * kStageBytes, one integer add per k-block instead of
+// rebuilding them from the ring's address (a chain of a dozen dependent uniform-datapath
+// instructions between the full-barrier wait and the first wgmma of every k-block). Only the
+// low words depend on the address; they are broadcast from lane 0, so the compiler keeps them in
+// uniform registers instead of recomputing them from the shared-memory window every k-block.
+struct StageDescs {
+  u32 a_lo, b_lo;  // stage 0
+  u32 a_hi, b_hi;
+  __device__ __forceinline__ StageDescs(const unsigned char* ring, u32 a_offset) {
+    const u64 a = wgmma::desc_k_major(ptx::smem_u32(ring) + a_offset);
+    const u64 b = kBKMajor ? wgmma::desc_k_major(ptx::smem_u32(ring) + kStageBytesA)
+                           : wgmma::desc_mn_major(ptx::smem_u32(ring) + kStageBytesA);
+    a_lo = __shfl_sync(0xffffffffu, static_cast<u32>(a), 0);
+    b_lo = __shfl_sync(0xffffffffu, static_cast<u32>(b), 0);
+    a_hi = static_cast<u32>(a >> 32);
+    b_hi = static_cast<u32>(b >> 32);
+  }
+  // The 14-bit address field never carries into the next one: shared memory is below 256 KB.
+  __device__ __forceinline__ u64 a_at(int stage) const {
+    return static_cast<u64>(a_hi) << 32 | (a_lo + static_cast<u32>(stage) * (kStageBytes >> 4));
+  }
+  __device__ __forceinline__ u64 b_at(int stage) const {
+    return static_cast<u64>(b_hi) << 32 | (b_lo + static_cast<u32>(stage) * (kStageBytes >> 4));
+  }
+};
 
 // ---------------------------------------------------------------------------------------------
 // Epilogue. A warpgroup owns a 64 x kN fp32 fragment in the wgmma layout: thread t (warp w,
