@@ -654,12 +654,13 @@ def test_block_scaled_builds_for_sm90a(config):
     assert "LDG.E.CONSTANT" not in sass, "a consumer reads its scales from global memory"
 
 
-def _wait_to_first_wgmma(sass: str) -> int:
-    """Instructions between a consumer's first full-barrier wait and the wgmma it lets issue."""
+def _first_wait_and_wgmma(sass: str) -> tuple[list[str], int, int]:
+    """The kernel's instructions, and the indices of a consumer's first full-barrier wait and of
+    the wgmma it lets issue."""
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", sass)
     first = next(i for i, op in enumerate(ops) if "GMMA" in op)
     wait = max(i for i in range(first) if "SYNCS.PHASECHK" in ops[i])
-    return first - wait - 1
+    return ops, wait, first
 
 
 _BLOCK_CONFIGS = next(v for v in native.VARIANTS if v.name == "cuda.blockscaled").configs
@@ -669,15 +670,19 @@ _BLOCK_CONFIGS = next(v for v in native.VARIANTS if v.name == "cuda.blockscaled"
 @pytest.mark.parametrize("case", [*((native.NATIVE_CONFIGS[name], family) for name in PLAIN for family in FAMILIES[1::2]),
                                   *((config, FAMILIES[3]) for config in _BLOCK_CONFIGS)],
                          ids=lambda case: f"{case[0].label()}-{_family_id(case[1])}")
-def test_stage_descriptors_are_built_once(case):
+def test_stage_addresses_are_built_once(case):
     """Every k-block's wgmmas issue a few instructions after its stage is seen full: the operand
     descriptors of each stage are one add away from stage 0's, built before the mainloop
-    (rebuilt from the ring's address, 23-34 instructions stood between the wait and the wgmma)."""
+    (rebuilt from the ring's address, 23-34 instructions stood between the wait and the wgmma),
+    and so is the full barrier's address (rebuilt from &full[stage], it read the CTA's id in its
+    cluster, a long-latency S2UR, right before every wait)."""
     from tmagemm import jit
 
     config, (ab, out, k_major) = case
     module = native.compile_module(config, ab, out, k_major)
-    assert _wait_to_first_wgmma(jit.sass(module.cubin)) <= 14
+    ops, wait, first = _first_wait_and_wgmma(jit.sass(module.cubin))
+    assert first - wait - 1 <= 14, ops[wait:first + 1]
+    assert not any("SR_CgaCtaId" in op for op in ops[wait - 8:first]), ops[wait - 8:first + 1]
 
 
 def test_block_scaled_shared_memory_plan():

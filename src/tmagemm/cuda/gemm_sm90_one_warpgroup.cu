@@ -59,10 +59,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < kAccRegs; ++i) acc[f][i] = 0.0f;
 
   const StageDescs descs(smem, 0);
+  const ConsumerBarriers<> bars(full, empty);
   PipelineState read;      // stage the warpgroup computes on
   PipelineState released;  // stage whose wgmma batch retired last (refilled next)
   for (int kt = 0; kt < k_tiles; ++kt) {
-    ptx::mbarrier_wait(&full[read.index], read.phase);
+    bars.wait_full(read.index, read.phase);
     const u64 a = descs.a_at(read.index), b = descs.b_at(read.index);
     wgmma::fence_operand(acc[0]);
     wgmma::fence_operand(acc[1]);

@@ -91,7 +91,7 @@ constexpr int kEpiPasses = TMAGEMM_EPI_PASSES;
 constexpr int kEpiBuffers = TMAGEMM_EPI_BUFFERS;
 static_assert((kEpiPasses == 1 && kEpiBuffers == 1) || !kPingPong, "ping-pong stages whole fragments");
 constexpr int kEpiBytesPerConsumer = kFrags * kFragBytes / kEpiPasses * kEpiBuffers;
-// Arrivals that free a stage (release_stage): one per reading consumer warpgroup (both in the
+// Arrivals that free a stage (ConsumerBarriers::release_stage): one per reading consumer warpgroup (both in the
 // cooperative schedule, the tile's owner in ping-pong) of every CTA whose TMA writes into it.
 // The producer's wait on `empty` needs no cluster-scope acquire either (that one invalidates L1):
 // it only orders its next TMA write after reads that are already complete.
@@ -397,6 +397,7 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
   const EpilogueOp op = kGrouped ? EpilogueOp{} : epilogue_op(params);
   float acc[kFrags][kAccRegs];
   const StageDescs descs(smem, kPingPong ? 0 : consumer * 64 * kRowBytes);
+  const ConsumerBarriers<kCluster> bars(full, empty);
 
   PipelineState read;
   // Ping-pong: consumer 1 starts at the second tile's first k-block; both skip the other's tiles.
@@ -464,7 +465,7 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
       float part_odd[kPartRegs];
       Scales s_even, s_odd;  // each fragment's k-block scales
       auto issue = [&](float(&dst)[kPartRegs], Scales& raw) {
-        ptx::mbarrier_wait(&full[read.index], read.phase);
+        bars.wait_full(read.index, read.phase);
         wgmma::fence_operand(dst);  // the previous step's adds read it first
         wgmma::fence();
         mma_stage<kPromoteN, true>(dst, descs.a_at(read.index), descs.b_at(read.index));
@@ -475,7 +476,7 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
       // A k-block's group has retired: free its stage, add its scaled sum.
       auto retire = [&](float(&src)[kPartRegs], const Scales& raw) {
         wgmma::fence_operand(src);
-        release_stage<kCluster>(&empty[release.index]);
+        bars.release_stage(release.index);
         release.advance();
         float s_row[kPromoteParts][2];
         scale_rows(raw, s_row);
@@ -502,7 +503,7 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
       for (int kt = 0; kt < k_blocks; ++kt) {
         Scales raw;
         float s_row[kPromoteParts][2];
-        ptx::mbarrier_wait(&full[read.index], read.phase);
+        bars.wait_full(read.index, read.phase);
         const u64 a = descs.a_at(read.index), b = descs.b_at(read.index);
         if constexpr (kPromote) {
 #pragma unroll
@@ -521,7 +522,7 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
             wgmma::wait_group<0>();
             wgmma::fence_operand(part);
             // The stage's last reads are done: free it before adding, so the producer refills sooner.
-            if (p == kPromoteParts - 1) release_stage<kCluster>(&empty[read.index]);
+            if (p == kPromoteParts - 1) bars.release_stage(read.index);
             add_part(part, p, s_row);
           }
         } else {
@@ -536,7 +537,7 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
           for (int f = 0; f < kFrags; ++f) wgmma::fence_operand(acc[f]);
           // One batch stays in flight; the one before it has retired and its stage goes back.
           if (kt > 0) {
-            release_stage<kCluster>(&empty[release.index]);
+            bars.release_stage(release.index);
             release.advance();
           }
         }
@@ -551,7 +552,7 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
       wgmma::wait_group<0>();
 #pragma unroll
       for (int f = 0; f < kFrags; ++f) wgmma::fence_operand(acc[f]);
-      if (k_blocks > 0) release_stage<kCluster>(&empty[release.index]);
+      if (k_blocks > 0) bars.release_stage(release.index);
       if (kPingPong)
         for (int kt = 0; kt < k_tiles; ++kt) read.advance();
     }

@@ -72,10 +72,11 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
   for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.0f;
 
   const StageDescs descs(smem, consumer * 64 * kRowBytes);
+  const ConsumerBarriers<> bars(full, empty);
   PipelineState read;
   PipelineState release;
   for (int kt = 0; kt < k_tiles; ++kt) {
-    ptx::mbarrier_wait(&full[read.index], read.phase);
+    bars.wait_full(read.index, read.phase);
     wgmma::fence_operand(acc);
     wgmma::fence();
     mma_stage<kBlockN>(acc, descs.a_at(read.index), descs.b_at(read.index));
@@ -84,7 +85,7 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
     wgmma::wait_group<1>();
     wgmma::fence_operand(acc);
     if (kt > 0) {
-      release_stage(&empty[release.index]);
+      bars.release_stage(release.index);
       release.advance();
     }
     read.advance();

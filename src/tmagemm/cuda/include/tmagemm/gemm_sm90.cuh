@@ -183,20 +183,39 @@ __device__ __forceinline__ void init_pipeline(u64* full, u64* empty, unsigned re
   ptx::fence_barrier_init();
 }
 
-// A consumer warpgroup frees a stage once wgmma.wait_group has retired its reads of it. wgmma
-// groups are tracked per warpgroup, so one thread arrives for all 128 (the empty barrier counts
-// warpgroups). kCluster > 1: the peers' TMA writes into the stage too, so thread t arrives on
-// CTA t's barrier. The reads are already complete, so the arrival publishes nothing: a
-// cluster-scope release there would compile to a MEMBAR.ALL.GPU per k-block.
+// A consumer warpgroup's side of the ring's barriers: it waits for a stage to be full and frees
+// it once wgmma.wait_group has retired its reads of it. wgmma groups are tracked per warpgroup,
+// so one thread arrives for all 128 (the empty barrier counts warpgroups). kCluster > 1: the
+// peers' TMA writes into the stage too, so thread t arrives on CTA t's barrier. The reads are
+// already complete, so the arrival publishes nothing: a cluster-scope release there would
+// compile to a MEMBAR.ALL.GPU per k-block.
+//
+// The barriers' addresses are computed once, stage 0's broadcast from lane 0 so they stay in
+// uniform registers: built from &full[stage] at every k-block, each address read the CTA's id
+// in its cluster (S2UR SR_CgaCtaId, a long-latency read) between the adds of one k-block and
+// the wait for the next.
 template <int kCluster = 1>
-__device__ __forceinline__ void release_stage(u64* empty) {
-  const int t = threadIdx.x % 128;
-  if constexpr (kCluster == 1) {
-    if (t == 0) ptx::mbarrier_arrive(empty);
-  } else {
-    if (t < kCluster) ptx::mbarrier_arrive_remote(empty, t);
+struct ConsumerBarriers {
+  u32 full;     // full[0]
+  u32 release;  // the empty[0] this thread arrives on (a shared::cluster address for kCluster > 1)
+  __device__ __forceinline__ ConsumerBarriers(u64* full_bars, u64* empty_bars) {
+    full = __shfl_sync(0xffffffffu, ptx::smem_u32(full_bars), 0);
+    const u32 empty = __shfl_sync(0xffffffffu, ptx::smem_u32(empty_bars), 0);
+    release = kCluster == 1 ? empty : ptx::mapa_shared(empty, threadIdx.x % kCluster);
   }
-}
+  __device__ __forceinline__ void wait_full(int stage, u32 phase) const {
+    ptx::mbarrier_wait(full + stage * static_cast<u32>(sizeof(u64)), phase);
+  }
+  __device__ __forceinline__ void release_stage(int stage) const {
+    const int t = threadIdx.x % 128;
+    const u32 bar = release + stage * static_cast<u32>(sizeof(u64));
+    if constexpr (kCluster == 1) {
+      if (t == 0) ptx::mbarrier_arrive(bar);
+    } else {
+      if (t < kCluster) ptx::mbarrier_arrive_remote(bar);
+    }
+  }
+};
 
 // ---------------------------------------------------------------------------------------------
 // Producer step: one thread loads k-block `k_tile` of the A and B tiles into a stage.

@@ -81,15 +81,18 @@ __device__ __forceinline__ void mbarrier_inval(unsigned long long* bar) {
   asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
 
-__device__ __forceinline__ void mbarrier_arrive(unsigned long long* bar) {
+// The waits and arrivals on a barrier take its shared-window address (smem_u32) or a pointer.
+__device__ __forceinline__ void mbarrier_arrive(unsigned bar) {
   // The arrival state is not needed: waits use the phase parity instead.
   asm volatile(
       "{\n"
       "  .reg .b64 state;\n"
       "  mbarrier.arrive.shared::cta.b64 state, [%0];\n"
-      "}\n" ::"r"(smem_u32(bar))
+      "}\n" ::"r"(bar)
       : "memory");
 }
+
+__device__ __forceinline__ void mbarrier_arrive(unsigned long long* bar) { mbarrier_arrive(smem_u32(bar)); }
 
 // One arrival that also announces `bytes` of TMA traffic the phase must wait for. Issue it
 // before or after the copies: the phase completes only when both arrivals and bytes are in.
@@ -117,19 +120,18 @@ __device__ __forceinline__ void mbarrier_arrive_cluster(unsigned long long* bar,
                : "memory");
 }
 
-// Arrive on the barrier at the same shared offset in CTA `cta_rank` with release at CTA scope
-// only. For a consumer freeing a pipeline stage whose only accesses were wgmma reads already
+// Arrive on a barrier of another CTA of the cluster (`cluster_bar`: its shared::cluster address,
+// mapa_shared) with release at CTA scope only. For a consumer freeing a pipeline stage whose only accesses were wgmma reads already
 // retired by wgmma.wait_group, there is nothing to publish: the cluster-scope release above
 // compiles to MEMBAR.ALL.GPU (+ ERRBAR), which stalls the warp on every k-block, while this
 // form is a bare remote SYNCS arrive.
-__device__ __forceinline__ void mbarrier_arrive_remote(unsigned long long* bar, unsigned cta_rank) {
-  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(mapa_shared(smem_u32(bar), cta_rank))
-               : "memory");
+__device__ __forceinline__ void mbarrier_arrive_remote(unsigned cluster_bar) {
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(cluster_bar) : "memory");
 }
 
 // True once the phase with parity `phase` (0 or 1) has completed. try_wait may suspend the
 // thread for a system-defined time before returning false, so a spin on it is cheap.
-__device__ __forceinline__ bool mbarrier_try_wait_parity(unsigned long long* bar, unsigned phase) {
+__device__ __forceinline__ bool mbarrier_try_wait_parity(unsigned bar, unsigned phase) {
   unsigned done;
   asm volatile(
       "{\n"
@@ -138,9 +140,13 @@ __device__ __forceinline__ bool mbarrier_try_wait_parity(unsigned long long* bar
       "  selp.u32 %0, 1, 0, p;\n"
       "}\n"
       : "=r"(done)
-      : "r"(smem_u32(bar)), "r"(phase)
+      : "r"(bar), "r"(phase)
       : "memory");
   return done != 0;
+}
+
+__device__ __forceinline__ bool mbarrier_try_wait_parity(unsigned long long* bar, unsigned phase) {
+  return mbarrier_try_wait_parity(smem_u32(bar), phase);
 }
 
 // Same, with acquire at cluster scope: use when the arrivals come from other CTAs.
@@ -158,9 +164,13 @@ __device__ __forceinline__ bool mbarrier_try_wait_parity_cluster(unsigned long l
   return done != 0;
 }
 
-__device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned phase) {
+__device__ __forceinline__ void mbarrier_wait(unsigned bar, unsigned phase) {
   while (!mbarrier_try_wait_parity(bar, phase)) {
   }
+}
+
+__device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned phase) {
+  mbarrier_wait(smem_u32(bar), phase);
 }
 
 __device__ __forceinline__ void mbarrier_wait_cluster(unsigned long long* bar, unsigned phase) {
