@@ -91,8 +91,9 @@ constexpr int kEpiPasses = TMAGEMM_EPI_PASSES;
 constexpr int kEpiBuffers = TMAGEMM_EPI_BUFFERS;
 static_assert((kEpiPasses == 1 && kEpiBuffers == 1) || !kPingPong, "ping-pong stages whole fragments");
 constexpr int kEpiBytesPerConsumer = kFrags * kFragBytes / kEpiPasses * kEpiBuffers;
-// Arrivals that free a stage (ConsumerBarriers::release_stage): one per reading consumer warpgroup (both in the
-// cooperative schedule, the tile's owner in ping-pong) of every CTA whose TMA writes into it.
+// Arrivals that free a stage (ConsumerBarriers::release_stage): one per reading consumer
+// warpgroup (both in the cooperative schedule, the tile's owner in ping-pong) of every CTA whose
+// TMA writes into it.
 // The producer's wait on `empty` needs no cluster-scope acquire either (that one invalidates L1):
 // it only orders its next TMA write after reads that are already complete.
 constexpr int kReadersPerCta = kPingPong ? 1 : kConsumerWarpgroups;

@@ -120,11 +120,11 @@ __device__ __forceinline__ void mbarrier_arrive_cluster(unsigned long long* bar,
                : "memory");
 }
 
-// Arrive on a barrier of another CTA of the cluster (`cluster_bar`: its shared::cluster address,
-// mapa_shared) with release at CTA scope only. For a consumer freeing a pipeline stage whose only accesses were wgmma reads already
-// retired by wgmma.wait_group, there is nothing to publish: the cluster-scope release above
-// compiles to MEMBAR.ALL.GPU (+ ERRBAR), which stalls the warp on every k-block, while this
-// form is a bare remote SYNCS arrive.
+// Arrive on a barrier of another CTA of the cluster (`cluster_bar`: its shared::cluster
+// address, mapa_shared) with release at CTA scope only. For a consumer freeing a pipeline stage
+// whose only accesses were wgmma reads already retired by wgmma.wait_group, there is nothing to
+// publish: the cluster-scope release above compiles to MEMBAR.ALL.GPU (+ ERRBAR), which stalls
+// the warp on every k-block, while this form is a bare remote SYNCS arrive.
 __device__ __forceinline__ void mbarrier_arrive_remote(unsigned cluster_bar) {
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(cluster_bar) : "memory");
 }
