@@ -631,9 +631,11 @@ def test_unaligned_stride_is_refused():
 # ------------------------------------------------------------------------------- block-scaled fp8
 
 
+_BLOCK_CONFIGS = next(v for v in native.VARIANTS if v.name == "cuda.blockscaled").configs
+
+
 @needs_nvrtc
-@pytest.mark.parametrize("config", [c for c in next(v for v in native.VARIANTS if v.name == "cuda.blockscaled").configs],
-                         ids=lambda c: c.label())
+@pytest.mark.parametrize("config", _BLOCK_CONFIGS, ids=lambda c: c.label())
 def test_block_scaled_builds_for_sm90a(config):
     """The promoting mainloop with scales: the same four fp8 wgmmas per stage and 128 columns, no
     spills, and no serialized wgmma (ptxas warns when the scale loads would force it)."""
@@ -661,9 +663,6 @@ def _first_wait_and_wgmma(sass: str) -> tuple[list[str], int, int]:
     first = next(i for i, op in enumerate(ops) if "GMMA" in op)
     wait = max(i for i in range(first) if "SYNCS.PHASECHK" in ops[i])
     return ops, wait, first
-
-
-_BLOCK_CONFIGS = next(v for v in native.VARIANTS if v.name == "cuda.blockscaled").configs
 
 
 @needs_nvrtc

@@ -277,9 +277,8 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
   const int clusters = gridDim.x / kCluster;
   const int tiles_n = ceil_div(params.n, kBlockN);
   const int k_tiles = ceil_div(params.k, kBlockK);
-  // Broadcast from lane 0 so the compiler knows it is warp-uniform: shared-memory descriptors
-  // built from it then stay in uniform registers instead of being moved there every k-block.
-  const int warpgroup = __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x / 128), 0);
+  // Warp-uniform, so the shared-memory descriptors built from it stay in uniform registers.
+  const int warpgroup = static_cast<int>(ptx::warp_uniform(threadIdx.x / 128));
 
   // ---- descriptor prefetch, barrier init + fence + sync ------------------------------------
   // (gemm_sm90.cuh, "Programmatic dependent launch": everything up to the wait may overlap the

@@ -190,17 +190,16 @@ __device__ __forceinline__ void init_pipeline(u64* full, u64* empty, unsigned re
 // already complete, so the arrival publishes nothing: a cluster-scope release there would
 // compile to a MEMBAR.ALL.GPU per k-block.
 //
-// The barriers' addresses are computed once, stage 0's broadcast from lane 0 so they stay in
-// uniform registers: built from &full[stage] at every k-block, each address read the CTA's id
-// in its cluster (S2UR SR_CgaCtaId, a long-latency read) between the adds of one k-block and
-// the wait for the next.
+// The barriers' addresses are computed once (stage 0's, warp-uniform): built from &full[stage]
+// at every k-block, each address read the CTA's id in its cluster (S2UR SR_CgaCtaId, a
+// long-latency read) between the adds of one k-block and the wait for the next.
 template <int kCluster = 1>
 struct ConsumerBarriers {
   u32 full;     // full[0]
   u32 release;  // the empty[0] this thread arrives on (a shared::cluster address for kCluster > 1)
   __device__ __forceinline__ ConsumerBarriers(u64* full_bars, u64* empty_bars) {
-    full = __shfl_sync(0xffffffffu, ptx::smem_u32(full_bars), 0);
-    const u32 empty = __shfl_sync(0xffffffffu, ptx::smem_u32(empty_bars), 0);
+    full = ptx::warp_uniform(ptx::smem_u32(full_bars));
+    const u32 empty = ptx::warp_uniform(ptx::smem_u32(empty_bars));
     release = kCluster == 1 ? empty : ptx::mapa_shared(empty, threadIdx.x % kCluster);
   }
   __device__ __forceinline__ void wait_full(int stage, u32 phase) const {
@@ -305,8 +304,8 @@ __device__ __forceinline__ void mma_stage(float (&acc)[kN / 2], u64 desc_a, u64 
 // is stage 0's descriptors moved by s * kStageBytes, one integer add per k-block instead of
 // rebuilding them from the ring's address (a chain of a dozen dependent uniform-datapath
 // instructions between the full-barrier wait and the first wgmma of every k-block). Only the
-// low words depend on the address; they are broadcast from lane 0, so the compiler keeps them in
-// uniform registers instead of recomputing them from the shared-memory window every k-block.
+// low words depend on the address; made warp-uniform, they stay in uniform registers instead of
+// being recomputed from the shared-memory window every k-block.
 struct StageDescs {
   u32 a_lo, b_lo;  // stage 0
   u32 a_hi, b_hi;
@@ -314,8 +313,8 @@ struct StageDescs {
     const u64 a = wgmma::desc_k_major(ptx::smem_u32(ring) + a_offset);
     const u64 b = kBKMajor ? wgmma::desc_k_major(ptx::smem_u32(ring) + kStageBytesA)
                            : wgmma::desc_mn_major(ptx::smem_u32(ring) + kStageBytesA);
-    a_lo = __shfl_sync(0xffffffffu, static_cast<u32>(a), 0);
-    b_lo = __shfl_sync(0xffffffffu, static_cast<u32>(b), 0);
+    a_lo = ptx::warp_uniform(static_cast<u32>(a));
+    b_lo = ptx::warp_uniform(static_cast<u32>(b));
     a_hi = static_cast<u32>(a >> 32);
     b_hi = static_cast<u32>(b >> 32);
   }

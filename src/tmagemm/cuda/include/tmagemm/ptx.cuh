@@ -456,6 +456,11 @@ __device__ __forceinline__ void ld_global_cg_v4(const float* src, float& x, floa
 // Warp / CTA / cluster helpers
 // ---------------------------------------------------------------------------------------------
 
+// Lane 0's value in every lane of the (fully active) warp. The compiler then knows it is
+// warp-uniform, so what is built from it (shared-memory descriptors, barrier addresses) stays in
+// uniform registers instead of being recomputed, or moved there with R2UR, at every use.
+__device__ __forceinline__ unsigned warp_uniform(unsigned value) { return __shfl_sync(0xffffffffu, value, 0); }
+
 // True in exactly one lane of the (fully active) warp; the hardware picks it, so no divergence
 // on threadIdx is needed before a single-thread TMA issue.
 __device__ __forceinline__ bool elect_one_sync() {
