@@ -8,7 +8,10 @@ Problems: the block preset's DeepSeek-V3 shapes (tmagemm.bench.shapes.BLOCK_LAYE
 own six) at each M. Operands: a (M, K) e4m3, w (N, K) e4m3, 1x128 scales of a (M, K/128) and
 128x128 scales of w (N/128, K/128), fp32, random in [0.5, 1.5); bf16 output. Providers:
 
-* ``tmagemm``: ``tmagemm.scaled_mm(a, w.t(), sa, sw)`` (the public API, its own dispatch);
+* ``tmagemm``: ``tmagemm.scaled_mm(a, w.t(), sa, sw)`` (the public API, its own dispatch), sa
+  row-major (what tmagemm.quantize_fp8 gives);
+* ``tmagemm.mn``: the same call with sa in DeepGEMM's layout (contiguous along M, the column
+  stride M rounded up to 4), the very input DeepGEMM's kernel reads (dense problems);
 * ``deepgemm``: ``deep_gemm.fp8_gemm_nt((a, sa'), (w, sw), out)`` (DeepGEMM 2.x; 1.x names it
   ``gemm_fp8_fp8_bf16_nt``), with sa' = sa in the MN-major, TMA-aligned layout DeepGEMM's SM90
   kernel reads (converted once, outside timing: a caller would quantize straight into it), fp32
@@ -54,12 +57,25 @@ def log(*args) -> None:
     print(*args, flush=True)
 
 
+def mn_major(scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` (M, K/128) contiguous along M with the column stride M rounded up to 4 (16 bytes):
+    the layout DeepGEMM's get_col_major_tma_aligned_tensor gives."""
+    m, kb = scale.shape
+    buf = torch.empty(kb, -(-m // 4) * 4, dtype=scale.dtype, device=scale.device)
+    buf[:, :m].copy_(scale.t())
+    return buf[:, :m].t()
+
+
 def dense_calls(case: providers.Case, deep_gemm) -> dict:
     """name -> zero-argument call returning its output, for one dense case."""
     found = {}
     out = case.empty_out()
     found["tmagemm"] = lambda: tmagemm.scaled_mm(case.a, case.b, case.scale_a, case.scale_b,
                                                  out_dtype=torch.bfloat16, out=out)
+    sa_mn = mn_major(case.scale_a)
+    out_mn = case.empty_out()
+    found["tmagemm.mn"] = lambda: tmagemm.scaled_mm(case.a, case.b, sa_mn, case.scale_b, out_dtype=torch.bfloat16,
+                                                    out=out_mn)
     if deep_gemm is not None:
         w = case.b.t()  # (N, K) row-major
         d = case.empty_out()
@@ -194,7 +210,7 @@ def main() -> int:
     (args.out / "deepgemm_peer.json").write_text(json.dumps({"metadata": meta, "records": records}, indent=1))
 
     log("\nproblem | M x N x K | tmagemm us | DeepGEMM us | cuBLAS us | TFLOP/s tmagemm / DeepGEMM | tmagemm vs DeepGEMM | vs cuBLAS")
-    ratios: dict[str, list[float]] = {"deepgemm": [], "cublas": []}
+    ratios: dict[str, list[float]] = {"deepgemm": [], "cublas": [], "deepgemm (same scale layout)": []}
     for r in records:
         us = r["us"]
         ours = us.get("tmagemm")
@@ -206,6 +222,8 @@ def main() -> int:
                 cells.append(f"{us[peer] / ours:.2f}x")
             else:
                 cells.append(r["status"].get(peer, "-")[:30])
+        if us.get("tmagemm.mn") and us.get("deepgemm"):
+            ratios["deepgemm (same scale layout)"].append(us["deepgemm"] / us["tmagemm.mn"])
         tf = " / ".join(f"{flops / us[p] / 1e6:.0f}" if us.get(p) else "-" for p in ("tmagemm", "deepgemm"))
         log(f"{r['label']} | {r['m']}x{r['n']}x{r['k']} | {ours or float('nan'):.1f} | {us.get('deepgemm', float('nan')):.1f} | "
             f"{us.get('cublas', float('nan')):.1f} | {tf} | {cells[0]} | {cells[1]}")
@@ -213,6 +231,8 @@ def main() -> int:
         if values:
             log(f"geomean tmagemm speed vs {peer}: {math.exp(sum(map(math.log, values)) / len(values)):.3f} "
                 f"({len(values)} cells)")
+    if ratios["deepgemm (same scale layout)"]:
+        log("(same scale layout: tmagemm.mn, whose activation scales are DeepGEMM's own input)")
     return 0
 
 
