@@ -62,8 +62,8 @@ def test_params_struct_matches_device_layout():
     # gemm_sm90.cuh: 4 int + 2 float, 6 x 8-byte fields, 4 int, then the block scales' 2 pointers
     # and 4 strides = 128 bytes; the grouped fields: a pointer, 4 int, 3 strides, the output
     # pointer and its stride = 64 bytes; the tail split's scratch and counter pointers = 16 bytes;
-    # pointers 8-aligned.
-    assert ctypes.sizeof(native._Params) == 208
+    # the block scales' map switch (an int, padded); pointers 8-aligned.
+    assert ctypes.sizeof(native._Params) == 216
     assert native._Params.c.offset == 24
     assert native._Params.bias.offset == 56
     assert native._Params.scale_a_rowwise.offset == 64
@@ -74,6 +74,7 @@ def test_params_struct_matches_device_layout():
     assert native._Params.d.offset == 176
     assert native._Params.tail_partials.offset == 192
     assert native._Params.tail_counters.offset == 200
+    assert native._Params.block_scale_maps.offset == 208
 
 
 @pytest.mark.parametrize("name", sorted(native.NATIVE_CONFIGS))
@@ -650,8 +651,11 @@ def test_block_scaled_builds_for_sm90a(config):
     assert "serialized" not in module.log
     assert not native.NATIVE_CONFIGS["cuda.blockscaled"].__class__(
         "persistent", block_n=128, stages=6, block_scaled=True).is_valid(2), "scales need the promoting mainloop"
-    # The scales come with the operands: one loader lane copies 4 row scales and a weight-block
-    # scale per stage and arrives once its copies land; the consumers read no scale from global.
+    # The scales come with the operands: by TMA (the producer's A, B and two scale boxes per
+    # stage), or, for other layouts, one loader lane copies 4 row scales and a weight-block scale
+    # per stage and arrives once its copies land. The consumers read no scale from global memory.
+    assert _count(sass, "UTMALDG.2D") == 4, "A, B (multicast for clusters), sa, sb"
+    assert _count(sass, "UTMALDG.2D.MULTICAST") == (1 if config.cluster_m > 1 else 0)
     assert _count(sass, "LDGSTS.E") == 5 and _count(sass, "ARRIVES.LDGSTSBAR.64.ARVCNT") == 1
     assert "LDG.E.CONSTANT" not in sass, "a consumer reads its scales from global memory"
 
@@ -680,7 +684,16 @@ def test_stage_addresses_are_built_once(case):
     config, (ab, out, k_major) = case
     module = native.compile_module(config, ab, out, k_major)
     ops, wait, first = _first_wait_and_wgmma(jit.sass(module.cubin))
-    assert first - wait - 1 <= 14, ops[wait:first + 1]
+    between = ops[wait + 1:first]
+    if config.block_scaled and config.promote_depth == 1:
+        # The k-block's scale reads (and their addresses) stand there too, on purpose: read
+        # after the wgmmas are issued, their multiplications held back the k-block's last wgmma.
+        scale_reads = [i for i, op in enumerate(between) if op.startswith("LDS")]
+        arrive = next(i for i, op in enumerate(between) if op.startswith("WARPGROUP.ARRIVE"))
+        assert len(scale_reads) == 2 + config.block_n // 128 and max(scale_reads) < arrive, between
+        assert len(between) <= 14 + 16, between
+    else:
+        assert len(between) <= 14, ops[wait:first + 1]
     assert not any("SR_CgaCtaId" in op for op in ops[wait - 8:first]), ops[wait - 8:first + 1]
 
 
@@ -688,8 +701,8 @@ def test_block_scaled_shared_memory_plan():
     """cuda.gemm's scale slot mirrors the kernel's kScaleFloats; block-scaled tiles keep their
     stages by staging half as much output (128 x 256: one buffer; 128 x 128: two passes)."""
     source = (Path(native.__file__).parent / "gemm_sm90_persistent.cu").read_text()
-    assert "kScaleFloats = kBlockScaled ? (kBlockM + kPromoteParts + 3) / 4 * 4 : 0;" in source
-    assert native.SCALE_SLOT_BYTES == 4 * ((128 + 2 + 3) // 4 * 4) == 4 * ((128 + 1 + 3) // 4 * 4)
+    assert "kScaleFloats = kBlockScaled ? kBlockM + 32 : 0;" in source
+    assert native.SCALE_SLOT_BYTES == 4 * (128 + 32) and native.SCALE_SLOT_BYTES % 128 == 0
     wide = replace(native._PROMOTE_WIDE, block_scaled=True)
     assert wide.epi_buffers == 2 and not wide.is_valid(2)
     fitted = wide.fitted(2)
@@ -722,20 +735,41 @@ def _block_reference(a, w, sa, sb):
     return (a.double() * sa.double()[:, kb]) @ (w.double() * sb.double()[rows][:, kb]).t()
 
 
-def _block_scaled_check(m, n, k, scale_layout="row-major", config=None):
+def _tight(t: torch.Tensor, inner: int) -> torch.Tensor:
+    """2-D ``t``'s values contiguous along dimension ``inner``, the other stride padded to a
+    multiple of 4 elements (16 bytes, as TMA needs), in a buffer that ends at the last element."""
+    lead = -(-t.shape[inner] // 4) * 4
+    flat = torch.empty((t.shape[1 - inner] - 1) * lead + t.shape[inner], dtype=t.dtype, device=t.device)
+    view = flat.as_strided(tuple(t.shape), (lead, 1) if inner == 1 else (1, lead))
+    view.copy_(t)
+    return view
+
+
+def _block_scaled_check(m, n, k, scale_layout="row-major", config=None, maps=None):
     """The native block-scaled kernel (its heuristic config, or ``config``) on fresh operands with
-    a bf16 bias, fp32 out in a poisoned buffer, against the float64 block dequantization."""
+    a bf16 bias, fp32 out in a poisoned buffer, against the float64 block dequantization.
+    scale_layout "tight": a's scales along M and the weight's along K with 16-byte padded strides,
+    in buffers ending at their last elements. ``maps``: whether a map can describe both scales;
+    the launch then loads them by TMA (Params.block_scale_maps) on 128 x 256 tiles without a tail
+    split, where they measured faster."""
     from tmagemm.plan import Scaling
 
     a, w, sa, sb = _block_operands(m, n, k)
     if scale_layout == "outer-dim-major":
         sa = sa.t().contiguous().t()
+    elif scale_layout == "tight":
+        sa, sb = _tight(sa, 0), _tight(sb, 1)
     big, out = _poisoned_out(m, n, torch.float32)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     args = GemmArgs(a, w.t(), out, sa, sb, bias, True, (Scaling.BLOCK_1X128, Scaling.BLOCK_128X128))
     variant = next(v for v in native.VARIANTS if v.name == "cuda.blockscaled")
     assert variant.supports(args) is None, variant.supports(args)
-    variant.build(args, config)(args)
+    plan = variant.build(args, config)
+    if maps is not None:
+        assert (native.block_scale_maps(sa, sb, plan.config.block_n) is not None) == maps, (sa.stride(), sb.stride())
+        used = native._Launch(args, plan.config)._core.params.block_scale_maps
+        assert used == int(maps and plan.config.block_n == 256 and not plan.config.tail_split), plan.config
+    plan(args)
     torch.cuda.synchronize()
     ref = _block_reference(a, w, sa, sb) + bias.double()
     # Each k-block's sum is exact products added by wgmma's reduced-precision fp8 adder (bounded
@@ -752,6 +786,42 @@ def _block_scaled_check(m, n, k, scale_layout="row-major", config=None):
 @pytest.mark.parametrize("scale_layout", ["row-major", "outer-dim-major"])
 def test_block_scaled_matches_float64(m, n, k, scale_layout, seeded):
     _block_scaled_check(m, n, k, scale_layout)
+
+
+# Scales that maps describe (loaded by TMA on the 128 x 256 candidates, by the copying warp on
+# the others): M off 4 and K off 512 (boxes past a's last row and the weight's last k-block
+# arrive as zeros from buffers that end at their last elements), K off 128, N ending in a
+# 256-wide tile's first half, and 2x1 clusters whose second CTA has no rows (M = 4).
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(727, 2112, 7168), (300, 1000, 1104), (1024, 584, 4224), (130, 2112, 2000),
+                                   (4, 264, 640)])
+def test_block_scaled_scales_by_tma(m, n, k, seeded):
+    _block_scaled_check(m, n, k, "tight", maps=True)
+    for config in native.PROMOTE_CANDIDATES:
+        _block_scaled_check(m, n, k, "tight", replace(config, ctas=4, block_scaled=True), maps=True)
+
+
+@pytest.mark.gpu
+def test_block_scaled_scales_by_copying_warp(seeded):
+    """Layouts no map describes keep the copying warp: row-major a scales, and weight scales
+    whose row stride is not a multiple of 16 bytes (9 k-blocks)."""
+    _block_scaled_check(300, 1000, 1104, "row-major", maps=False)
+    _block_scaled_check(300, 1000, 1104, "outer-dim-major", maps=False)
+
+
+def test_block_scale_maps_of_layouts():
+    """Which scale layouts the producer loads by TMA: a's contiguous along M, the weight's along
+    K, 16-byte aligned; boxes of 128 row scales and of 4 scales per 128 columns of the tile."""
+    sa = torch.empty(9, 300).t()  # (300, 9), contiguous along M
+    sb = torch.empty(8, 12)[:, :9]  # (8, 9), contiguous along K, rows 48 bytes apart
+    layouts = native.block_scale_maps(sa, sb, 256)
+    assert layouts is not None
+    assert layouts[0].global_dims == (300, 9) and layouts[0].box_dims == (128, 1)
+    assert layouts[1].global_dims == (9, 8) and layouts[1].box_dims == (4, 2)
+    assert native.block_scale_maps(sa, sb, 128)[1].box_dims == (4, 1)
+    assert native.block_scale_maps(torch.empty(300, 9), sb, 256) is None  # row-major a scales
+    assert native.block_scale_maps(torch.empty(9, 301).t(), sb, 256) is None  # 1204-byte stride
+    assert native.block_scale_maps(sa, torch.empty(8, 9), 256) is None  # 36-byte rows
 
 
 # Every promoting tile the candidates offer, on 4 CTAs so each walks several tiles (phases carry

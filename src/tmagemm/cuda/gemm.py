@@ -46,8 +46,9 @@ _AB_TYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 _OUT_TYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 _ROW_BYTES = 128  # one k-block is one 128-byte swizzle row of A and B
 # gemm_sm90_persistent.cu's kScaleFloats in bytes: a block-scaled stage's scale slot (128 row
-# scales and one or two weight-block scales, rounded to 16 bytes).
-SCALE_SLOT_BYTES = 4 * 132
+# scales, then 16 bytes of weight-block scales per 128 columns, padded to 128 bytes: TMA boxes
+# land 128-byte aligned).
+SCALE_SLOT_BYTES = 4 * (128 + 32)
 
 
 def k_blocks(k: int, itemsize: int) -> int:
@@ -283,6 +284,7 @@ class _Params(ctypes.Structure):
         ("ldd", ctypes.c_int64),
         ("tail_partials", ctypes.c_void_p),
         ("tail_counters", ctypes.c_void_p),
+        ("block_scale_maps", ctypes.c_int32),
     ]
 
 
@@ -383,16 +385,38 @@ def _kernel(config: NativeGemmConfig, ab_dtype: torch.dtype, out_dtype: torch.dt
         return module.function(kernel_name(config))
 
 
+def block_scale_maps(scale_a: torch.Tensor, scale_b: torch.Tensor,
+                     block_n: int) -> tuple[tma.TiledParams, tma.TiledParams] | None:
+    """The map layouts by which the persistent kernel's producer loads block scales with the
+    operands (Params::block_scale_maps), or None where a layout allows none (a producer warp then
+    copies them 4 bytes at a time). a's 1x128 scales (M, ceil(K/128)) must be contiguous along M
+    (PyTorch's and DeepGEMM's outer-dim-major layout): a box is one k-block's 128 row scales. The
+    weight's 128x128 scales (ceil(N/128), ceil(K/128)) must be contiguous along K (a
+    checkpoint's): a box is, per 128 columns of the tile, the 16-byte aligned run of 4 scales
+    holding the stage's k-block's (TMA's least box; a box may not start between 16 bytes).
+
+    The dense launches use them on 128 x 256 tiles without a tail split: there they measured
+    1.7-4.7% faster than the copying warp on DeepGEMM's M = 4096 shapes (H100, BENCHMARKS.md);
+    with a tail split (4-10% slower) and on 128 x 128 tiles (-4% to +2%) they did not pay, for a
+    reason not found."""
+    if tma.map_reason(scale_a, "scale_a", (1, 0)) or tma.map_reason(scale_b, "scale_b", (0, 1)):
+        return None
+    return (tma.params_for_tensor(scale_a.t(), (1, 128), swizzle="none"),
+            tma.params_for_tensor(scale_b, (block_n // 128, 4), swizzle="none"))
+
+
 class _MappedLaunch:
     """What every native launch resolves once: the tensor-map layouts of its 2-D A, B and output
     (cached by address), the parameter block, the loaded kernel with its grid (persistent: one CTA
     per SM or ``config.ctas``, never more clusters than fit at once, never more than ``tiles``),
     and the stream. ``__call__`` points the maps, scales and bias at the operands and launches;
     the caller holds ``lock`` and has set its own per-call parameters (host time is a measured
-    goal)."""
+    goal). ``scales``: the block scales' map layouts (the persistent kernel's map_sa and map_sb,
+    see :func:`block_scale_maps`), or None."""
 
     def __init__(self, config: NativeGemmConfig, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, b_k_major: bool,
-                 params: _Params, tiles: int, exact_tiles: bool = True):
+                 params: _Params, tiles: int, exact_tiles: bool = True,
+                 scales: tuple[tma.TiledParams, tma.TiledParams] | None = None):
         out_size = out.element_size()
         block_k = _ROW_BYTES // a.element_size()
         b_box = (config.block_n // config.cluster_m, block_k) if b_k_major else (block_k, 64)
@@ -403,7 +427,10 @@ class _MappedLaunch:
         )
         self.params = params
         self._block = config.block_scaled  # the scales are the mainloop's 2-D block scales
-        self._pointers = (ctypes.c_void_p * 4)()
+        # The persistent kernel takes the block scales' maps after the parameters (A's and B's
+        # stand in where it reads none).
+        self._scale_maps = tuple(MapsByAddress(layout) for layout in scales) if scales else None
+        self._pointers = (ctypes.c_void_p * (6 if config.kernel == "persistent" else 4))()
         self._pointers[3] = ctypes.addressof(params)
         self.device_index = out.get_device()
         kernel = _kernel(config, a.dtype, out.dtype, b_k_major, self.device_index)
@@ -444,6 +471,12 @@ class _MappedLaunch:
         pointers[0] = self._maps[0].get(a.data_ptr()).address
         pointers[1] = self._maps[1].get(b.data_ptr()).address
         pointers[2] = self._maps[2].get(out.data_ptr()).address
+        if len(pointers) == 6:
+            if self._scale_maps is not None:
+                pointers[4] = self._scale_maps[0].get(scale_a.data_ptr()).address
+                pointers[5] = self._scale_maps[1].get(scale_b.data_ptr()).address
+            else:
+                pointers[4], pointers[5] = pointers[0], pointers[1]
         self._launch(self._stream(self.device_index))
 
 
@@ -473,9 +506,13 @@ class _Launch:
         params.m, params.n, params.k, params.group_m = args.m, args.n, args.k, config.group_m
         params.alpha, params.beta = float(alpha), float(beta)
         params.ldc = c.stride(0) if beta != 0.0 else 0
-        if config.block_scaled:  # the mainloop reads the 2-D block scales through their strides
+        scales = None
+        if config.block_scaled:  # the mainloop reads the 2-D block scales through their strides, or maps
             params.block_scale_a_m, params.block_scale_a_k = args.scale_a.stride()
             params.block_scale_b_n, params.block_scale_b_k = args.scale_b.stride()
+            if config.block_n == 256 and not config.tail_split:  # where the maps measured faster
+                scales = block_scale_maps(args.scale_a, args.scale_b, config.block_n)
+            params.block_scale_maps = int(scales is not None)
         else:
             params.scale_a_rowwise = int(args.scale_a is not None and args.scale_a.numel() != 1)
             params.scale_b_colwise = int(args.scale_b is not None and args.scale_b.numel() != 1)
@@ -485,7 +522,7 @@ class _Launch:
         b_k_major = tma.b_is_k_major(args.b)
         tiles = -(-args.m // (128 * config.cluster_m)) * -(-args.n // config.block_n)  # cluster tiles
         self._core = _MappedLaunch(config, args.a, tma.operand_view(args.b, not b_k_major), args.out, b_k_major,
-                                   params, tiles)
+                                   params, tiles, scales=scales)
         self.pdl = self._core.pdl
 
     def plan(self, name: str) -> Plan:

@@ -70,19 +70,27 @@ static_assert(!kPromote || (kAbType == wgmma::kE4M3 && !kPingPong && kBlockN % k
 // * sb[block]. A k-block is one scale block (128 e4m3 of K) and a scratch fragment's 128 columns
 // one weight block, so a thread needs its two rows' sa and one sb per scratch fragment.
 //
-// The scales arrive with the operands: warp 1 of the producer warpgroup copies each k-block's
-// kBlockM row scales and kPromoteParts weight-block scales into the stage's scale slot with
-// cp.async (any scale layout: 4-byte copies through the given strides), and each lane's copies
-// complete an arrival on the stage's full barrier. A consumer reads its scales from shared
-// memory while the k-block's wgmmas run. (Read from global memory in the promotion step
-// instead, the scale loads cost 16-19% at M = 4096, whether or not they hit L1: the step waited
-// for them before it could issue the next wgmmas.)
+// The scales arrive with the operands, into the stage's scale slot, in one of two ways
+// (Params::block_scale_maps, chosen by the host from the scales' layouts):
+// * tensor maps (a's scales contiguous along M, PyTorch's and DeepGEMM's layout; the weight's
+//   along K, a checkpoint's): the producer loads the k-block's row scales as one box and each
+//   part's run of 4 weight-block scales holding the k-block's as another (16 bytes, TMA's least
+//   box, starting 16-byte aligned), completing on the stage's full barrier with the operands;
+// * any other layout: warp 1 of the producer warpgroup copies them 4 bytes at a time (cp.async)
+//   through the strides, and each lane's copies complete an arrival on the full barrier.
+// A consumer reads its scales from shared memory while the k-block's wgmmas run. (Read from
+// global memory in the promotion step instead, the scale loads cost 16-19% at M = 4096, whether
+// or not they hit L1: the step waited for them before it could issue the next wgmmas.)
 constexpr bool kBlockScaled = TMAGEMM_BLOCK_SCALED != 0;
 static_assert(!kBlockScaled || kPromote, "block scaling rides on the promoting mainloop");
 constexpr int kScaleLoaders = kBlockScaled ? 32 : 0;  // the copying lanes: one arrival each per stage
-// floats of a stage's scale slot: sa of the CTA tile's rows, then sb per part (16-byte multiple);
-// cuda/gemm.py's SCALE_SLOT_BYTES mirrors it
-constexpr int kScaleFloats = kBlockScaled ? (kBlockM + kPromoteParts + 3) / 4 * 4 : 0;
+// A stage's scale slot: sa of the CTA tile's rows, then per part a 16-byte run holding the
+// part's sb (first from the copying warp, (kt % 4)-th from a box), padded to 128 bytes (a TMA
+// box lands 128-byte aligned). cuda/gemm.py's SCALE_SLOT_BYTES mirrors its size.
+constexpr int kScaleRun = 4;  // floats of a part's weight-scale box: 16 bytes
+constexpr int kScaleFloats = kBlockScaled ? kBlockM + 32 : 0;
+static_assert(kScaleRun * kPromoteParts <= 32, "the weight scales' boxes fit their 128 bytes");
+constexpr unsigned kScaleBoxBytes = 4 * (kBlockM + kScaleRun * kPromoteParts);  // both boxes of a stage
 static_assert(kBlockM % 32 == 0, "each scale-loading lane copies kBlockM / 32 row scales");
 // Cooperative: the output fragment is staged in TMAGEMM_EPI_PASSES column slices through
 // TMAGEMM_EPI_BUFFERS slice buffers. Staging less than the fragment buys a 4th ring stage for
@@ -257,7 +265,8 @@ __device__ __forceinline__ Params group_params(const Params& p, const TileCoord&
 
 extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
     tmagemm_gemm_sm90_persistent(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                                 const __grid_constant__ CUtensorMap map_d, const __grid_constant__ Params params) {
+                                 const __grid_constant__ CUtensorMap map_d, const __grid_constant__ Params params,
+                                 const __grid_constant__ CUtensorMap map_sa, const __grid_constant__ CUtensorMap map_sb) {
   // ---- shared-memory plan: STAGES x [A | B] ring, then one epilogue buffer per consumer ------
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = aligned_smem(smem_raw);
@@ -283,7 +292,16 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
   // ---- descriptor prefetch, barrier init + fence + sync ------------------------------------
   // (gemm_sm90.cuh, "Programmatic dependent launch": everything up to the wait may overlap the
   // previous kernel, so it touches no global memory.)
-  if (threadIdx.x == 0) init_pipeline(full, empty, kStageReaders, &map_a, &map_b, &map_d, 1 + kScaleLoaders);
+  // Block scales by TMA (map_sa, map_sb; unused otherwise): the full barriers then count the
+  // producer's arrival only, else the scale-copying lanes' too.
+  const bool scale_maps = kBlockScaled && !kGrouped && params.block_scale_maps;
+  if (threadIdx.x == 0) {
+    init_pipeline(full, empty, kStageReaders, &map_a, &map_b, &map_d, 1 + (scale_maps ? 0 : kScaleLoaders));
+    if (scale_maps) {
+      ptx::tma_prefetch_descriptor(&map_sa);
+      ptx::tma_prefetch_descriptor(&map_sb);
+    }
+  }
   if constexpr (kCluster > 1) {
     // The peer's barriers must be initialised before our multicasts and remote arrivals.
     ptx::cluster_arrive();
@@ -337,7 +355,13 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
         for (int kt = w.k0; kt < w.k1; ++kt) {
           ptx::mbarrier_wait(&empty[write.index], write.phase ^ 1);
           load_stage<kCluster>(smem + write.index * kStageBytes, &full[write.index], &map_a, &map_b, kt, tile.m0,
-                               tile.n0, rank, tile.group * params.b_group_rows);
+                               tile.n0, rank, tile.group * params.b_group_rows, scale_maps ? kScaleBoxBytes : 0);
+          if (scale_maps) {  // rows past M and blocks past N or K arrive as zeros
+            float* slot = scale_slots + write.index * kScaleFloats;
+            ptx::tma_load_2d(slot, &map_sa, &full[write.index], tile.m0, kt);
+            // a box's inner start must be 16-byte aligned: the run of 4 holding k-block kt
+            ptx::tma_load_2d(slot + kBlockM, &map_sb, &full[write.index], kt & ~(kScaleRun - 1), tile.n0 / kPromoteN);
+          }
           write.advance();
         }
       }
@@ -350,10 +374,11 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
           write.advance();
         }
       }
-    } else if (kBlockScaled && threadIdx.x / 32 == 1) {
+    } else if (kBlockScaled && !scale_maps && threadIdx.x / 32 == 1) {
       // ---- scale loader: the same walk; lane l copies rows l, l + 32, ... and lane p < parts
-      // part p's weight-block scale. Rows past the tile's last (past M or the group's end) take
-      // that row's scales: finite, and their outputs are never stored.
+      // part p's weight-block scale (where the part's box would put it). Rows past the tile's
+      // last (past M or the group's end) take that row's scales: finite, and their outputs are
+      // never stored.
       const int lane = threadIdx.x % 32;
       const int last_block = ceil_div(params.n, kPromoteN) - 1;
       PipelineState write;
@@ -377,7 +402,7 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
             ptx::cp_async_4(slot + lane + 32 * j, sa[j]);
             sa[j] += params.block_scale_a_k;
           }
-          if (lane < kPromoteParts) ptx::cp_async_4(slot + kBlockM + lane, sb);
+          if (lane < kPromoteParts) ptx::cp_async_4(slot + kBlockM + kScaleRun * lane, sb);
           sb += params.block_scale_b_k;
           ptx::cp_async_mbarrier_arrive_noinc(&full[write.index]);
           write.advance();
@@ -398,6 +423,11 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
   float acc[kFrags][kAccRegs];
   const StageDescs descs(smem, kPingPong ? 0 : consumer * 64 * kRowBytes);
   const ConsumerBarriers<kCluster> bars(full, empty);
+
+  // Block-scaled: where this thread's first row scale sits in a scale slot, and which float of a
+  // part's run holds a k-block's weight scale (computed once: the mainloop only adds the stage's).
+  const float* my_scale_rows = scale_slots + 64 * consumer + (threadIdx.x % 128 / 32) * 16 + (threadIdx.x % 32) / 4;
+  const int sb_in_run = scale_maps ? kScaleRun - 1 : 0;
 
   PipelineState read;
   // Ping-pong: consumer 1 starts at the second tile's first k-block; both skip the other's tiles.
@@ -421,22 +451,20 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
     if (kPingPong && i > 0) ptx::named_barrier_sync(consumer == 0 ? kBarTurnTo0 : kBarTurnTo1, 256);
 
     float part[kPartRegs];  // promotion scratch: one k-block's wgmma sum over 128 columns (kPromote only)
-    // Block scales of the k-block in stage `stage` from its scale slot, read once the stage is
-    // full and before it is released: this thread's rows' sa (row, row + 8), then sb per part.
+    // Block scales of k-block kt (in stage `stage`) from its scale slot, read once the stage is
+    // full and before it is released: this thread's rows' sa (row, row + 8), then sb per part
+    // (the first float of the part's run from the copying warp, the (kt % 4)-th of a TMA box).
     using Scales = float[2 + kPromoteParts];
-    auto read_scales = [&](int stage, Scales& raw) {
+    auto read_scales = [&](int stage, int kt, Scales& raw) {
       if constexpr (kBlockScaled) {
-        const float* slot = scale_slots + stage * kScaleFloats;
-        const int t = threadIdx.x % 128;
-        const int row = 64 * consumer + (t / 32) * 16 + (t % 32) / 4;
-        raw[0] = slot[row];
-        raw[1] = slot[row + 8];
+        const int slot = stage * kScaleFloats;
+        raw[0] = my_scale_rows[slot];
+        raw[1] = my_scale_rows[slot + 8];
 #pragma unroll
-        for (int p = 0; p < kPromoteParts; ++p) raw[2 + p] = slot[kBlockM + p];
+        for (int p = 0; p < kPromoteParts; ++p) raw[2 + p] = scale_slots[slot + kBlockM + kScaleRun * p + (kt & sb_in_run)];
       }
     };
-    // sa[row + 8h] * sb[block of part p], multiplied where used (the shared-memory reads are
-    // issued while the wgmmas run, and nothing waits for them before the next wgmmas issue).
+    // sa[row + 8h] * sb[block of part p], multiplied where used.
     auto scale_rows = [&](const Scales& raw, float(&s_row)[kPromoteParts][2]) {
       if constexpr (kBlockScaled) {
 #pragma unroll
@@ -464,13 +492,13 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
       // fragment they idle whenever both consumers add at once).
       float part_odd[kPartRegs];
       Scales s_even, s_odd;  // each fragment's k-block scales
-      auto issue = [&](float(&dst)[kPartRegs], Scales& raw) {
+      auto issue = [&](float(&dst)[kPartRegs], Scales& raw, int kt) {
         bars.wait_full(read.index, read.phase);
         wgmma::fence_operand(dst);  // the previous step's adds read it first
         wgmma::fence();
         mma_stage<kPromoteN, true>(dst, descs.a_at(read.index), descs.b_at(read.index));
         wgmma::commit_group();
-        read_scales(read.index, raw);  // while the wgmmas run
+        read_scales(read.index, kt, raw);  // while the wgmmas run
         read.advance();
       };
       // A k-block's group has retired: free its stage, add its scaled sum.
@@ -487,15 +515,15 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
       // loop's back edge).
       int kt = 0;
       for (; kt + 1 < k_blocks; kt += 2) {
-        issue(part, s_even);
-        issue(part_odd, s_odd);
+        issue(part, s_even, w.k0 + kt);
+        issue(part_odd, s_odd, w.k0 + kt + 1);
         wgmma::wait_group<1>();
         retire(part, s_even);
         wgmma::wait_group<0>();
         retire(part_odd, s_odd);
       }
       if (kt < k_blocks) {  // odd count: the last k-block alone
-        issue(part, s_even);
+        issue(part, s_even, w.k0 + kt);
         wgmma::wait_group<0>();
         retire(part, s_even);
       }
@@ -508,14 +536,15 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
         if constexpr (kPromote) {
 #pragma unroll
           for (int p = 0; p < kPromoteParts; ++p) {
+            // The scales are read before the wgmmas are issued: read after them, ptxas put the
+            // multiplications waiting on the reads between the k-block's last two wgmmas (2%
+            // slower at M = 4096, H100; BENCHMARKS.md).
+            if (p == 0) read_scales(read.index, w.k0 + kt, raw);
             wgmma::fence_operand(part);  // the adds of the previous part read it first
             wgmma::fence();
             mma_stage<kPromoteN, true>(part, a, wgmma::desc_advance(b, p * kPromoteN * kRowBytes));
             wgmma::commit_group();
-            if (p == 0) {  // while the wgmmas run
-              read_scales(read.index, raw);
-              scale_rows(raw, s_row);
-            }
+            if (p == 0) scale_rows(raw, s_row);  // while the wgmmas run
             // The adds read the scratch registers, so its group must be complete (wait 0; a deeper
             // wait would make ptxas serialize every wgmma). The other consumer's wgmmas keep the
             // tensor core busy meanwhile.

@@ -108,6 +108,10 @@ struct Params {
   // launches (the kernel re-arms them). Null when no launch of the plan splits.
   float* tail_partials;
   int* tail_counters;
+  // Block-scaled: 1 when the kernel's map_sa and map_sb describe the scales (a's contiguous along
+  // M, the weight's along K) and the producer loads them by TMA with the operands; 0: a producer
+  // warp copies them 4 bytes at a time through the strides above (any layout).
+  int block_scale_maps;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -227,14 +231,15 @@ struct ConsumerBarriers {
 // each CTA still expects the whole stage, because the shares of its peers land on it too.
 //
 // b_row0: rows of B's map before the tile's operand (grouped GEMMs stack the experts' weights:
-// g * N rows of a K-major map, g * K of an N-major one; 0 otherwise).
+// g * N rows of a K-major map, g * K of an N-major one; 0 otherwise). extra_bytes: boxes the
+// caller loads into the stage besides A and B (block scales), expected with them.
 // ---------------------------------------------------------------------------------------------
 template <int kCluster = 1>
 __device__ __forceinline__ void load_stage(unsigned char* stage, u64* full, const CUtensorMap* map_a,
                                            const CUtensorMap* map_b, int k_tile, int m0, int n0, int rank = 0,
-                                           int b_row0 = 0) {
+                                           int b_row0 = 0, unsigned extra_bytes = 0) {
   const int k0 = k_tile * kBlockK;
-  ptx::mbarrier_arrive_expect_tx(full, kStageBytes);
+  ptx::mbarrier_arrive_expect_tx(full, kStageBytes + extra_bytes);
   ptx::tma_load_2d(stage, map_a, full, k0, m0);
   // K-major B's rows are columns of the output, N-major B's are K.
   const int bn0 = kBKMajor ? n0 + b_row0 : n0;
