@@ -78,9 +78,10 @@ static_assert(!kPromote || (kAbType == wgmma::kE4M3 && !kPingPong && kBlockN % k
 //   box, starting 16-byte aligned), completing on the stage's full barrier with the operands;
 // * any other layout: warp 1 of the producer warpgroup copies them 4 bytes at a time (cp.async)
 //   through the strides, and each lane's copies complete an arrival on the full barrier.
-// A consumer reads its scales from shared memory while the k-block's wgmmas run. (Read from
-// global memory in the promotion step instead, the scale loads cost 16-19% at M = 4096, whether
-// or not they hit L1: the step waited for them before it could issue the next wgmmas.)
+// A consumer reads its scales from shared memory once the stage is full, before it issues the
+// k-block's wgmmas. (Read from global memory in the promotion step instead, the scale loads cost
+// 16-19% at M = 4096, whether or not they hit L1: the step waited for them before it could issue
+// the next wgmmas.)
 constexpr bool kBlockScaled = TMAGEMM_BLOCK_SCALED != 0;
 static_assert(!kBlockScaled || kPromote, "block scaling rides on the promoting mainloop");
 constexpr int kScaleLoaders = kBlockScaled ? 32 : 0;  // the copying lanes: one arrival each per stage
@@ -376,7 +377,7 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
       }
     } else if (kBlockScaled && !scale_maps && threadIdx.x / 32 == 1) {
       // ---- scale loader: the same walk; lane l copies rows l, l + 32, ... and lane p < parts
-      // part p's weight-block scale (where the part's box would put it). Rows past the tile's
+      // part p's weight-block scale (to the first float of the part's run). Rows past the tile's
       // last (past M or the group's end) take that row's scales: finite, and their outputs are
       // never stored.
       const int lane = threadIdx.x % 32;
