@@ -51,6 +51,9 @@ HALF_CASES = [
 BLOCK_CASES = [
     ("cuda", 300, 520, 576),  # 128x128 tiles with two scratch fragments
     ("cuda", 1100, 2112, 576),  # 128x256 tiles on clusters; the last tile's second half is past N
+    # the same tiles loading the scales by TMA: a's along M and the weight's along K with padded
+    # strides, in buffers ending at their last elements (boxes past them are zero-filled)
+    ("cuda-maps", 1101, 2112, 576),
     ("triton", 17, 264, 576),
     ("triton", 5, 264, 700),
     ("triton", 3, 200, 4096),  # small M: split-K, 8 K slices
@@ -92,11 +95,23 @@ def fp8_case(backend, m, n, k, fast, rowwise):
     return out, ref if bias is None else ref + bias.double()
 
 
+def padded(t: torch.Tensor, inner: int) -> torch.Tensor:
+    """2-D ``t`` contiguous along ``inner``, the other stride rounded up to 4 elements, in a
+    buffer that ends at its last element."""
+    lead = -(-t.shape[inner] // 4) * 4
+    flat = torch.empty((t.shape[1 - inner] - 1) * lead + t.shape[inner], dtype=t.dtype, device=t.device)
+    view = flat.as_strided(tuple(t.shape), (lead, 1) if inner == 1 else (1, lead))
+    view.copy_(t)
+    return view
+
+
 def block_case(backend, m, n, k):
     kb, nb = -(-k // 128), -(-n // 128)
     a = torch.randn(m, k, device="cuda").to(FP8)
     w = torch.randn(n, k, device="cuda").to(FP8)
     sa, sb = torch.rand(m, kb, device="cuda") + 0.5, torch.rand(nb, kb, device="cuda") + 0.5
+    if backend == "cuda-maps":
+        backend, sa, sb = "cuda", padded(sa, 0), padded(sb, 1)
     out = tmagemm.scaled_mm(a, w.t(), sa, sb, backend=backend)
     per_k = torch.arange(k, device="cuda") // 128
     rows = torch.arange(n, device="cuda") // 128
