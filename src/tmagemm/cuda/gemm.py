@@ -385,6 +385,11 @@ def _kernel(config: NativeGemmConfig, ab_dtype: torch.dtype, out_dtype: torch.dt
         return module.function(kernel_name(config))
 
 
+# The bytes passed for the persistent kernel's map_sa and map_sb where it loads no scale by TMA: a
+# kernel parameter is copied from its pointer at launch, and the kernel never reads these.
+_NO_MAP = (ctypes.c_ubyte * 128)()
+
+
 def block_scale_maps(scale_a: torch.Tensor, scale_b: torch.Tensor,
                      block_n: int) -> tuple[tma.TiledParams, tma.TiledParams] | None:
     """The map layouts by which the persistent kernel's producer loads block scales with the
@@ -427,11 +432,13 @@ class _MappedLaunch:
         )
         self.params = params
         self._block = config.block_scaled  # the scales are the mainloop's 2-D block scales
-        # The persistent kernel takes the block scales' maps after the parameters (A's and B's
-        # stand in where it reads none).
+        # The persistent kernel takes the block scales' maps after the parameters (_NO_MAP where
+        # it reads none).
         self._scale_maps = tuple(MapsByAddress(layout) for layout in scales) if scales else None
         self._pointers = (ctypes.c_void_p * (6 if config.kernel == "persistent" else 4))()
         self._pointers[3] = ctypes.addressof(params)
+        if config.kernel == "persistent":
+            self._pointers[4] = self._pointers[5] = ctypes.addressof(_NO_MAP)
         self.device_index = out.get_device()
         kernel = _kernel(config, a.dtype, out.dtype, b_k_major, self.device_index)
         cm = config.cluster_m
@@ -471,12 +478,9 @@ class _MappedLaunch:
         pointers[0] = self._maps[0].get(a.data_ptr()).address
         pointers[1] = self._maps[1].get(b.data_ptr()).address
         pointers[2] = self._maps[2].get(out.data_ptr()).address
-        if len(pointers) == 6:
-            if self._scale_maps is not None:
-                pointers[4] = self._scale_maps[0].get(scale_a.data_ptr()).address
-                pointers[5] = self._scale_maps[1].get(scale_b.data_ptr()).address
-            else:
-                pointers[4], pointers[5] = pointers[0], pointers[1]
+        if self._scale_maps is not None:
+            pointers[4] = self._scale_maps[0].get(scale_a.data_ptr()).address
+            pointers[5] = self._scale_maps[1].get(scale_b.data_ptr()).address
         self._launch(self._stream(self.device_index))
 
 
