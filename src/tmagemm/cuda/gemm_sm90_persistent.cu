@@ -102,11 +102,11 @@ static_assert((kEpiPasses == 1 && kEpiBuffers == 1) || !kPingPong, "ping-pong st
 constexpr int kEpiBytesPerConsumer = kFrags * kFragBytes / kEpiPasses * kEpiBuffers;
 // Arrivals that free a stage (ConsumerBarriers::release_stage): one per reading consumer
 // warpgroup (both in the cooperative schedule, the tile's owner in ping-pong) of every CTA whose
-// TMA writes into it.
+// TMA writes into it; block-scaled, one per warp of those, as each warp reads the stage's scales.
 // The producer's wait on `empty` needs no cluster-scope acquire either (that one invalidates L1):
 // it only orders its next TMA write after reads that are already complete.
 constexpr int kReadersPerCta = kPingPong ? 1 : kConsumerWarpgroups;
-constexpr int kStageReaders = kCluster * kReadersPerCta;
+constexpr int kStageReaders = kCluster * kReadersPerCta * (kBlockScaled ? 4 : 1);
 // Named barriers: 0 is __syncthreads; 1 + i private to consumer i; 3 and 4 order the mainloops
 // of consumer 0 -> 1 and 1 -> 0 (ping-pong only).
 constexpr int kBarConsumer0 = 1;
@@ -423,7 +423,7 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
   const EpilogueOp op = kGrouped ? EpilogueOp{} : epilogue_op(params);
   float acc[kFrags][kAccRegs];
   const StageDescs descs(smem, kPingPong ? 0 : consumer * 64 * kRowBytes);
-  const ConsumerBarriers<kCluster> bars(full, empty);
+  const ConsumerBarriers<kCluster, kBlockScaled> bars(full, empty);
 
   // Block-scaled: where this thread's first row scale sits in a scale slot, and which float of a
   // part's run holds a k-block's weight scale (computed once: the mainloop only adds the stage's).
@@ -495,11 +495,11 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
       Scales s_even, s_odd;  // each fragment's k-block scales
       auto issue = [&](float(&dst)[kPartRegs], Scales& raw, int kt) {
         bars.wait_full(read.index, read.phase);
+        read_scales(read.index, kt, raw);  // before the wgmmas, as the one-scratch loop below
         wgmma::fence_operand(dst);  // the previous step's adds read it first
         wgmma::fence();
         mma_stage<kPromoteN, true>(dst, descs.a_at(read.index), descs.b_at(read.index));
         wgmma::commit_group();
-        read_scales(read.index, kt, raw);  // while the wgmmas run
         read.advance();
       };
       // A k-block's group has retired: free its stage, add its scaled sum.

@@ -193,11 +193,15 @@ __device__ __forceinline__ void init_pipeline(u64* full, u64* empty, unsigned re
 // peers' TMA writes into the stage too, so thread t arrives on CTA t's barrier. The reads are
 // already complete, so the arrival publishes nothing: a cluster-scope release there would
 // compile to a MEMBAR.ALL.GPU per k-block.
+// kEveryWarp (block scales): each warp also loads the stage's scales itself, and one thread's
+// retired group says nothing of another warp's loads, so every warp arrives once its lanes are
+// done (the barrier counts warps). The arrival's CTA-scope release orders those loads before the
+// scale loader's next writes, which come from this CTA.
 //
 // The barriers' addresses are computed once (stage 0's, warp-uniform): built from &full[stage]
 // at every k-block, each address read the CTA's id in its cluster (S2UR SR_CgaCtaId, a
 // long-latency read) between the adds of one k-block and the wait for the next.
-template <int kCluster = 1>
+template <int kCluster = 1, bool kEveryWarp = false>
 struct ConsumerBarriers {
   u32 full;     // full[0]
   u32 release;  // the empty[0] this thread arrives on (a shared::cluster address for kCluster > 1)
@@ -210,8 +214,9 @@ struct ConsumerBarriers {
     ptx::mbarrier_wait(full + stage * static_cast<u32>(sizeof(u64)), phase);
   }
   __device__ __forceinline__ void release_stage(int stage) const {
-    const int t = threadIdx.x % 128;
+    const int t = threadIdx.x % (kEveryWarp ? 32 : 128);
     const u32 bar = release + stage * static_cast<u32>(sizeof(u64));
+    if constexpr (kEveryWarp) __syncwarp();  // every lane's reads before its warp's arrival
     if constexpr (kCluster == 1) {
       if (t == 0) ptx::mbarrier_arrive(bar);
     } else {
