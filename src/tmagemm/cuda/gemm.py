@@ -606,12 +606,19 @@ PROMOTE_CANDIDATES = tuple(replace(c, cluster_m=cm) for c in (_COOP_PROMOTE, _PR
 # wide tiles are 2 waves, 320 narrow ones 3 waves of half-size tiles).
 _PROMOTE_WIDE = replace(_PROMOTE_N256, cluster_m=2)
 _PROMOTE_NARROW = replace(_COOP_PROMOTE, promote_depth=2, cluster_m=2)
-_PROMOTE_NARROW_TILE_TIME = 0.56  # a narrow tile's time in wide-tile times (half the work at 0.9x)
+# The wave model of promote_config, fitted to both tiles side by side over the block and llm
+# presets' (N, K) at M = 256-8192 (179 problems, block-scaled and exact fp8, H100; BENCHMARKS.md,
+# 2026-11-26): a narrow tile takes 0.54 of a wide tile's time, and a split tail 1 / split of a
+# wave plus a fixed cost (the slices' prologues and the reduction) of about 15 k-blocks' time.
+_PROMOTE_NARROW_TILE_TIME = 0.54
+_TAIL_SPLIT_COST_K_BLOCKS = 15
 
 
 def promote_config(m: int, n: int, k: int, sms: int) -> NativeGemmConfig:
     """The promoting config for one problem (fp8 without fast accumulation, and block scales):
-    wide tiles unless the narrow ones finish the waves of tiles sooner; clusters where there are
+    wide tiles unless the narrow ones finish the waves of tiles sooner (by the wave model above:
+    a narrow tile 0.54 of a wide one, a split tail 1 / split of a wave plus 15 k-blocks' time);
+    clusters where there are
     two rows of tiles to pair (a single row would leave every second CTA idle); a tail split
     where the last wave would leave at least half of the clusters idle (:func:`dense_tail_split`)."""
     rows = -(-m // 128)
@@ -623,10 +630,12 @@ def promote_config(m: int, n: int, k: int, sms: int) -> NativeGemmConfig:
     def cluster_tiles(block_n: int) -> int:
         return -(-rows // cluster) * -(-n // block_n)
 
-    def waves(block_n: int) -> float:  # a split tail takes 1 / split of a wave
+    def waves(block_n: int) -> float:  # in waves of that tile
         tiles = cluster_tiles(block_n)
         split = tail_split(tiles, slots, blocks, max_split)
-        return tiles // slots + 1 / split if split > 1 else -(-tiles // slots)
+        if split > 1:
+            return tiles // slots + min(1.0, 1 / split + _TAIL_SPLIT_COST_K_BLOCKS / blocks)
+        return -(-tiles // slots)
 
     narrow = waves(_PROMOTE_NARROW.block_n) * _PROMOTE_NARROW_TILE_TIME < waves(_PROMOTE_WIDE.block_n)
     config = replace(_PROMOTE_NARROW if narrow else _PROMOTE_WIDE, cluster_m=cluster)
