@@ -184,10 +184,14 @@ def test_promote_config_choices():
     # pairs: 4 waves and 8 pairs in 4 slices (4.52 waves of tiles 0.54 the time: 2.44)
     tail = native.promote_config(4096, 2112, 7168, 132)
     assert (tail.block_n, tail.cluster_m, tail.tail_split, tail.ctas) == (128, 2, native.TAIL_SPLIT, 0)
-    # A split's fixed cost: 32 wide pairs in 2 slices of 16 k-blocks take 1/2 + 15/32 of a wave,
-    # no less than the one wave of 64 narrow pairs (1.23x faster on an H100)
+    # Four rows of tiles run as single CTAs: 64 wide tiles in 2 slices of 16 k-blocks take 1/2 +
+    # 15/32 of a wave, no less than the one wave of 128 narrow tiles
     short = native.promote_config(512, 4096, 4096, 132)
-    assert (short.block_n, short.tail_split) == (128, 0)
+    assert (short.block_n, short.cluster_m, short.tail_split) == (128, 1, 0)
+    # Clusters pair an even number of rows of tiles, from 8: an odd count leaves the last pair's
+    # second CTA without rows
+    assert [native.promote_config(m, 7168, 2048, 132).cluster_m for m in (768, 1024, 1025, 1152, 4224, 4096)] == [
+        1, 2, 1, 1, 1, 2]
     one_row = native.promote_config(128, 51200, 5120, 132)
     assert one_row.cluster_m == 1 and one_row.ctas == 0  # nothing to pair; every SM streams the weight
     # One row of tiles never splits (Llama-3-70B TP4's 14336 x 8192 at 64-128 tokens: 56 wide

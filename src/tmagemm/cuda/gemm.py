@@ -612,17 +612,21 @@ _PROMOTE_NARROW = replace(_COOP_PROMOTE, promote_depth=2, cluster_m=2)
 # wave plus a fixed cost (the slices' prologues and the reduction) of about 15 k-blocks' time.
 _PROMOTE_NARROW_TILE_TIME = 0.54
 _TAIL_SPLIT_COST_K_BLOCKS = 15
+# Promoting tiles pair rows of tiles in clusters (multicasting B) where the rows are even and at
+# least this many. Clusters of 2 against single CTAs over the same (N, K), H100 (BENCHMARKS.md,
+# 2026-11-26): 0.98x at 2 and 4 rows, 1.00x at 8, 1.02-1.03x at 16-64; with an odd count the last
+# pair's second CTA has no rows: 0.90x at 5 and 7 rows, 0.91x at 9, 0.96x at 13, 0.995x at 17.
+PROMOTE_CLUSTER_MIN_ROWS = 8
 
 
 def promote_config(m: int, n: int, k: int, sms: int) -> NativeGemmConfig:
     """The promoting config for one problem (fp8 without fast accumulation, and block scales):
     wide tiles unless the narrow ones finish the waves of tiles sooner (by the wave model above:
     a narrow tile 0.54 of a wide one, a split tail 1 / split of a wave plus 15 k-blocks' time);
-    clusters where there are
-    two rows of tiles to pair (a single row would leave every second CTA idle); a tail split
+    clusters for an even number of rows of tiles from PROMOTE_CLUSTER_MIN_ROWS; a tail split
     where the last wave would leave at least half of the clusters idle (:func:`dense_tail_split`)."""
     rows = -(-m // 128)
-    cluster = 2 if rows >= 2 else 1
+    cluster = 2 if rows >= PROMOTE_CLUSTER_MIN_ROWS and rows % 2 == 0 else 1
     slots = sms // cluster  # clusters at work at once
     max_split = dense_tail_split(m)
     blocks = k_blocks(k, 1)
