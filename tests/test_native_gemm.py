@@ -766,16 +766,6 @@ def _block_reference(a, w, sa, sb):
     return (a.double() * sa.double()[:, kb]) @ (w.double() * sb.double()[rows][:, kb]).t()
 
 
-def _tight(t: torch.Tensor, inner: int) -> torch.Tensor:
-    """2-D ``t``'s values contiguous along dimension ``inner``, the other stride padded to a
-    multiple of 4 elements (16 bytes, as TMA needs), in a buffer that ends at the last element."""
-    lead = -(-t.shape[inner] // 4) * 4
-    flat = torch.empty((t.shape[1 - inner] - 1) * lead + t.shape[inner], dtype=t.dtype, device=t.device)
-    view = flat.as_strided(tuple(t.shape), (lead, 1) if inner == 1 else (1, lead))
-    view.copy_(t)
-    return view
-
-
 def _block_scaled_check(m, n, k, scale_layout="row-major", config=None, maps=None):
     """The native block-scaled kernel (its heuristic config, or ``config``) on fresh operands with
     a bf16 bias, fp32 out in a poisoned buffer, against the float64 block dequantization.
@@ -789,7 +779,7 @@ def _block_scaled_check(m, n, k, scale_layout="row-major", config=None, maps=Non
     if scale_layout == "outer-dim-major":
         sa = sa.t().contiguous().t()
     elif scale_layout == "tight":
-        sa, sb = _tight(sa, 0), _tight(sb, 1)
+        sa, sb = tma.aligned_copy(sa, 0), tma.aligned_copy(sb, 1)
     big, out = _poisoned_out(m, n, torch.float32)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     args = GemmArgs(a, w.t(), out, sa, sb, bias, True, (Scaling.BLOCK_1X128, Scaling.BLOCK_128X128))

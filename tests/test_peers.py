@@ -25,19 +25,3 @@ def test_deepgemm_peer_describes_itself_without_a_gpu():
                           text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "--grouped" in done.stdout and "--m" in done.stdout
-
-
-def test_deepgemm_peer_gives_tmagemm_deepgemms_scale_layout():
-    """tmagemm.mn reads the activation scales in the layout DeepGEMM's kernel reads: contiguous
-    along M, the column stride M rounded up to 16 bytes, the same values."""
-    import importlib.util
-
-    import torch
-
-    spec = importlib.util.spec_from_file_location("deepgemm_peer", DEEPGEMM / "deepgemm_peer.py")
-    peer = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(peer)
-    scale = torch.rand(727, 56)
-    mn = peer.mn_major(scale)
-    assert mn.shape == (727, 56) and mn.stride() == (1, 728)
-    assert torch.equal(mn, scale)

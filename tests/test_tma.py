@@ -378,3 +378,28 @@ def test_leading_stride_and_operand_reason():
     assert "not a multiple of 16" in tma.operand_reason(odd, "b", True)
     assert tma.store_reason(torch.empty(8, 36, dtype=torch.float16)) is not None  # 72-byte rows
     assert tma.store_reason(torch.empty(8, 40, dtype=torch.float16)) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+@pytest.mark.parametrize("inner", [0, 1])
+def test_aligned_copy_is_what_a_map_describes(dtype, inner):
+    """The same values, contiguous along ``inner``, the other stride rounded up to 16 bytes (for
+    1x128 scales contiguous along M: DeepGEMM's layout, e.g. 727 rows -> stride 728), in a buffer
+    that ends at the last element."""
+    t = (torch.rand(727, 57) * 8).to(dtype)
+    copy = tma.aligned_copy(t, inner)
+    per_16b = 16 // t.element_size()
+    lead = -(-t.shape[inner] // per_16b) * per_16b
+    assert copy.shape == t.shape and copy.stride() == ((lead, 1) if inner == 1 else (1, lead))
+    assert torch.equal(copy.float(), t.float())
+    assert copy.untyped_storage().nbytes() == ((t.shape[1 - inner] - 1) * lead + t.shape[inner]) * t.element_size()
+    assert tma.map_reason(copy, "t", (1 - inner, inner), address=False) is None
+    if dtype == torch.float32 and inner == 0:
+        assert copy.stride() == (1, 728)
+
+
+def test_aligned_copy_refuses_what_it_cannot_lay_out():
+    with pytest.raises(ValueError, match="2-D"):
+        tma.aligned_copy(torch.rand(2, 3, 4), 0)
+    with pytest.raises(ValueError, match="inner 0 or 1"):
+        tma.aligned_copy(torch.rand(2, 3), 2)

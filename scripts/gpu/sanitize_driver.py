@@ -22,6 +22,7 @@ import sys
 import torch
 
 import tmagemm
+from tmagemm import tma
 
 FP8 = torch.float8_e4m3fn
 
@@ -95,23 +96,13 @@ def fp8_case(backend, m, n, k, fast, rowwise):
     return out, ref if bias is None else ref + bias.double()
 
 
-def padded(t: torch.Tensor, inner: int) -> torch.Tensor:
-    """2-D ``t`` contiguous along ``inner``, the other stride rounded up to 4 elements, in a
-    buffer that ends at its last element."""
-    lead = -(-t.shape[inner] // 4) * 4
-    flat = torch.empty((t.shape[1 - inner] - 1) * lead + t.shape[inner], dtype=t.dtype, device=t.device)
-    view = flat.as_strided(tuple(t.shape), (lead, 1) if inner == 1 else (1, lead))
-    view.copy_(t)
-    return view
-
-
 def block_case(backend, m, n, k):
     kb, nb = -(-k // 128), -(-n // 128)
     a = torch.randn(m, k, device="cuda").to(FP8)
     w = torch.randn(n, k, device="cuda").to(FP8)
     sa, sb = torch.rand(m, kb, device="cuda") + 0.5, torch.rand(nb, kb, device="cuda") + 0.5
     if backend == "cuda-maps":
-        backend, sa, sb = "cuda", padded(sa, 0), padded(sb, 1)
+        backend, sa, sb = "cuda", tma.aligned_copy(sa, 0), tma.aligned_copy(sb, 1)
     out = tmagemm.scaled_mm(a, w.t(), sa, sb, backend=backend)
     per_k = torch.arange(k, device="cuda") // 128
     rows = torch.arange(n, device="cuda") // 128

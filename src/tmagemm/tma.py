@@ -466,6 +466,22 @@ def map_reason(t: torch.Tensor, name: str, dims: Sequence[int], address: bool = 
     return None
 
 
+
+def aligned_copy(t: torch.Tensor, inner: int) -> torch.Tensor:
+    """2-D ``t``'s values in a layout a tensor map describes: contiguous along dimension ``inner``,
+    the other stride rounded up to 16 bytes, in a buffer that ends at the last element (the
+    layout DeepGEMM's ``get_mn_major_tma_aligned_tensor`` gives scales, with ``inner=0``). Block
+    scales laid out so (a's along M, the weight's along K) reach the persistent kernel's loads
+    by TMA (``cuda.gemm.block_scale_maps``)."""
+    if t.dim() != 2 or inner not in (0, 1):
+        raise ValueError(f"aligned_copy takes a 2-D tensor and inner 0 or 1, got shape {tuple(t.shape)}, inner {inner}")
+    per_16b = ALIGN // t.element_size()
+    lead = -(-t.shape[inner] // per_16b) * per_16b
+    flat = torch.empty(max(0, (t.shape[1 - inner] - 1) * lead + t.shape[inner]), dtype=t.dtype, device=t.device)
+    view = flat.as_strided(tuple(t.shape), (lead, 1) if inner == 1 else (1, lead))
+    view.copy_(t)
+    return view
+
 def stacked_rows(t: torch.Tensor) -> torch.Tensor | None:
     """3-D ``t`` (E, R, C) as the 2-D (E * R, C) matrix of its rows, expert after expert, without
     a copy (grouped kernels read every expert through one 2-D map), or None when the experts do

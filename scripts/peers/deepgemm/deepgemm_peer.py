@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 import tmagemm
+from tmagemm import tma
 from tmagemm.bench import envinfo, providers
 from tmagemm.bench.shapes import BLOCK_LAYERS, Shape
 from tmagemm.bench.timing import Timer
@@ -57,22 +58,13 @@ def log(*args) -> None:
     print(*args, flush=True)
 
 
-def mn_major(scale: torch.Tensor) -> torch.Tensor:
-    """``scale`` (M, K/128) contiguous along M with the column stride M rounded up to 4 (16 bytes):
-    the layout DeepGEMM's get_col_major_tma_aligned_tensor gives."""
-    m, kb = scale.shape
-    buf = torch.empty(kb, -(-m // 4) * 4, dtype=scale.dtype, device=scale.device)
-    buf[:, :m].copy_(scale.t())
-    return buf[:, :m].t()
-
-
 def dense_calls(case: providers.Case, deep_gemm) -> dict:
     """name -> zero-argument call returning its output, for one dense case."""
     found = {}
     out = case.empty_out()
     found["tmagemm"] = lambda: tmagemm.scaled_mm(case.a, case.b, case.scale_a, case.scale_b,
                                                  out_dtype=torch.bfloat16, out=out)
-    sa_mn = mn_major(case.scale_a)
+    sa_mn = tma.aligned_copy(case.scale_a, 0)  # DeepGEMM's layout: contiguous along M
     out_mn = case.empty_out()
     found["tmagemm.mn"] = lambda: tmagemm.scaled_mm(case.a, case.b, sa_mn, case.scale_b, out_dtype=torch.bfloat16,
                                                     out=out_mn)

@@ -399,6 +399,7 @@ def block_scale_maps(scale_a: torch.Tensor, scale_b: torch.Tensor,
     weight's 128x128 scales (ceil(N/128), ceil(K/128)) must be contiguous along K (a
     checkpoint's): a box is, per 128 columns of the tile, the 16-byte aligned run of 4 scales
     holding the stage's k-block's (TMA's least box; a box may not start between 16 bytes).
+    :func:`tmagemm.tma.aligned_copy` lays scales out so (a's with ``inner=0``, the weight's 1).
 
     The dense launches use them on 128 x 256 tiles without a tail split: there they measured
     1.7-4.7% faster than the copying warp on DeepGEMM's M = 4096 shapes (H100, BENCHMARKS.md);
