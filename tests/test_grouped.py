@@ -1002,3 +1002,6 @@ def test_native_builds_for_sm90a(config, ab, out):
     assert "are serialized" not in module.log
     assert "UTMASTG" in sass and "STG.E.128" in sass
     assert ("QGMMA" if ab == FP8 else "HGMMA") in sass
+    # Single CTAs load light groups' weights with an L2 evict-first policy (2x1 clusters do not).
+    hinted = "L2::cache_hint" in module.ptx and "L2::evict_first" in module.ptx
+    assert hinted == (config.cluster_m == 1)

@@ -128,8 +128,9 @@ class NativeGemmConfig:
         return self.stages * SCALE_SLOT_BYTES if self.block_scaled else 0
 
     def group_table_bytes(self) -> int:
-        """The grouped kernel's table in shared memory: the tile count and each group's rows."""
-        return 4 * (self.groups + 1) if self.groups else 0
+        """The grouped kernel's table in shared memory: the tile count, the heavy groups' tile
+        count and each group's rows."""
+        return 4 * (self.groups + 2) if self.groups else 0
 
     def smem_bytes(self, out_itemsize: int) -> int:
         ring = self.stages * self.stage_bytes()
@@ -285,6 +286,7 @@ class _Params(ctypes.Structure):
         ("tail_partials", ctypes.c_void_p),
         ("tail_counters", ctypes.c_void_p),
         ("block_scale_maps", ctypes.c_int32),
+        ("heavy_group_rows", ctypes.c_int32),
     ]
 
 

@@ -20,7 +20,13 @@
 // TMAGEMM_GROUPED = 1 (cooperative only): one launch over the tiles of every expert of a grouped
 // GEMM (tmagemm.grouped, docs/grouped.md). The group sizes stay on the device: after the grid
 // dependency wait one warp turns them into a table of rows per group in shared memory, and
-// each thread maps its tile ids to (group, tile) with a cursor that only moves forward. A tile
+// each thread maps its tile ids to (group, tile) with cursors that only move forward. Groups of
+// at least params.heavy_group_rows rows (compute-bound: their weight is reused from L2 by several
+// rows of tiles) and the shorter ones (weight-streaming) are two tile sequences, each in group
+// order, merged in proportion to their lengths: at any time some CTAs keep the tensor cores busy
+// while others stream weights, where group order ran one kind after the other. The light groups'
+// weights load with an L2 evict-first policy, so that they do not push out the operands the
+// heavy tiles reuse (single CTAs; the host keeps 2x1 clusters in group order). A tile
 // that starts inside group g may run past the group's last row: those rows (the next group's,
 // or padding) only feed output rows that are never stored, since the epilogue clips the tile's
 // stores at the group's end.
@@ -184,10 +190,11 @@ __device__ __forceinline__ bool tail_reduce(float (&acc)[kAccRegs], const Work& 
   return true;
 }
 
-// Grouped: rows of every group into table[1 + g] and the cluster tiles of all groups into
-// table[0], by one warp. Contiguous groups end at the running maximum of offs clamped to [0, M]
-// and start where the previous one ended (decreasing offsets give empty groups); masked counts
-// clamp to [0, max_m]. Each lane takes a run of groups: its own maximum, then a warp scan.
+// Grouped: rows of every group into table[2 + g], the cluster tiles of all groups into table[0]
+// and those of the heavy groups (rows >= p.heavy_group_rows) into table[1], by one warp.
+// Contiguous groups end at the running maximum of offs clamped to [0, M] and start where the
+// previous one ended (decreasing offsets give empty groups); masked counts clamp to [0, max_m].
+// Each lane takes a run of groups: its own maximum, then a warp scan.
 __device__ __forceinline__ void build_group_table(int* table, const Params& p, int tiles_n) {
   const int lane = threadIdx.x % 32;
   const int per_lane = ceil_div(p.groups, 32);
@@ -207,7 +214,7 @@ __device__ __forceinline__ void build_group_table(int* table, const Params& p, i
     end = __shfl_up_sync(0xffffffff, lane_max, 1);
     if (lane == 0) end = 0;
   }
-  int tiles = 0;
+  int tiles = 0, heavy = 0;
   for (int g = first; g < last; ++g) {
     int rows = count(g);
     if (contiguous) {
@@ -215,39 +222,83 @@ __device__ __forceinline__ void build_group_table(int* table, const Params& p, i
       rows = group_end - end;
       end = group_end;
     }
-    table[1 + g] = rows;
-    tiles += ceil_div(rows, kClusterRows) * tiles_n;
+    table[2 + g] = rows;
+    const int group_tiles = ceil_div(rows, kClusterRows) * tiles_n;
+    tiles += group_tiles;
+    if (rows >= p.heavy_group_rows) heavy += group_tiles;
   }
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) tiles += __shfl_xor_sync(0xffffffff, tiles, offset);
-  if (lane == 0) table[0] = tiles;
+  for (int offset = 16; offset > 0; offset /= 2) {
+    tiles += __shfl_xor_sync(0xffffffff, tiles, offset);
+    heavy += __shfl_xor_sync(0xffffffff, heavy, offset);
+  }
+  if (lane == 0) {
+    table[0] = tiles;
+    table[1] = heavy;
+  }
 }
 
-// Grouped: where a thread is in the walk over the groups' tiles (ids only increase, so the
-// cursor moves forward over each group once per thread).
+// Grouped: tiles of a group of `rows` rows in the kind walked (heavy: rows >= heavy_group_rows).
+__device__ __forceinline__ int kind_tiles(int rows, bool heavy, const Params& p, int tiles_n) {
+  return (rows >= p.heavy_group_rows) == heavy ? ceil_div(rows, kClusterRows) * tiles_n : 0;
+}
+
+// Grouped: where a thread is in the walk over one kind's tiles (the indices within a kind only
+// increase, so the cursor moves forward over each group once per thread).
 struct GroupCursor {
-  int group, first_tile, first_row, rows, tiles;  // the group, its first tile id, row, rows and tiles
+  int group, first_tile, first_row, rows, tiles;  // the group, its first tile index in the kind, row, rows and tiles
 };
 
-__device__ __forceinline__ GroupCursor first_group(const int* table, int tiles_n) {
-  const int rows = table[1];
-  return GroupCursor{0, 0, 0, rows, ceil_div(rows, kClusterRows) * tiles_n};
+__device__ __forceinline__ GroupCursor first_group(const int* table, bool heavy, const Params& p, int tiles_n) {
+  return GroupCursor{0, 0, 0, table[2], kind_tiles(table[2], heavy, p, tiles_n)};
+}
+
+// floor(v * heavy / tiles): a float estimate corrected by exact 64-bit products (a 64-bit
+// division is a long inlined sequence at every call site; the estimate is off by a few at most).
+__device__ __forceinline__ int heavy_share(int v, int heavy, int tiles) {
+  const i64 x = static_cast<i64>(v) * heavy;
+  int q = __float2int_rd(__fdividef(static_cast<float>(v) * static_cast<float>(heavy), static_cast<float>(tiles)));
+  while (q > 0 && static_cast<i64>(q) * tiles > x) --q;
+  while (static_cast<i64>(q + 1) * tiles <= x) ++q;
+  return q;
+}
+
+// Grouped: the two kinds' sequences merged. Of tile ids [0, v) the heavy groups' tiles take
+// floor(v * heavy / tiles): spread evenly, whatever the counts; with one kind only, the group
+// order (and no arithmetic per tile: the consumers' next mainloop waits on it).
+struct GroupWalk {
+  GroupCursor heavy, light;
+  int tiles, heavy_tiles;
+};
+
+__device__ __forceinline__ GroupWalk first_groups(const int* table, const Params& p, int tiles_n) {
+  return GroupWalk{first_group(table, true, p, tiles_n), first_group(table, false, p, tiles_n), table[0], table[1]};
 }
 
 // Origin of cluster tile `tile` (CTA `rank`'s row of it), its group and the group's row end.
 // Within a group, tiles go in the grouped (L2-friendly) order of the dense kernel.
-__device__ __forceinline__ TileCoord group_tile_origin(GroupCursor& c, const int* table, int tile, const Params& p,
+__device__ __forceinline__ TileCoord group_tile_origin(GroupWalk& walk, const int* table, int tile, const Params& p,
                                                        int tiles_n, int rank) {
-  while (tile >= c.first_tile + c.tiles) {
+  // 2x1 clusters walk one kind (the host passes heavy_group_rows = 0): no light cursor to keep.
+  const bool mixed = kCluster == 1 && walk.heavy_tiles != 0 && walk.heavy_tiles != walk.tiles;
+  const int heavy_before = mixed ? heavy_share(tile, walk.heavy_tiles, walk.tiles) : 0;
+  const bool heavy = mixed ? heavy_share(tile + 1, walk.heavy_tiles, walk.tiles) > heavy_before
+                           : kCluster > 1 || walk.heavy_tiles == walk.tiles;
+  GroupCursor c = heavy ? walk.heavy : walk.light;  // a copy: a reference would put the walk in local memory
+  const int index = heavy ? (mixed ? heavy_before : tile) : tile - heavy_before;  // the tile's place in its kind
+  while (index >= c.first_tile + c.tiles) {
     c.first_tile += c.tiles;
-    c.first_row = p.group_layout == 0 ? c.first_row + c.rows : c.first_row + p.group_rows;
-    c.rows = table[1 + ++c.group];
-    c.tiles = ceil_div(c.rows, kClusterRows) * tiles_n;
+    c.first_row += p.group_layout == 0 ? c.rows : p.group_rows;
+    c.rows = table[2 + ++c.group];
+    c.tiles = kind_tiles(c.rows, heavy, p, tiles_n);
   }
-  const TileIndex index =
-      grouped_tile(tile - c.first_tile, ceil_div(c.rows, kClusterRows), tiles_n, p.group_m, p.raster_n);
-  return TileCoord{c.first_row + (index.m * kCluster + rank) * kBlockM, index.n * kBlockN, c.group,
-                   c.first_row + c.rows};
+  if (heavy)
+    walk.heavy = c;
+  else
+    walk.light = c;
+  const TileIndex at =
+      grouped_tile(index - c.first_tile, ceil_div(c.rows, kClusterRows), tiles_n, p.group_m, p.raster_n);
+  return TileCoord{c.first_row + (at.m * kCluster + rank) * kBlockM, at.n * kBlockN, c.group, c.first_row + c.rows};
 }
 
 // Grouped: the parameters of one tile's epilogue, pointed at its expert's scales and bias, with
@@ -272,7 +323,7 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = aligned_smem(smem_raw);
   unsigned char* epi = smem + kStages * kStageBytes;
-  // Block-scaled: one scale slot per stage after the epilogue buffers; grouped: 1 + E ints after
+  // Block-scaled: one scale slot per stage after the epilogue buffers; grouped: 2 + E ints after
   // those (the host sizes the window for both).
   float* scale_slots = reinterpret_cast<float*>(epi + kConsumerWarpgroups * kEpiBytesPerConsumer);
   int* group_table = reinterpret_cast<int*>(scale_slots + kStages * kScaleFloats);
@@ -336,11 +387,11 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
     const int slot = cluster % sched.tail, slice = cluster / sched.tail;
     return Work{sched.whole + slot, slice * k_tiles / sched.split, (slice + 1) * k_tiles / sched.split, slot, slice};
   };
-  GroupCursor cursor;  // grouped: this thread's place in the walk (its tile ids only increase)
-  if constexpr (kGrouped) cursor = first_group(group_table, tiles_n);
+  GroupWalk walk{};  // grouped: this thread's place in the walk (its tile ids only increase)
+  if constexpr (kGrouped) walk = first_groups(group_table, params, tiles_n);
   auto tile_coord = [&](int tile) {
     if constexpr (kGrouped)
-      return group_tile_origin(cursor, group_table, tile, params, tiles_n, rank);
+      return group_tile_origin(walk, group_table, tile, params, tiles_n, rank);
     else
       return tile_origin<kCluster>(tile, params, rank);
   };
@@ -350,13 +401,17 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
     ptx::warpgroup_reg_dealloc<kProducerRegs>();
     if (threadIdx.x == 0) {
       PipelineState write;
+      const u64 stream = kGrouped && kCluster == 1 ? ptx::l2_policy_evict_first() : 0;  // load_stage's b_policy
       for (int i = 0; i < my_tiles; ++i) {
         const Work w = work(i);
         const TileCoord tile = tile_coord(w.tile);
+        // Grouped: a light group's weight is read by its one or few rows of tiles and then done.
+        const u64 b_policy = kGrouped && group_table[2 + tile.group] < params.heavy_group_rows ? stream : 0;
         for (int kt = w.k0; kt < w.k1; ++kt) {
           ptx::mbarrier_wait(&empty[write.index], write.phase ^ 1);
           load_stage<kCluster>(smem + write.index * kStageBytes, &full[write.index], &map_a, &map_b, kt, tile.m0,
-                               tile.n0, rank, tile.group * params.b_group_rows, scale_maps ? kScaleBoxBytes : 0);
+                               tile.n0, rank, tile.group * params.b_group_rows, scale_maps ? kScaleBoxBytes : 0,
+                               b_policy);
           if (scale_maps) {  // rows past M and blocks past N or K arrive as zeros
             float* slot = scale_slots + write.index * kScaleFloats;
             ptx::tma_load_2d(slot, &map_sa, &full[write.index], tile.m0, kt);

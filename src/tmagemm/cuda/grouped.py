@@ -43,6 +43,15 @@ MIN_ROWS = 129
 # 256-512 rows single CTAs were within 3% of pairs, and the moe preset's geomeans and DeepGEMM's
 # shapes measured the same with either rule (H100, BENCHMARKS.md).
 CLUSTER_MIN_ROWS = 1024
+# Groups of at least this many rows are compute-bound: their rows of tiles reuse the weight from
+# L2, about 2 x rows FLOPs per weight byte (fp8; rows per byte for 16-bit) against the 230-430
+# FLOPs an H100's tensor cores do per byte of memory bandwidth. Shorter groups stream their
+# weight. The kernel spreads the heavy groups' tiles evenly among the light ones', whose weight
+# it loads with an L2 evict-first policy (docs/grouped.md, "Heavy and light groups"): under Zipf
+# routing the two kinds then keep tensor cores and memory busy at once, where group order ran
+# them one after the other (H100, moe preset at 256 tokens per expert: 1.03-1.25x). Balanced
+# groups are all of one kind and keep the group order, as do 2x1 clusters.
+HEAVY_GROUP_ROWS = 256
 
 
 def rows_per_group(args: GroupedArgs) -> int:
@@ -166,6 +175,9 @@ class _GroupedLaunch:
         p.alpha, p.beta = 1.0, 0.0
         p.groups, p.group_layout = args.e, int(args.layout != GroupLayout.CONTIGUOUS)
         p.group_rows = args.m
+        # 2x1 clusters multicast B without the evict-first policy: there the group order stays
+        # (the kernel walks one kind on clusters, so 0 is what it assumes).
+        p.heavy_group_rows = HEAVY_GROUP_ROWS if config.cluster_m == 1 else 0
         p.b_group_rows = args.n if args.b_k_major else args.k
         p.ldd = out.stride(0)
         sa_e, sa_m, sa_k = args.scale_a_strides

@@ -112,6 +112,9 @@ struct Params {
   // M, the weight's along K) and the producer loads them by TMA with the operands; 0: a producer
   // warp copies them 4 bytes at a time through the strides above (any layout).
   int block_scale_maps;
+  // Grouped: groups of at least this many rows are the heavy kind, whose tiles are spread evenly
+  // among the others' (gemm_sm90_persistent.cu); 0: every group heavy, the plain group order.
+  int heavy_group_rows;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -240,9 +243,11 @@ struct ConsumerBarriers {
 // caller loads into the stage besides A and B (block scales), expected with them.
 // ---------------------------------------------------------------------------------------------
 template <int kCluster = 1>
+// b_policy: 0, or an L2 policy for B's boxes (single CTAs; grouped GEMMs stream the weights of
+// short groups with evict_first, so that they do not push out the operands other tiles reuse).
 __device__ __forceinline__ void load_stage(unsigned char* stage, u64* full, const CUtensorMap* map_a,
                                            const CUtensorMap* map_b, int k_tile, int m0, int n0, int rank = 0,
-                                           int b_row0 = 0, unsigned extra_bytes = 0) {
+                                           int b_row0 = 0, unsigned extra_bytes = 0, u64 b_policy = 0) {
   const int k0 = k_tile * kBlockK;
   ptx::mbarrier_arrive_expect_tx(full, kStageBytes + extra_bytes);
   ptx::tma_load_2d(stage, map_a, full, k0, m0);
@@ -252,12 +257,20 @@ __device__ __forceinline__ void load_stage(unsigned char* stage, u64* full, cons
   unsigned char* b = stage + kStageBytesA;
   if constexpr (kCluster == 1) {
     if constexpr (kBKMajor) {
-      ptx::tma_load_2d(b, map_b, full, bk0, bn0);
+      if (b_policy)
+        ptx::tma_load_2d_hint(b, map_b, full, bk0, bn0, b_policy);
+      else
+        ptx::tma_load_2d(b, map_b, full, bk0, bn0);
     } else {
       // Row-major (K, N) B: a box is 64 N-columns (128 B) by 64 K-rows; boxes sit 8 KB apart,
       // the layout desc_mn_major describes.
 #pragma unroll
-      for (int j = 0; j < kBlockN / 64; ++j) ptx::tma_load_2d(b + j * 8192, map_b, full, bn0 + 64 * j, bk0);
+      for (int j = 0; j < kBlockN / 64; ++j) {
+        if (b_policy)
+          ptx::tma_load_2d_hint(b + j * 8192, map_b, full, bn0 + 64 * j, bk0, b_policy);
+        else
+          ptx::tma_load_2d(b + j * 8192, map_b, full, bn0 + 64 * j, bk0);
+      }
     }
   } else {
     constexpr unsigned short kMask = (1u << kCluster) - 1;
