@@ -526,6 +526,11 @@ def test_heuristic_is_pure_and_valid():
         (64, False, False, True, 10.0, (128, 256)),  # contiguous 16-bit: skewed groups want wide tiles
         (64, False, False, True, 1.0, (64, 128)),  # ... unless they leave SMs idle
         (32, False, False, True, 10.0, (64, 128)),  # decode-sized groups: 64-row tiles
+        (16, False, False, True, 10.0, (64, 256)),  # up to 16 rows, 16-bit: twice the columns
+        (1, False, False, False, 0.5, (64, 256)),
+        (16, True, False, True, 8 * 16 / 132, (64, 256)),  # fp8: where those tiles fit in one wave
+        (16, True, False, True, 1.5, (64, 128)),  # ... else 64 x 128
+        (1, True, True, False, 0.5, (64, 128)),  # block-scaled: 64 x 128
         (64, True, False, True, 10.0, (64, 128)),  # fp8: balanced groups lost 4-7% on wide tiles
         (64, False, False, False, 10.0, (64, 128)),  # masked: max_m <= 64 bounds every group
         (100, False, False, True, 10.0, (128, 128)),

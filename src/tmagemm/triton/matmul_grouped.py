@@ -242,6 +242,10 @@ def _config(bm, bn, bk, stages, warps) -> TritonGemmConfig:
 # Zipf routing (BENCHMARKS.md): Mixtral down, masked, max_m 189: 64 x 128 187 us (fp8) / 379 us
 # (bf16) where 128 x 256 took 240 / 458.
 WIDE_MIN_TILES_PER_SM = 2
+# Decode-sized groups (at most this many rows) read their weights through 64 x 256 tiles: half
+# the tiles of 64 x 128 ones, each streaming twice the columns (moe preset, H100, two rounds:
+# bf16 1.012x geomean over the 64 rows at 1 and 16 tokens per expert, none below 0.99x).
+DECODE_ROWS = 16
 
 
 def heuristic_for(rows_per_group: int, fp8: bool, block_scaled: bool, contiguous: bool = False,
@@ -252,6 +256,12 @@ def heuristic_for(rows_per_group: int, fp8: bool, block_scaled: bool, contiguous
     contiguous: the layout is CONTIGUOUS;
     wide_tiles_per_sm: E * ceil(N / 256) / SMs, the 128 x 256 tiles per SM at one row of tiles
     per group.
+    - <= DECODE_ROWS rows, not block-scaled: 64 x 256 tiles for 16-bit operands; for fp8 only
+      where those tiles fit in one wave (wide_tiles_per_sm <= 1). There 64 x 128 tiles fill at
+      most two waves, and with skewed routing a short second one: Mixtral down (8 experts x 4096
+      columns) at 1 token per expert under Zipf routing, 5 experts with rows, 160 tiles for 132
+      SMs, ran 1.17x faster on the wide tiles (0.89x -> 1.05x torch's grouped op); elsewhere fp8
+      lost 2-5% on them (H100, BENCHMARKS.md).
     - <= 64 rows: 64-row tiles, one warpgroup (wgmma's M is 64, so a 64-row tile wastes least on
       a short group) and 128 columns, deep pipelines: the GEMM streams the weights, and every
       expert's weight is read by its one row of tiles. Except contiguous 16-bit groups of 33-64
@@ -271,6 +281,8 @@ def heuristic_for(rows_per_group: int, fp8: bool, block_scaled: bool, contiguous
     wide_fills = wide_tiles_per_sm >= WIDE_MIN_TILES_PER_SM
     narrow = _config(64, 128, bk, 5 if fp8 else 4, 4)
     wide = _config(128, 256, bk, 3, 8)
+    if rows_per_group <= DECODE_ROWS and not block_scaled and (not fp8 or wide_tiles_per_sm <= 1):
+        return _config(64, 256, bk, 4, 4)
     if rows_per_group <= 64:
         skewable = contiguous and rows_per_group > 32 and not fp8 and not block_scaled
         return wide if skewable and wide_fills else narrow
