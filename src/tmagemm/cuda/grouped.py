@@ -49,8 +49,9 @@ CLUSTER_MIN_ROWS = 1024
 # weight. The kernel spreads the heavy groups' tiles evenly among the light ones', whose weight
 # it loads with an L2 evict-first policy (docs/grouped.md, "Heavy and light groups"): under Zipf
 # routing the two kinds then keep tensor cores and memory busy at once, where group order ran
-# them one after the other (H100, moe preset at 256 tokens per expert: 1.03-1.25x). Balanced
-# groups are all of one kind and keep the group order, as do 2x1 clusters.
+# them one after the other (moe preset, Zipf rows at 256 tokens per expert: H100 1.00-1.20x,
+# H200 0.97-1.06x; BENCHMARKS.md). Balanced groups are all of one kind and keep the group order,
+# as do 2x1 clusters.
 HEAVY_GROUP_ROWS = 256
 
 
