@@ -240,11 +240,11 @@ struct ConsumerBarriers {
 //
 // b_row0: rows of B's map before the tile's operand (grouped GEMMs stack the experts' weights:
 // g * N rows of a K-major map, g * K of an N-major one; 0 otherwise). extra_bytes: boxes the
-// caller loads into the stage besides A and B (block scales), expected with them.
+// caller loads into the stage besides A and B (block scales), expected with them. b_policy: 0,
+// or an L2 cache policy for B's boxes on single CTAs (grouped GEMMs stream the weights of short
+// groups with evict_first, so that they do not push out the operands other tiles reuse).
 // ---------------------------------------------------------------------------------------------
 template <int kCluster = 1>
-// b_policy: 0, or an L2 policy for B's boxes (single CTAs; grouped GEMMs stream the weights of
-// short groups with evict_first, so that they do not push out the operands other tiles reuse).
 __device__ __forceinline__ void load_stage(unsigned char* stage, u64* full, const CUtensorMap* map_a,
                                            const CUtensorMap* map_b, int k_tile, int m0, int n0, int rank = 0,
                                            int b_row0 = 0, unsigned extra_bytes = 0, u64 b_policy = 0) {
