@@ -322,6 +322,31 @@ def test_fp8_rowwise_bias(layout, seeded):
     check(out, reference(a_deq, b_deq, counts, layout, bias.cpu()), REL8, f"fp8 rowwise {layout.name}")
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["half", "fp8_rowwise"])
+def test_decode_tiles_from_the_heuristic(fp8, seeded):
+    """The 64 x 256 tiles the heuristic gives decode-sized groups (fp8: where they fit in one
+    wave, as 3 experts' 2 wide tiles do) on a ragged problem: N off the tile (a box past N), a
+    one-row group, an empty one, rows past the last group untouched."""
+    from tmagemm.triton import matmul_grouped as mg
+
+    e, k, n = 3, 256 if fp8 else 128, 300
+    counts = [1, 1, 14]  # groups of 1, 0 and 13 rows; rows 14-19 belong to none
+    a, b = (fp8_operands((20, k), e, k, n) if fp8 else
+            (torch.randn(20, k, device=DEV).to(HALF), weights(e, k, n, HALF)))
+    out = poisoned((20, n))
+    if fp8:
+        sa, sb = torch.rand(20, device=DEV) + 0.5, torch.rand(e, n, device=DEV) + 0.5
+        args = grouped.scaled_mm_args(a, b, sa, sb, offs=counts_tensor(counts), out_dtype=torch.float32, out=out)
+        a_deq, b_deq = a.double().cpu() * sa.double().cpu()[:, None], b.double().cpu() * sb.double().cpu()[:, None, :]
+    else:
+        args = grouped.mm_args(a, b, offs=counts_tensor(counts), out_dtype=torch.float32, out=out)
+        a_deq, b_deq = a.double().cpu(), b.double().cpu()
+    config = mg.heuristic(args)  # fitted to shared memory, as the dispatcher takes it
+    assert (config.block_m, config.block_n) == (64, 256)
+    out = grouped.run(args, config=config, num_sms=SMS)
+    check(out, reference(a_deq, b_deq, counts, GroupLayout.CONTIGUOUS), REL8 if fp8 else 1e-5, "decode tiles")
+
+
 def test_fp8_tensorwise_per_expert_fast_accum(seeded):
     e, m, k, n = 2, 30, 96, 24
     a, b = fp8_operands((m, k), e, k, n)
