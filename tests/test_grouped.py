@@ -1017,10 +1017,11 @@ def test_native_refusals_name_the_reason(monkeypatch):
 @needs_nvrtc
 @pytest.mark.parametrize("config, ab, out", [
     (_native_config(_PROMOTE, 256, block_scaled=True), FP8, torch.bfloat16),
+    (_native_config(_PROMOTE, 64, block_scaled=True, cluster_m=1), FP8, torch.bfloat16),
     (_native_config(_PROMOTE, 8, cluster_m=1), FP8, torch.float32),
     (_native_config(_COOP, 8), FP8, torch.bfloat16),
     (_native_config(_COOP, 8), torch.bfloat16, torch.bfloat16),
-], ids=["block_c2", "promote_c1_fp32", "fast_fp8", "bf16"])
+], ids=["block_c2", "block_c1", "promote_c1_fp32", "fast_fp8", "bf16"])
 def test_native_builds_for_sm90a(config, ab, out):
     """The grouped kernel keeps the dense mainloop's properties (no spills, wgmmas not
     serialized) and has both stores: TMA for tiles inside a group, 16-byte stores at its end."""

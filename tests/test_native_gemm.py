@@ -669,7 +669,6 @@ def test_block_scaled_builds_for_sm90a(config):
     assert "LDG.E.CONSTANT" not in sass, "a consumer reads its scales from global memory"
 
 
-
 def _empty_barrier_arrivals(config, ab=FP8, out=torch.bfloat16) -> int:
     """The arrivals a stage's empty barrier waits for, as the kernel initialises it (each stage
     inits full, then empty; the count is an immediate moved into a register)."""
@@ -690,6 +689,7 @@ def test_block_scaled_stages_are_freed_by_every_consumer_warp(config):
     barrier counts 4 warps per consumer warpgroup and CTA of the cluster."""
     readers = config.cluster_m * (1 if config.pingpong else 2)
     assert _empty_barrier_arrivals(config) == readers * (4 if config.block_scaled else 1)
+
 
 def _first_wait_and_wgmma(sass: str) -> tuple[list[str], int, int]:
     """The kernel's instructions, and the indices of a consumer's first full-barrier wait and of

@@ -466,7 +466,6 @@ def map_reason(t: torch.Tensor, name: str, dims: Sequence[int], address: bool = 
     return None
 
 
-
 def aligned_copy(t: torch.Tensor, inner: int) -> torch.Tensor:
     """2-D ``t``'s values in a layout a tensor map describes: contiguous along dimension ``inner``,
     the other stride rounded up to 16 bytes, in a buffer that ends at the last element (the
@@ -481,6 +480,7 @@ def aligned_copy(t: torch.Tensor, inner: int) -> torch.Tensor:
     view = flat.as_strided(tuple(t.shape), (lead, 1) if inner == 1 else (1, lead))
     view.copy_(t)
     return view
+
 
 def stacked_rows(t: torch.Tensor) -> torch.Tensor | None:
     """3-D ``t`` (E, R, C) as the 2-D (E * R, C) matrix of its rows, expert after expert, without

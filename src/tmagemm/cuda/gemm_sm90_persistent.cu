@@ -26,7 +26,7 @@
 // order, merged in proportion to their lengths: at any time some CTAs keep the tensor cores busy
 // while others stream weights, where group order ran one kind after the other. The light groups'
 // weights load with an L2 evict-first policy, so that they do not push out the operands the
-// heavy tiles reuse (single CTAs; the host keeps 2x1 clusters in group order). A tile
+// heavy tiles reuse (single CTAs: 2x1 clusters keep the group order). A tile
 // that starts inside group g may run past the group's last row: those rows (the next group's,
 // or padding) only feed output rows that are never stored, since the epilogue clips the tile's
 // stores at the group's end.
@@ -120,6 +120,9 @@ constexpr int kBarTurnTo1 = 3;
 constexpr int kBarTurnTo0 = 4;
 
 constexpr bool kGrouped = TMAGEMM_GROUPED != 0;
+// Grouped on single CTAs: heavy and light groups' tiles merged (build_group_table). 2x1 clusters
+// multicast B without a cache policy for the light groups' weights, so they keep the group order.
+constexpr bool kTwoKinds = kGrouped && kCluster == 1;
 static_assert(!kGrouped || !kPingPong, "grouped GEMMs: cooperative schedule (its epilogue clips rows per fragment)");
 constexpr int kClusterRows = kBlockM * kCluster;  // rows of A per cluster tile
 
@@ -190,8 +193,14 @@ __device__ __forceinline__ bool tail_reduce(float (&acc)[kAccRegs], const Work& 
   return true;
 }
 
+// Grouped: whether a group of `rows` rows is heavy (compute-bound: several rows of tiles reuse its
+// weight from L2) rather than light (it streams its weight). Without two kinds, every group is.
+__device__ __forceinline__ bool heavy_group(int rows, const Params& p) {
+  return !kTwoKinds || rows >= p.heavy_group_rows;
+}
+
 // Grouped: rows of every group into table[2 + g], the cluster tiles of all groups into table[0]
-// and those of the heavy groups (rows >= p.heavy_group_rows) into table[1], by one warp.
+// and those of the heavy groups into table[1], by one warp.
 // Contiguous groups end at the running maximum of offs clamped to [0, M] and start where the
 // previous one ended (decreasing offsets give empty groups); masked counts clamp to [0, max_m].
 // Each lane takes a run of groups: its own maximum, then a warp scan.
@@ -225,7 +234,7 @@ __device__ __forceinline__ void build_group_table(int* table, const Params& p, i
     table[2 + g] = rows;
     const int group_tiles = ceil_div(rows, kClusterRows) * tiles_n;
     tiles += group_tiles;
-    if (rows >= p.heavy_group_rows) heavy += group_tiles;
+    if (heavy_group(rows, p)) heavy += group_tiles;
   }
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) {
@@ -238,20 +247,17 @@ __device__ __forceinline__ void build_group_table(int* table, const Params& p, i
   }
 }
 
-// Grouped: tiles of a group of `rows` rows in the kind walked (heavy: rows >= heavy_group_rows).
+// Grouped: tiles of a group of `rows` rows in the kind walked.
 __device__ __forceinline__ int kind_tiles(int rows, bool heavy, const Params& p, int tiles_n) {
-  return (rows >= p.heavy_group_rows) == heavy ? ceil_div(rows, kClusterRows) * tiles_n : 0;
+  return heavy_group(rows, p) == heavy ? ceil_div(rows, kClusterRows) * tiles_n : 0;
 }
 
 // Grouped: where a thread is in the walk over one kind's tiles (the indices within a kind only
-// increase, so the cursor moves forward over each group once per thread).
+// increase, so the cursor moves forward over each group once per thread). It and the walk stay
+// small: they live through every mainloop, beside the accumulators.
 struct GroupCursor {
-  int group, first_tile, first_row, rows, tiles;  // the group, its first tile index in the kind, row, rows and tiles
+  int group, first_tile, first_row, rows;  // the group, its first tile index in the kind, first row, rows
 };
-
-__device__ __forceinline__ GroupCursor first_group(const int* table, bool heavy, const Params& p, int tiles_n) {
-  return GroupCursor{0, 0, 0, table[2], kind_tiles(table[2], heavy, p, tiles_n)};
-}
 
 // floor(v * heavy / tiles): a float estimate corrected by exact 64-bit products (a 64-bit
 // division is a long inlined sequence at every call site; the estimate is off by a few at most).
@@ -264,33 +270,33 @@ __device__ __forceinline__ int heavy_share(int v, int heavy, int tiles) {
 }
 
 // Grouped: the two kinds' sequences merged. Of tile ids [0, v) the heavy groups' tiles take
-// floor(v * heavy / tiles): spread evenly, whatever the counts; with one kind only, the group
-// order (and no arithmetic per tile: the consumers' next mainloop waits on it).
+// floor(v * heavy / tiles) (table[1] of table[0]): spread evenly, whatever the counts. With one
+// kind only (`mixed` false), the group order, and no arithmetic per tile: the consumers' next
+// mainloop waits on it.
 struct GroupWalk {
   GroupCursor heavy, light;
-  int tiles, heavy_tiles;
+  bool mixed;
 };
 
-__device__ __forceinline__ GroupWalk first_groups(const int* table, const Params& p, int tiles_n) {
-  return GroupWalk{first_group(table, true, p, tiles_n), first_group(table, false, p, tiles_n), table[0], table[1]};
+__device__ __forceinline__ GroupWalk first_groups(const int* table) {
+  return GroupWalk{{0, 0, 0, table[2]}, {0, 0, 0, table[2]}, kTwoKinds && table[1] != 0 && table[1] != table[0]};
 }
 
 // Origin of cluster tile `tile` (CTA `rank`'s row of it), its group and the group's row end.
 // Within a group, tiles go in the grouped (L2-friendly) order of the dense kernel.
 __device__ __forceinline__ TileCoord group_tile_origin(GroupWalk& walk, const int* table, int tile, const Params& p,
                                                        int tiles_n, int rank) {
-  // 2x1 clusters walk one kind (the host passes heavy_group_rows = 0): no light cursor to keep.
-  const bool mixed = kCluster == 1 && walk.heavy_tiles != 0 && walk.heavy_tiles != walk.tiles;
-  const int heavy_before = mixed ? heavy_share(tile, walk.heavy_tiles, walk.tiles) : 0;
-  const bool heavy = mixed ? heavy_share(tile + 1, walk.heavy_tiles, walk.tiles) > heavy_before
-                           : kCluster > 1 || walk.heavy_tiles == walk.tiles;
+  const bool mixed = kTwoKinds && walk.mixed;  // constant on clusters: their light cursor is dead code
+  const int heavy_before = mixed ? heavy_share(tile, table[1], table[0]) : 0;
+  const bool heavy = mixed ? heavy_share(tile + 1, table[1], table[0]) > heavy_before
+                           : !kTwoKinds || table[1] != 0;
   GroupCursor c = heavy ? walk.heavy : walk.light;  // a copy: a reference would put the walk in local memory
-  const int index = heavy ? (mixed ? heavy_before : tile) : tile - heavy_before;  // the tile's place in its kind
-  while (index >= c.first_tile + c.tiles) {
-    c.first_tile += c.tiles;
+  const int index = heavy && mixed ? heavy_before : tile - heavy_before;  // the tile's place in its kind
+  for (int tiles = kind_tiles(c.rows, heavy, p, tiles_n); index >= c.first_tile + tiles;
+       tiles = kind_tiles(c.rows, heavy, p, tiles_n)) {
+    c.first_tile += tiles;
     c.first_row += p.group_layout == 0 ? c.rows : p.group_rows;
     c.rows = table[2 + ++c.group];
-    c.tiles = kind_tiles(c.rows, heavy, p, tiles_n);
   }
   if (heavy)
     walk.heavy = c;
@@ -388,7 +394,7 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
     return Work{sched.whole + slot, slice * k_tiles / sched.split, (slice + 1) * k_tiles / sched.split, slot, slice};
   };
   GroupWalk walk{};  // grouped: this thread's place in the walk (its tile ids only increase)
-  if constexpr (kGrouped) walk = first_groups(group_table, params, tiles_n);
+  if constexpr (kGrouped) walk = first_groups(group_table);
   auto tile_coord = [&](int tile) {
     if constexpr (kGrouped)
       return group_tile_origin(walk, group_table, tile, params, tiles_n, rank);
@@ -401,12 +407,12 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
     ptx::warpgroup_reg_dealloc<kProducerRegs>();
     if (threadIdx.x == 0) {
       PipelineState write;
-      const u64 stream = kGrouped && kCluster == 1 ? ptx::l2_policy_evict_first() : 0;  // load_stage's b_policy
+      const u64 stream = kTwoKinds ? ptx::l2_policy_evict_first() : 0;  // load_stage's b_policy
       for (int i = 0; i < my_tiles; ++i) {
         const Work w = work(i);
         const TileCoord tile = tile_coord(w.tile);
         // Grouped: a light group's weight is read by its one or few rows of tiles and then done.
-        const u64 b_policy = kGrouped && group_table[2 + tile.group] < params.heavy_group_rows ? stream : 0;
+        const u64 b_policy = kTwoKinds && !heavy_group(group_table[2 + tile.group], params) ? stream : 0;
         for (int kt = w.k0; kt < w.k1; ++kt) {
           ptx::mbarrier_wait(&empty[write.index], write.phase ^ 1);
           load_stage<kCluster>(smem + write.index * kStageBytes, &full[write.index], &map_a, &map_b, kt, tile.m0,

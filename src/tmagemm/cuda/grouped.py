@@ -176,9 +176,7 @@ class _GroupedLaunch:
         p.alpha, p.beta = 1.0, 0.0
         p.groups, p.group_layout = args.e, int(args.layout != GroupLayout.CONTIGUOUS)
         p.group_rows = args.m
-        # 2x1 clusters multicast B without the evict-first policy: there the group order stays
-        # (the kernel walks one kind on clusters, so 0 is what it assumes).
-        p.heavy_group_rows = HEAVY_GROUP_ROWS if config.cluster_m == 1 else 0
+        p.heavy_group_rows = HEAVY_GROUP_ROWS  # the kernel keeps the group order on 2x1 clusters
         p.b_group_rows = args.n if args.b_k_major else args.k
         p.ldd = out.stride(0)
         sa_e, sa_m, sa_k = args.scale_a_strides

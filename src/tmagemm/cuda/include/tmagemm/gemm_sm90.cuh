@@ -112,8 +112,8 @@ struct Params {
   // M, the weight's along K) and the producer loads them by TMA with the operands; 0: a producer
   // warp copies them 4 bytes at a time through the strides above (any layout).
   int block_scale_maps;
-  // Grouped: groups of at least this many rows are the heavy kind, whose tiles are spread evenly
-  // among the others' (gemm_sm90_persistent.cu); 0: every group heavy, the plain group order.
+  // Grouped on single CTAs: groups of at least this many rows are the heavy kind, whose tiles are
+  // spread evenly among the others' (gemm_sm90_persistent.cu); 0: every group heavy, the group order.
   int heavy_group_rows;
 };
 
@@ -228,6 +228,14 @@ struct ConsumerBarriers {
   }
 };
 
+// One 2-D box by TMA, with an L2 cache policy unless `policy` is 0.
+__device__ __forceinline__ void load_box(void* dst, const CUtensorMap* map, u64* bar, int c0, int c1, u64 policy) {
+  if (policy)
+    ptx::tma_load_2d_hint(dst, map, bar, c0, c1, policy);
+  else
+    ptx::tma_load_2d(dst, map, bar, c0, c1);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Producer step: one thread loads k-block `k_tile` of the A and B tiles into a stage.
 // Boxes past M, N or K are zero-filled by TMA, so ragged edges need no code here, and the
@@ -257,20 +265,12 @@ __device__ __forceinline__ void load_stage(unsigned char* stage, u64* full, cons
   unsigned char* b = stage + kStageBytesA;
   if constexpr (kCluster == 1) {
     if constexpr (kBKMajor) {
-      if (b_policy)
-        ptx::tma_load_2d_hint(b, map_b, full, bk0, bn0, b_policy);
-      else
-        ptx::tma_load_2d(b, map_b, full, bk0, bn0);
+      load_box(b, map_b, full, bk0, bn0, b_policy);
     } else {
       // Row-major (K, N) B: a box is 64 N-columns (128 B) by 64 K-rows; boxes sit 8 KB apart,
       // the layout desc_mn_major describes.
 #pragma unroll
-      for (int j = 0; j < kBlockN / 64; ++j) {
-        if (b_policy)
-          ptx::tma_load_2d_hint(b + j * 8192, map_b, full, bn0 + 64 * j, bk0, b_policy);
-        else
-          ptx::tma_load_2d(b + j * 8192, map_b, full, bn0 + 64 * j, bk0);
-      }
+      for (int j = 0; j < kBlockN / 64; ++j) load_box(b + j * 8192, map_b, full, bn0 + 64 * j, bk0, b_policy);
     }
   } else {
     constexpr unsigned short kMask = (1u << kCluster) - 1;
