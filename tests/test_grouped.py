@@ -700,13 +700,14 @@ def test_gpu_direct_launch_and_decode_config(seeded):
 
 
 # ---------------------------------------------------------------------------------- native kernel
-# cuda/grouped.py: the persistent cooperative kernel built with TMAGEMM_GROUPED. GPU tests run it
+# cuda/grouped.py: the persistent kernel built with TMAGEMM_GROUPED. GPU tests run it
 # with a few CTAs (each walks many tiles across group boundaries) on groups that end inside
 # tiles, empty groups, a one-row group (a 2x1 cluster's second tile lies wholly past it) and rows
 # no group covers; CPU tests check its builds and the rules that route problems to it.
 
 _COOP = native_gemm.NATIVE_CONFIGS["cuda.persistent_coop"]
 _PROMOTE = native_gemm._PROMOTE_WIDE  # promoting 128 x 256 tiles on 2x1 clusters
+_PINGPONG = native_gemm.NATIVE_CONFIGS["cuda.persistent_pingpong"]  # 128 x 128 tiles, alternating consumers
 
 
 def _native_config(base, e, **changes):
@@ -751,13 +752,14 @@ def test_gpu_native_bf16(layout, k_major, out_dtype, seeded):
 
 @gpu
 @pytest.mark.parametrize("layout", [GroupLayout.CONTIGUOUS, GroupLayout.MASKED], ids=["contiguous", "masked"])
-@pytest.mark.parametrize("recipe", ["row_promote_c2", "row_promote_c1", "tensor_fast", "block_c2", "block_c1"])
+@pytest.mark.parametrize("recipe", ["row_promote_c2", "row_promote_c1", "tensor_fast", "tensor_fast_pingpong",
+                                    "block_c2", "block_c1"])
 def test_gpu_native_fp8(layout, recipe, seeded):
     e, k, n = len(SIZES), 400, 400  # K: a partial last k-block and scale block; N: a partial weight block
     a, b, counts, kw = _native_operands(FP8, layout, k, n)
     rows = a.shape[:-1]
     bias = torch.randn(e, n, device=DEV).to(torch.bfloat16)
-    fast = recipe == "tensor_fast"
+    fast = recipe.startswith("tensor_fast")
     if recipe.startswith("block"):
         kb, nb = -(-k // 128), -(-n // 128)
         # 1x128 scales outer-dim-major for the contiguous layout (torch's), row-major for masked.
@@ -769,7 +771,7 @@ def test_gpu_native_fp8(layout, recipe, seeded):
     elif fast:
         sa, sb = torch.tensor(0.75, device=DEV), torch.rand(e, device=DEV) + 0.5  # tensor-wise, per expert
         a_deq, b_deq = a.double().cpu() * 0.75, b.double().cpu() * sb.double().cpu()[:, None, None]
-        config = _native_config(_COOP, e)
+        config = _native_config(_PINGPONG if recipe.endswith("pingpong") else _COOP, e)
     else:
         sa, sb = torch.rand(rows, device=DEV) + 0.5, torch.rand(e, n, device=DEV) + 0.5
         a_deq = a.double().cpu() * sa.double().cpu()[..., None]
@@ -852,28 +854,42 @@ def test_gpu_native_batched_single_expert_and_bad_offsets(seeded):
 
 
 @gpu
-def test_gpu_native_graph_replays_with_new_offsets(seeded):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8_fast_pingpong"])
+def test_gpu_native_graph_replays_with_new_offsets(dtype, seeded):
     """Contiguous groups whose sizes change between replays of one captured grouped call (the
-    public API's dispatch picks the native kernel for groups of this size)."""
+    public API's dispatch picks the native kernel for groups of this size: cooperative tiles for
+    bf16, ping-pong ones for fp8 with fast accumulation at this K)."""
     plan.clear_plans()
     e, m, k, n = 4, 1024, 512, 768
-    a = torch.randn(m, k, device=DEV).bfloat16()
-    b = weights(e, k, n, torch.bfloat16)
     offs = counts_tensor([256, 512, 768, 1024])
-    out = poisoned((m, n), torch.bfloat16)
-    grouped_mm(a, b, offs=offs, out=out)
+    if dtype == FP8:
+        a, b = fp8_operands((m, k), e, k, n)
+        sa, sb = torch.rand(m, device=DEV) + 0.5, torch.rand(e, n, device=DEV) + 0.5
+        a_deq = a.double().cpu() * sa.double().cpu()[:, None]
+        b_deq = b.double().cpu() * sb.double().cpu()[:, None, :]
+        out, rel = poisoned((m, n)), REL8
+
+        def call():
+            grouped_scaled_mm(a, b, sa, sb, offs=offs, out=out, out_dtype=torch.float32, use_fast_accum=True)
+    else:
+        a, b = torch.randn(m, k, device=DEV).bfloat16(), weights(e, k, n, torch.bfloat16)
+        a_deq, b_deq = a.double().cpu(), b.double().cpu()
+        out, rel = poisoned((m, n), torch.bfloat16), 8e-3
+
+        def call():
+            grouped_mm(a, b, offs=offs, out=out)
+    call()
     (p,) = grouped.cached_plans()
-    assert p.variant == native.NAME and p.direct
+    assert p.variant == native.NAME and p.direct and p.config.pingpong == (dtype == FP8)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        grouped_mm(a, b, offs=offs, out=out)
+        call()
     for counts in ([1, 1, 1000, 1000], [0, 0, 0, 0], [700, 701, 701, 1024], [1024, 0, 3, 1]):
         offs.copy_(counts_tensor(counts))
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        check(out, reference(a.double().cpu(), b.double().cpu(), counts, GroupLayout.CONTIGUOUS), 8e-3,
-              f"replay {counts}")
+        check(out, reference(a_deq, b_deq, counts, GroupLayout.CONTIGUOUS), rel, f"replay {counts}")
 
 
 @gpu
@@ -946,11 +962,19 @@ def test_native_config_rule_is_pure():
     row = grouped.example_args(FP8, e=e, rows=1024, n=512, k=256)  # row-wise, promoted
     narrow = native.config_for(row)
     assert narrow.promote and narrow.promote_depth == 2 and narrow.block_n == 128 and narrow.cluster_m == 1
+    # Fast accumulation: ping-pong 128 x 128 tiles at short K or light groups, else cooperative
+    # 128 x 256 tiles with the tail split.
     fast = native.config_for(row._replace(fast_accum=True))
-    assert not fast.promote and fast.block_n == 256
+    assert fast.pingpong and not fast.promote and fast.block_n == 128 and fast.cluster_m == 1 and fast.tail_split == 0
+    deep = grouped.example_args(FP8, e=e, rows=256, n=512, k=4096)._replace(fast_accum=True)
+    assert not native.config_for(deep).pingpong and native.config_for(deep).block_n == 256
+    assert native.config_for(deep).tail_split == native_gemm.TAIL_SPLIT
+    light = grouped.example_args(FP8, e=e, rows=255, n=512, k=4096)._replace(fast_accum=True)
+    assert native.config_for(light).pingpong
+    assert not native.config_for(grouped.example_args(torch.bfloat16, e=e, rows=128, n=512, k=256)).pingpong
     half = grouped.example_args(torch.bfloat16, e=e, rows=512, n=512, k=256)
     assert not native.config_for(half).promote and native.config_for(half).groups == e
-    for args in (big, row, half):
+    for args in (big, row, half, row._replace(fast_accum=True), deep):
         config = native.config_for(args)
         assert config.is_valid(args.out.element_size())
     # The group table takes shared memory: many experts cost the ring a stage.
@@ -968,6 +992,10 @@ def test_native_dispatch_rule(monkeypatch):
     args = ex(FP8, e=4, rows=512, n=256, k=2048)  # row-wise, promoted, short K
     assert native.preferred(args) and native.preferred(args._replace(fast_accum=True))
     assert not native.preferred(ex(FP8, e=4, rows=128, n=256, k=2048))
+    # Fast-accumulating fp8 (ping-pong tiles): from 64 rows per group at K <= 2048, else from 128.
+    fast = [ex(FP8, e=4, rows=rows, n=256, k=k)._replace(fast_accum=True) for rows, k in
+            ((64, 2048), (63, 2048), (128, 2064), (127, 2064))]
+    assert [native.preferred(f) for f in fast] == [True, False, True, False]
     kb = 2048 // 128
     sa, sb = torch.ones(4 * 80, kb), torch.ones(4, 2, kb)
     block = grouped.scaled_mm_args(args.a[:320], args.b, sa, sb, offs=torch.tensor([80, 160, 240, 320],
@@ -1020,8 +1048,9 @@ def test_native_refusals_name_the_reason(monkeypatch):
     (_native_config(_PROMOTE, 64, block_scaled=True, cluster_m=1), FP8, torch.bfloat16),
     (_native_config(_PROMOTE, 8, cluster_m=1), FP8, torch.float32),
     (_native_config(_COOP, 8), FP8, torch.bfloat16),
+    (_native_config(_PINGPONG, 8), FP8, torch.bfloat16),
     (_native_config(_COOP, 8), torch.bfloat16, torch.bfloat16),
-], ids=["block_c2", "block_c1", "promote_c1_fp32", "fast_fp8", "bf16"])
+], ids=["block_c2", "block_c1", "promote_c1_fp32", "fast_fp8", "fast_fp8_pingpong", "bf16"])
 def test_native_builds_for_sm90a(config, ab, out):
     """The grouped kernel keeps the dense mainloop's properties (no spills, wgmmas not
     serialized) and has both stores: TMA for tiles inside a group, 16-byte stores at its end."""

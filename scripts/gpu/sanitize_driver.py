@@ -11,7 +11,8 @@ weights of 2048 x 2048 or more, its K shared by clusters of 2 and 4 CTAs), and w
 both B layouts; the fused gate/up projection (split and unsplit) feeding a block GEMM. Every
 kernel is launched with programmatic dependent launch (the default). Shapes are off the tile sizes; the larger ones have more tiles than SMs, so
 persistent CTAs walk several tiles. (The ping-pong schedule needs fp8 M >= 4096 with N, K >= 8192,
-too large for the sanitizer.) Grouped GEMMs run both grouped kernels with counts that need clamping.
+too large for the sanitizer; the grouped kernel's ping-pong tiles run here.) Grouped GEMMs run
+both grouped kernels, the native one on each of its schedules, with counts that need clamping.
 Each output is checked against float64; exits 1 if any case fails or is off.
 """
 
@@ -65,6 +66,7 @@ BLOCK_CASES = [
 # negative ones (clamped by the kernels, never read or written out of bounds).
 GROUPED_CASES = [
     ("bf16", "contiguous", 3, 700, 264, 208, [300, 100, 900]),  # native kernel (234 rows per group)
+    ("row_fast", "contiguous", 3, 700, 264, 208, [300, 100, 900]),  # native, ping-pong tiles (fast accumulation)
     ("block", "contiguous", 3, 800, 520, 576, [0, 350, 640]),  # native, 2x1 clusters, a pair past a group's end
     ("block", "masked", 4, 200, 264, 576, [200, 0, 500, -3]),  # native, masked
     ("row", "contiguous", 4, 64, 264, 208, [10, 20, 20, 64]),  # Triton kernel (16 rows per group)
@@ -140,7 +142,7 @@ def grouped_case(scaling, layout, e, rows, n, k, counts):
     if scaling == "bf16":
         out = tmagemm.grouped_mm(a, b, **kw)
     else:
-        out = tmagemm.grouped_scaled_mm(a, b, sa, sb, **kw)
+        out = tmagemm.grouped_scaled_mm(a, b, sa, sb, use_fast_accum=scaling == "row_fast", **kw)
     got, ref, end = [], [], 0
     for g, c in enumerate(counts):  # the documented row rule
         if contiguous:

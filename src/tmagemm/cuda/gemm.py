@@ -74,7 +74,7 @@ class NativeGemmConfig:
     only); ``block_scaled``: the promoting
     mainloop also multiplies each k-block's sum by its 1x128 activation and 128x128 weight scales
     (fp8 block-scaled checkpoints); ``groups``: 0 for one GEMM, E for the grouped kernel over E
-    experts (cuda/grouped.py; persistent cooperative only), whose table of group sizes takes
+    experts (cuda/grouped.py; persistent, ping-pong on single CTAs only), whose table of group sizes takes
     shared memory; ``tail_split``: 0, or up to this many K slices for the tiles of a last wave
     that would leave at least half of the clusters idle (:func:`tail_split`; persistent
     cooperative only, with scratch from tmagemm.workspace). Block M is always 128 and block K one
@@ -162,7 +162,9 @@ class NativeGemmConfig:
             and (not self.promote or (self.kernel == "persistent" and not self.pingpong))
             and (self.promote_depth == 1 or (self.promote_depth == 2 and self.promote and self.block_n == 128))
             and (not self.block_scaled or self.promote)  # scales ride on the promotion step
-            and (self.groups == 0 or (self.kernel == "persistent" and not self.pingpong and self.groups > 0))
+            # grouped: persistent; ping-pong on single CTAs only (the schedule the dispatcher picks for them)
+            and (self.groups == 0 or (self.kernel == "persistent" and self.groups > 0
+                                      and not (self.pingpong and self.cluster_m > 1)))
             and (self.tail_split == 0 or (2 <= self.tail_split <= 8 and self.kernel == "persistent" and not self.pingpong))
             and self.smem_bytes(out_itemsize) + 256 <= _device.SM90_SMEM_PER_BLOCK
         )

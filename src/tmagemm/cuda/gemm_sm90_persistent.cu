@@ -17,19 +17,19 @@
 // arrival, local or remote, has landed on its barriers. Both CTAs walk the same local tile
 // sequence, so in ping-pong the same consumer of each CTA reads a given stage.
 //
-// TMAGEMM_GROUPED = 1 (cooperative only): one launch over the tiles of every expert of a grouped
-// GEMM (tmagemm.grouped, docs/grouped.md). The group sizes stay on the device: after the grid
-// dependency wait one warp turns them into a table of rows per group in shared memory, and
-// each thread maps its tile ids to (group, tile) with cursors that only move forward. Groups of
-// at least params.heavy_group_rows rows (compute-bound: their weight is reused from L2 by several
-// rows of tiles) and the shorter ones (weight-streaming) are two tile sequences, each in group
-// order, merged in proportion to their lengths: at any time some CTAs keep the tensor cores busy
-// while others stream weights, where group order ran one kind after the other. The light groups'
-// weights load with an L2 evict-first policy, so that they do not push out the operands the
-// heavy tiles reuse (single CTAs: 2x1 clusters keep the group order). A tile
-// that starts inside group g may run past the group's last row: those rows (the next group's,
-// or padding) only feed output rows that are never stored, since the epilogue clips the tile's
-// stores at the group's end.
+// TMAGEMM_GROUPED = 1 (cooperative, or ping-pong on single CTAs): one launch over the tiles of
+// every expert of a grouped GEMM (tmagemm.grouped, docs/grouped.md). The group sizes stay on the
+// device: after the grid dependency wait one warp turns them into a table of rows per group in
+// shared memory, and each thread maps its tile ids to (group, tile) with cursors that only move
+// forward. Groups of at least params.heavy_group_rows rows (compute-bound: their weight is reused
+// from L2 by several rows of tiles) and the shorter ones (weight-streaming) are two tile
+// sequences, each in group order, merged in proportion to their lengths: at any time some CTAs
+// keep the tensor cores busy while others stream weights, where group order ran one kind after
+// the other. The light groups' weights load with an L2 evict-first policy, so that they do not
+// push out the operands the heavy tiles reuse (single CTAs: 2x1 clusters keep the group order).
+// A tile that starts inside group g may run past the group's last row: those rows (the next
+// group's, or padding) only feed output rows that are never stored, since the epilogue clips
+// each 64-row fragment's stores at the group's end.
 //
 // TMAGEMM_TAIL_SPLIT = S >= 2 (cooperative only): when the tiles leave a last wave on at most half
 // of the clusters, those last tiles are cut along K into up to S slices, and the clusters that
@@ -123,7 +123,6 @@ constexpr bool kGrouped = TMAGEMM_GROUPED != 0;
 // Grouped on single CTAs: heavy and light groups' tiles merged (build_group_table). 2x1 clusters
 // multicast B without a cache policy for the light groups' weights, so they keep the group order.
 constexpr bool kTwoKinds = kGrouped && kCluster == 1;
-static_assert(!kGrouped || !kPingPong, "grouped GEMMs: cooperative schedule (its epilogue clips rows per fragment)");
 constexpr int kClusterRows = kBlockM * kCluster;  // rows of A per cluster tile
 
 // Tail split: at most kTailSplit slices of at least kTailMinKBlocks k-blocks each (shorter ones
@@ -655,10 +654,13 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
 
     // ---- epilogue (overlaps the producer's loads and, in ping-pong, the other's mainloop) ------
     if constexpr (kGrouped) {
+      // Fragment by fragment (ping-pong: both of the consumer's tile), each clipped at the group's end.
       const Params tile_params = group_params(params, tile);
-      epilogue_fragment<kBlockN, kEpiPasses, kEpiBuffers, true>(acc[0], my_epi, &map_d, tile.m0 + 64 * consumer,
-                                                                tile.n0, tile_params, epilogue_op(tile_params),
-                                                                kBarConsumer0 + consumer, leader, tile.row_end);
+#pragma unroll
+      for (int f = 0; f < kFrags; ++f)
+        epilogue_fragment<kBlockN, kEpiPasses, kEpiBuffers, true>(
+            acc[f], my_epi + f * kFragBytes, &map_d, tile.m0 + 64 * (kPingPong ? f : consumer), tile.n0, tile_params,
+            epilogue_op(tile_params), kBarConsumer0 + consumer, leader, tile.row_end);
     } else if constexpr (kPingPong) {
 #pragma unroll
       for (int f = 0; f < kFrags; ++f) epilogue_apply<kBlockN>(acc[f], tile.m0 + 64 * f, tile.n0, params, op);

@@ -1,11 +1,12 @@
-"""The native grouped GEMM: the persistent cooperative kernel over every expert's tiles.
+"""The native grouped GEMM: the persistent kernel over every expert's tiles.
 
 ``gemm_sm90_persistent.cu`` built with ``TMAGEMM_GROUPED`` (a :class:`NativeGemmConfig` with
 ``groups`` = E) runs one launch over all groups of a :class:`~tmagemm.grouped.GroupedArgs`
-problem, with the mainloops of the dense kernel (tiles per :func:`config_for`): 128 x 256 tiles
-for 16-bit and fast-accumulation fp8, fp32-promoted fp8 for the ``use_fast_accum=False`` default
-(128 x 128 tiles) and the 1x128 / 128x128 block scales (128 x 256 tiles, on 2x1 clusters for
-groups of 1024 rows or more). A, B and the output are read and written through 2-D tensor
+problem, with the mainloops of the dense kernel (tiles per :func:`config_for`): cooperative
+128 x 256 tiles for 16-bit and for fast-accumulation fp8 on heavy groups at larger K, ping-pong
+128 x 128 tiles for the other fast-accumulation fp8 problems, fp32-promoted fp8 for the
+``use_fast_accum=False`` default (128 x 128 tiles) and the 1x128 / 128x128 block scales
+(128 x 256 tiles, on 2x1 clusters for groups of 1024 rows or more). A, B and the output are read and written through 2-D tensor
 maps over the experts stacked row after row (:func:`tmagemm.tma.stacked_rows`); group sizes stay
 on the device and become a table in shared memory (docs/grouped.md, "The native kernel").
 
@@ -36,6 +37,15 @@ NAME = "cuda.grouped"
 # 0.82-0.99x, at every K measured (1536-14336).
 BLOCK_MIN_ROWS = 65
 MIN_ROWS = 129
+# fp8 with fast accumulation (tensor / row-wise scales) runs here from fewer rows, on the ping-pong
+# schedule (see PINGPONG_MAX_K): from SHORT_K_MIN_ROWS rows per group at K <= PINGPONG_MAX_K and
+# from FAST_MIN_ROWS at any K. Contiguous expert projections of DeepSeek-V3, Qwen3-MoE and Mixtral
+# (H100, balanced and Zipf-routed groups, graph-timed; BENCHMARKS.md): at 64 rows and K <= 2048
+# ping-pong tiles ran 0.96-1.02x the Triton kernel on balanced groups and 1.10-1.18x on Zipf ones;
+# at K = 4096 0.95-0.97x / 1.03x, and at 14336 0.94x / 0.83x; at 128 rows 0.99-1.09x (balanced) and
+# 1.03-1.31x (Zipf) at every K.
+SHORT_K_MIN_ROWS = 64
+FAST_MIN_ROWS = 128
 # 2x1 clusters (B multicast to a pair of vertically adjacent tiles of one group): from this many
 # rows per contiguous group. A pair whose second tile lies past a short group's end holds an SM
 # for the tile's whole mainloop without output; with skewed routing most groups are short, and a
@@ -53,6 +63,17 @@ CLUSTER_MIN_ROWS = 1024
 # H200 0.97-1.06x; BENCHMARKS.md). Balanced groups are all of one kind and keep the group order,
 # as do 2x1 clusters.
 HEAVY_GROUP_ROWS = 256
+# fp8 with fast accumulation: the ping-pong schedule (consumers take alternate 128 x 128 tiles, so
+# one's epilogue runs while the other's mainloop keeps the tensor cores busy) where the epilogue
+# is a large share of a tile's time: K <= PINGPONG_MAX_K (at most 16 k-blocks per tile), or groups
+# expected lighter than HEAVY_GROUP_ROWS (their tiles wait on streamed weights, and many end
+# inside a 128-row tile). Heavy groups at larger K keep the cooperative 128 x 256 tiles, which read
+# less shared memory per FLOP. Against the cooperative tiles (H100, moe expert projections,
+# BENCHMARKS.md): at 256 rows per group and K = 1536-2048 1.09-1.15x balanced and 1.02-1.13x Zipf;
+# at K = 4096-14336 0.93-1.08x balanced but 0.82-1.02x Zipf; at 128 rows 1.03-1.08x and
+# 1.01-1.22x at every K. 16-bit operands (a k-block is half as deep) stay cooperative: ping-pong
+# measured 0.84-1.02x balanced and 0.68-0.89x Zipf there.
+PINGPONG_MAX_K = 2048
 
 
 def rows_per_group(args: GroupedArgs) -> int:
@@ -71,6 +92,8 @@ def config_for(args: GroupedArgs) -> NativeGemmConfig:
       scratch fragments, single CTAs: ahead of the 128 x 256 ones or within 3% on every measured
       expert shape from 128 to 2048 rows per group, 3-8% ahead at 128 rows (H100, BENCHMARKS.md,
       "Native or Triton per shape, promoted fp8");
+    * fp8 with fast accumulation at K <= PINGPONG_MAX_K or fewer than HEAVY_GROUP_ROWS rows per
+      group: the ping-pong schedule's 128 x 128 tiles, single CTAs (see PINGPONG_MAX_K);
     * otherwise (16-bit, fp8 with fast accumulation) the dense cooperative 128 x 256 tiles.
     """
     if args.scaling == GroupScaling.BLOCK:
@@ -78,9 +101,12 @@ def config_for(args: GroupedArgs) -> NativeGemmConfig:
         config = replace(_PROMOTE_WIDE, cluster_m=2 if pairs else 1, block_scaled=True)
     elif args.is_fp8 and not args.fast_accum:
         config = replace(_PROMOTE_NARROW, cluster_m=1)
+    elif args.is_fp8 and (args.k <= PINGPONG_MAX_K or rows_per_group(args) < HEAVY_GROUP_ROWS):
+        config = NATIVE_CONFIGS["cuda.persistent_pingpong"]
     else:
         config = NATIVE_CONFIGS["cuda.persistent_coop"]
-    return replace(config, groups=args.e, tail_split=TAIL_SPLIT).fitted(args.out.element_size())
+    tail_split = 0 if config.pingpong else TAIL_SPLIT  # the tail split needs both consumers on a tile
+    return replace(config, groups=args.e, tail_split=tail_split).fitted(args.out.element_size())
 
 
 def _operand_views(args: GroupedArgs):
@@ -95,7 +121,8 @@ def _operand_views(args: GroupedArgs):
 
 
 def preferred(args: GroupedArgs) -> bool:
-    """Whether the dispatcher runs ``args`` here (see MIN_ROWS) rather than on the Triton kernel.
+    """Whether the dispatcher runs ``args`` here (see MIN_ROWS, SHORT_K_MIN_ROWS) rather than on
+    the Triton kernel.
     Masked 16-bit groups and fp8 ones with fast accumulation (tensor/row scales) stay on the
     Triton kernel at any max_m: max_m bounds the rows without saying how many there are, and
     with Zipf-routed counts (64 tokens per expert on average, max_m 189-1024) the Triton kernel
@@ -106,9 +133,13 @@ def preferred(args: GroupedArgs) -> bool:
     promoted = args.is_fp8 and not args.fast_accum
     if args.layout == GroupLayout.MASKED and args.scaling != GroupScaling.BLOCK and not promoted:
         return False
-    rows = rows_per_group(args)
-    ahead = rows >= (BLOCK_MIN_ROWS if args.scaling == GroupScaling.BLOCK else MIN_ROWS)
-    return ahead and unsupported_reason(args) is None
+    if args.scaling == GroupScaling.BLOCK:
+        min_rows = BLOCK_MIN_ROWS
+    elif args.is_fp8 and args.fast_accum:
+        min_rows = SHORT_K_MIN_ROWS if args.k <= PINGPONG_MAX_K else FAST_MIN_ROWS
+    else:
+        min_rows = MIN_ROWS
+    return rows_per_group(args) >= min_rows and unsupported_reason(args) is None
 
 
 def unsupported_reason(args: GroupedArgs, config: NativeGemmConfig | None = None) -> str | None:
