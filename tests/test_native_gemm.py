@@ -104,7 +104,9 @@ def test_invalid_configs_are_refused():
     assert coop.epi_passes == 4 and coop.fitted(4).is_valid(4)  # fp32 out: 8 chunks, 3 stages
     assert not replace(coop, block_n=128, epi_passes=4).is_valid(2)  # 2 chunks
     assert not replace(coop, epi_buffers=3).is_valid(2)
-    assert not replace(native.NATIVE_CONFIGS["cuda.persistent_pingpong"], groups=8).is_valid(2)  # grouped: cooperative
+    pingpong = native.NATIVE_CONFIGS["cuda.persistent_pingpong"]
+    assert replace(pingpong, groups=8).is_valid(2)  # grouped ping-pong: single CTAs only
+    assert not replace(pingpong, groups=8, cluster_m=2).is_valid(2)
     assert not replace(coop, kernel="warp_specialized", groups=8).is_valid(2)
     sliced = native.NativeGemmConfig("warp_specialized", block_n=256, stages=3, epi_passes=2, epi_buffers=2)
     assert not sliced.is_valid(2)  # slices belong to the persistent epilogue
