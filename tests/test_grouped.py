@@ -962,15 +962,17 @@ def test_native_config_rule_is_pure():
     row = grouped.example_args(FP8, e=e, rows=1024, n=512, k=256)  # row-wise, promoted
     narrow = native.config_for(row)
     assert narrow.promote and narrow.promote_depth == 2 and narrow.block_n == 128 and narrow.cluster_m == 1
-    # Fast accumulation: ping-pong 128 x 128 tiles at short K or light groups, else cooperative
+    # Fast accumulation: ping-pong 128 x 128 tiles at short K or one row of tiles, else cooperative
     # 128 x 256 tiles with the tail split.
     fast = native.config_for(row._replace(fast_accum=True))
     assert fast.pingpong and not fast.promote and fast.block_n == 128 and fast.cluster_m == 1 and fast.tail_split == 0
     deep = grouped.example_args(FP8, e=e, rows=256, n=512, k=4096)._replace(fast_accum=True)
     assert not native.config_for(deep).pingpong and native.config_for(deep).block_n == 256
     assert native.config_for(deep).tail_split == native_gemm.TAIL_SPLIT
-    light = grouped.example_args(FP8, e=e, rows=255, n=512, k=4096)._replace(fast_accum=True)
-    assert native.config_for(light).pingpong
+    one_row = grouped.example_args(FP8, e=e, rows=128, n=512, k=4096)._replace(fast_accum=True)
+    assert native.config_for(one_row).pingpong  # one row of tiles per group: ping-pong at any K
+    assert not native.config_for(grouped.example_args(FP8, e=e, rows=129, n=512, k=4096)._replace(
+        fast_accum=True)).pingpong
     assert not native.config_for(grouped.example_args(torch.bfloat16, e=e, rows=128, n=512, k=256)).pingpong
     half = grouped.example_args(torch.bfloat16, e=e, rows=512, n=512, k=256)
     assert not native.config_for(half).promote and native.config_for(half).groups == e

@@ -3,8 +3,8 @@
 ``gemm_sm90_persistent.cu`` built with ``TMAGEMM_GROUPED`` (a :class:`NativeGemmConfig` with
 ``groups`` = E) runs one launch over all groups of a :class:`~tmagemm.grouped.GroupedArgs`
 problem, with the mainloops of the dense kernel (tiles per :func:`config_for`): cooperative
-128 x 256 tiles for 16-bit and for fast-accumulation fp8 on heavy groups at larger K, ping-pong
-128 x 128 tiles for the other fast-accumulation fp8 problems, fp32-promoted fp8 for the
+128 x 256 tiles for 16-bit and for fast-accumulation fp8 on groups of more than 128 rows at
+larger K, ping-pong 128 x 128 tiles for the other fast-accumulation fp8 problems, fp32-promoted fp8 for the
 ``use_fast_accum=False`` default (128 x 128 tiles) and the 1x128 / 128x128 block scales
 (128 x 256 tiles, on 2x1 clusters for groups of 1024 rows or more). A, B and the output are read and written through 2-D tensor
 maps over the experts stacked row after row (:func:`tmagemm.tma.stacked_rows`); group sizes stay
@@ -64,16 +64,18 @@ CLUSTER_MIN_ROWS = 1024
 # as do 2x1 clusters.
 HEAVY_GROUP_ROWS = 256
 # fp8 with fast accumulation: the ping-pong schedule (consumers take alternate 128 x 128 tiles, so
-# one's epilogue runs while the other's mainloop keeps the tensor cores busy) where the epilogue
-# is a large share of a tile's time: K <= PINGPONG_MAX_K (at most 16 k-blocks per tile), or groups
-# expected lighter than HEAVY_GROUP_ROWS (their tiles wait on streamed weights, and many end
-# inside a 128-row tile). Heavy groups at larger K keep the cooperative 128 x 256 tiles, which read
-# less shared memory per FLOP. Against the cooperative tiles (H100, moe expert projections,
-# BENCHMARKS.md): at 256 rows per group and K = 1536-2048 1.09-1.15x balanced and 1.02-1.13x Zipf;
-# at K = 4096-14336 0.93-1.08x balanced but 0.82-1.02x Zipf; at 128 rows 1.03-1.08x and
-# 1.01-1.22x at every K. 16-bit operands (a k-block is half as deep) stay cooperative: ping-pong
-# measured 0.84-1.02x balanced and 0.68-0.89x Zipf there.
+# one's epilogue runs while the other's mainloop keeps the tensor cores busy) at K <=
+# PINGPONG_MAX_K (at most 16 k-blocks per tile: the epilogue is a large share of its time) and, at
+# any K, on groups of at most PINGPONG_MAX_ROWS rows (one row of tiles, waiting on streamed
+# weights). Elsewhere the cooperative 128 x 256 tiles, which read less shared memory per FLOP.
+# Against the cooperative tiles (H100, moe expert projections, graph-timed; BENCHMARKS.md), balanced
+# / Zipf-routed groups: at K = 1536-2048 and 256 rows per group 1.09-1.15x / 1.02-1.13x; at 128
+# rows 1.03-1.08x / 1.01-1.22x at every K (1536-14336); at K = 4096-14336 and 192 rows 0.96-1.07x /
+# 0.95-1.05x (DeepSeek-V3 `gate_up` and Mixtral `down` behind), at 256 rows 0.93-1.08x / 0.82-1.02x.
+# 16-bit operands (a k-block half as deep) stay cooperative: ping-pong measured 0.84-1.02x /
+# 0.68-0.89x at 256-2048 rows, and 0.92-0.98x / 0.97-1.12x on the `down` projections at 192.
 PINGPONG_MAX_K = 2048
+PINGPONG_MAX_ROWS = 128
 
 
 def rows_per_group(args: GroupedArgs) -> int:
@@ -92,7 +94,7 @@ def config_for(args: GroupedArgs) -> NativeGemmConfig:
       scratch fragments, single CTAs: ahead of the 128 x 256 ones or within 3% on every measured
       expert shape from 128 to 2048 rows per group, 3-8% ahead at 128 rows (H100, BENCHMARKS.md,
       "Native or Triton per shape, promoted fp8");
-    * fp8 with fast accumulation at K <= PINGPONG_MAX_K or fewer than HEAVY_GROUP_ROWS rows per
+    * fp8 with fast accumulation at K <= PINGPONG_MAX_K or at most PINGPONG_MAX_ROWS rows per
       group: the ping-pong schedule's 128 x 128 tiles, single CTAs (see PINGPONG_MAX_K);
     * otherwise (16-bit, fp8 with fast accumulation) the dense cooperative 128 x 256 tiles.
     """
@@ -101,7 +103,7 @@ def config_for(args: GroupedArgs) -> NativeGemmConfig:
         config = replace(_PROMOTE_WIDE, cluster_m=2 if pairs else 1, block_scaled=True)
     elif args.is_fp8 and not args.fast_accum:
         config = replace(_PROMOTE_NARROW, cluster_m=1)
-    elif args.is_fp8 and (args.k <= PINGPONG_MAX_K or rows_per_group(args) < HEAVY_GROUP_ROWS):
+    elif args.is_fp8 and (args.k <= PINGPONG_MAX_K or rows_per_group(args) <= PINGPONG_MAX_ROWS):
         config = NATIVE_CONFIGS["cuda.persistent_pingpong"]
     else:
         config = NATIVE_CONFIGS["cuda.persistent_coop"]
