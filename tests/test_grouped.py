@@ -881,6 +881,8 @@ def test_gpu_native_graph_replays_with_new_offsets(dtype, seeded):
     call()
     (p,) = grouped.cached_plans()
     assert p.variant == native.NAME and p.direct and p.config.pingpong == (dtype == FP8)
+    heavy = native.HEAVY_GROUP_ROWS_PINGPONG if dtype == FP8 else native.HEAVY_GROUP_ROWS
+    assert p.launch.heavy_group_rows == heavy
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         call()

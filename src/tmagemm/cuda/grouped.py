@@ -63,6 +63,11 @@ CLUSTER_MIN_ROWS = 1024
 # H200 0.97-1.06x; BENCHMARKS.md). Balanced groups are all of one kind and keep the group order,
 # as do 2x1 clusters.
 HEAVY_GROUP_ROWS = 256
+# The same on the ping-pong tiles (PINGPONG_MAX_K, below): groups of a whole 128-row tile count
+# as heavy. Against 256 (H100, DeepSeek-V3, its EP4 and Qwen3-235B `down`, K = 1536-2048, 64 and
+# 256 tokens per expert, two rounds): Zipf rows 0.99-1.03x (5 of 6 faster), balanced 0.99-1.00x;
+# 192 0.99-1.01x, 384 and 512 down to 0.95x.
+HEAVY_GROUP_ROWS_PINGPONG = 128
 # fp8 with fast accumulation: the ping-pong schedule (consumers take alternate 128 x 128 tiles, so
 # one's epilogue runs while the other's mainloop keeps the tensor cores busy) at K <=
 # PINGPONG_MAX_K (at most 16 k-blocks per tile: the epilogue is a large share of its time) and, at
@@ -209,7 +214,9 @@ class _GroupedLaunch:
         p.alpha, p.beta = 1.0, 0.0
         p.groups, p.group_layout = args.e, int(args.layout != GroupLayout.CONTIGUOUS)
         p.group_rows = args.m
-        p.heavy_group_rows = HEAVY_GROUP_ROWS  # the kernel keeps the group order on 2x1 clusters
+        # (the kernel keeps the group order on 2x1 clusters)
+        self.heavy_group_rows = HEAVY_GROUP_ROWS_PINGPONG if config.pingpong else HEAVY_GROUP_ROWS
+        p.heavy_group_rows = self.heavy_group_rows
         p.b_group_rows = args.n if args.b_k_major else args.k
         p.ldd = out.stride(0)
         sa_e, sa_m, sa_k = args.scale_a_strides
