@@ -4,11 +4,12 @@
 ``groups`` = E) runs one launch over all groups of a :class:`~tmagemm.grouped.GroupedArgs`
 problem, with the mainloops of the dense kernel (tiles per :func:`config_for`): cooperative
 128 x 256 tiles for 16-bit and for fast-accumulation fp8 on groups of more than 128 rows at
-larger K, ping-pong 128 x 128 tiles for the other fast-accumulation fp8 problems, fp32-promoted fp8 for the
-``use_fast_accum=False`` default (128 x 128 tiles) and the 1x128 / 128x128 block scales
-(128 x 256 tiles, on 2x1 clusters for groups of 1024 rows or more). A, B and the output are read and written through 2-D tensor
-maps over the experts stacked row after row (:func:`tmagemm.tma.stacked_rows`); group sizes stay
-on the device and become a table in shared memory (docs/grouped.md, "The native kernel").
+larger K, ping-pong 128 x 128 tiles for the other fast-accumulation fp8 problems, fp32-promoted
+fp8 for the ``use_fast_accum=False`` default (128 x 128 tiles) and the 1x128 / 128x128 block
+scales (128 x 256 tiles, on 2x1 clusters for groups of 1024 rows or more). A, B and the output
+are read and written through 2-D tensor maps over the experts stacked row after row
+(:func:`tmagemm.tma.stacked_rows`); group sizes stay on the device and become a table in shared
+memory (docs/grouped.md, "The native kernel").
 
 The Triton kernel (``triton/matmul_grouped.py``) stays the path for what this one refuses
 (:func:`unsupported_reason`), for decode-sized groups, where its 64-row tiles waste less, and
