@@ -1006,7 +1006,8 @@ def test_native_dispatch_rule(monkeypatch):
                                                                                    dtype=torch.int32))
     assert block.scaling == grouped.GroupScaling.BLOCK and native.preferred(block)
     assert not native.preferred(block._replace(a=args.a[:256], out=block.out[:256]))  # 64 rows per group
-    # Masked 16-bit and fast-accumulating fp8 groups: the Triton kernel at any max_m; promoted fp8
+    # Masked 16-bit groups and fast-accumulating fp8 ones at K > 2048: the Triton kernel at any
+    # max_m; fast-accumulating fp8 at K <= 2048 from a max_m of 128 (ping-pong tiles); promoted fp8
     # and block-scaled ones keep the rows-per-group rule; batched groups (every row valid) as
     # contiguous ones.
     a3, out3 = torch.empty(4, 1024, 256, dtype=torch.bfloat16), torch.empty(4, 1024, 256, dtype=torch.bfloat16)
@@ -1018,7 +1019,14 @@ def test_native_dispatch_rule(monkeypatch):
     masked_row = grouped.scaled_mm_args(a8_full, args.b, torch.ones(4, 1024), torch.ones(4, 256),
                                         masked_m=torch.full((4,), 1024, dtype=torch.int32))
     assert native.preferred(masked_row)  # promoted fp8 (the default): the rows-per-group rule
-    assert not native.preferred(masked_row._replace(fast_accum=True))
+    fast_masked = masked_row._replace(fast_accum=True)
+    assert native.preferred(fast_masked) and native.config_for(fast_masked).pingpong  # K = 2048
+    assert not native.preferred(fast_masked._replace(a=a8_full[:, :127], out=fast_masked.out[:, :127]))
+    a8_deep = torch.empty(4, 1024, 2176, dtype=FP8)
+    b8_deep = torch.empty(4, 256, 2176, dtype=FP8).transpose(1, 2)
+    deep_masked = grouped.scaled_mm_args(a8_deep, b8_deep, torch.ones(4, 1024), torch.ones(4, 256),
+                                         masked_m=torch.full((4,), 1024, dtype=torch.int32), use_fast_accum=True)
+    assert not native.preferred(deep_masked)  # K > 2048
     a8 = torch.empty(4, 128, 2048, dtype=FP8)
     masked_block = grouped.scaled_mm_args(a8, args.b, torch.ones(4, 128, kb), sb,
                                           masked_m=torch.full((4,), 128, dtype=torch.int32))

@@ -131,16 +131,21 @@ def _operand_views(args: GroupedArgs):
 def preferred(args: GroupedArgs) -> bool:
     """Whether the dispatcher runs ``args`` here (see MIN_ROWS, SHORT_K_MIN_ROWS) rather than on
     the Triton kernel.
-    Masked 16-bit groups and fp8 ones with fast accumulation (tensor/row scales) stay on the
-    Triton kernel at any max_m: max_m bounds the rows without saying how many there are, and
-    with Zipf-routed counts (64 tokens per expert on average, max_m 189-1024) the Triton kernel
-    ran Mixtral, Qwen3-MoE and DeepSeek-V3 expert projections 1-22% faster (fp8 row-wise with
-    fast accumulation and bf16; H100, BENCHMARKS.md). Promoted fp8 (use_fast_accum=False), whose
-    native tiles measured 1.1-1.4x the Triton kernel on full groups, and block scales keep the
-    rows-per-group rule."""
+    Masked 16-bit groups and fp8 ones with fast accumulation (tensor/row scales) at K >
+    PINGPONG_MAX_K stay on the Triton kernel at any max_m: max_m bounds the rows without saying
+    how many there are, and with Zipf-routed counts (64 tokens per expert on average, max_m
+    189-1024) the Triton kernel ran Mixtral, Qwen3-MoE and DeepSeek-V3 expert projections 1-22%
+    faster than the cooperative tiles (fp8 row-wise with fast accumulation and bf16; H100,
+    BENCHMARKS.md). Masked fp8 with fast accumulation at K <= PINGPONG_MAX_K takes the ping-pong
+    tiles from FAST_MIN_ROWS of max_m: against the Triton kernel they ran the `down` projections
+    of DeepSeek-V3, its EP4 and Qwen3-235B 1.06-1.13x under Zipf routing at 64 tokens per expert
+    (max_m in the hundreds) and 0.96-1.02x on balanced groups of 64, which stay below the bound.
+    Promoted fp8 (use_fast_accum=False), whose native tiles measured 1.1-1.4x the Triton kernel
+    on full groups, and block scales keep the rows-per-group rule."""
     promoted = args.is_fp8 and not args.fast_accum
+    short_fast = args.is_fp8 and args.fast_accum and args.k <= PINGPONG_MAX_K
     if args.layout == GroupLayout.MASKED and args.scaling != GroupScaling.BLOCK and not promoted:
-        return False
+        return short_fast and rows_per_group(args) >= FAST_MIN_ROWS and unsupported_reason(args) is None
     if args.scaling == GroupScaling.BLOCK:
         min_rows = BLOCK_MIN_ROWS
     elif args.is_fp8 and args.fast_accum:
