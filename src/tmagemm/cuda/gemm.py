@@ -75,8 +75,8 @@ class NativeGemmConfig:
     mainloop also multiplies each k-block's sum by its 1x128 activation and 128x128 weight scales
     (fp8 block-scaled checkpoints); ``groups``: 0 for one GEMM, E for the grouped kernel over E
     experts (cuda/grouped.py; persistent, ping-pong on single CTAs only), whose table of group
-    sizes takes shared memory; ``tail_split``: 0, or up to this many K slices for the tiles of a last wave
-    that would leave at least half of the clusters idle (:func:`tail_split`; persistent
+    sizes takes shared memory; ``tail_split``: 0, or up to this many K slices for the tiles of a
+    last wave that would leave at least half of the clusters idle (:func:`tail_split`; persistent
     cooperative only, with scratch from tmagemm.workspace). Block M is always 128 and block K one
     128-byte row."""
 

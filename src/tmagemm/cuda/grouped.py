@@ -142,14 +142,16 @@ def preferred(args: GroupedArgs) -> bool:
     (max_m in the hundreds) and 0.96-1.02x on balanced groups of 64, which stay below the bound.
     Promoted fp8 (use_fast_accum=False), whose native tiles measured 1.1-1.4x the Triton kernel
     on full groups, and block scales keep the rows-per-group rule."""
-    promoted = args.is_fp8 and not args.fast_accum
-    short_fast = args.is_fp8 and args.fast_accum and args.k <= PINGPONG_MAX_K
-    if args.layout == GroupLayout.MASKED and args.scaling != GroupScaling.BLOCK and not promoted:
-        return short_fast and rows_per_group(args) >= FAST_MIN_ROWS and unsupported_reason(args) is None
+    fast = args.is_fp8 and args.fast_accum
+    short_k = args.k <= PINGPONG_MAX_K
     if args.scaling == GroupScaling.BLOCK:
         min_rows = BLOCK_MIN_ROWS
-    elif args.is_fp8 and args.fast_accum:
-        min_rows = SHORT_K_MIN_ROWS if args.k <= PINGPONG_MAX_K else FAST_MIN_ROWS
+    elif args.layout == GroupLayout.MASKED and not (args.is_fp8 and not args.fast_accum):
+        if not (fast and short_k):
+            return False
+        min_rows = FAST_MIN_ROWS
+    elif fast:
+        min_rows = SHORT_K_MIN_ROWS if short_k else FAST_MIN_ROWS
     else:
         min_rows = MIN_ROWS
     return rows_per_group(args) >= min_rows and unsupported_reason(args) is None
@@ -220,9 +222,8 @@ class _GroupedLaunch:
         p.alpha, p.beta = 1.0, 0.0
         p.groups, p.group_layout = args.e, int(args.layout != GroupLayout.CONTIGUOUS)
         p.group_rows = args.m
-        # (the kernel keeps the group order on 2x1 clusters)
-        self.heavy_group_rows = HEAVY_GROUP_ROWS_PINGPONG if config.pingpong else HEAVY_GROUP_ROWS
-        p.heavy_group_rows = self.heavy_group_rows
+        # The heavy/light threshold of the tile walk (2x1 clusters ignore it: they keep group order).
+        self.heavy_group_rows = p.heavy_group_rows = HEAVY_GROUP_ROWS_PINGPONG if config.pingpong else HEAVY_GROUP_ROWS
         p.b_group_rows = args.n if args.b_k_major else args.k
         p.ldd = out.stride(0)
         sa_e, sa_m, sa_k = args.scale_a_strides
