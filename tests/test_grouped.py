@@ -895,6 +895,40 @@ def test_gpu_native_graph_replays_with_new_offsets(dtype, seeded):
 
 
 @gpu
+def test_gpu_masked_fp8_pingpong_dispatch_replays_with_new_counts(seeded):
+    """Masked fp8 with fast accumulation at K <= PINGPONG_MAX_K and a max_m of FAST_MIN_ROWS or
+    more: the public API's dispatch takes the native ping-pong tiles; one captured call replayed
+    with skewed, empty and full counts writes each expert's valid rows (row-wise scales, bias) and
+    nothing past them."""
+    plan.clear_plans()
+    e, max_m, k, n = 6, 200, 640, 384
+    assert k <= native.PINGPONG_MAX_K and max_m >= native.FAST_MIN_ROWS
+    a, b = fp8_operands((e, max_m, k), e, k, n)
+    sa, sb = torch.rand(e, max_m, device=DEV) + 0.5, torch.rand(e, n, device=DEV) + 0.5
+    bias = torch.randn(e, n, device=DEV)
+    a_deq = a.double().cpu() * sa.double().cpu()[..., None]
+    b_deq = b.double().cpu() * sb.double().cpu()[:, None, :]
+    masked = counts_tensor([max_m] * e)
+    out = poisoned((e, max_m, n))
+
+    def call():
+        grouped_scaled_mm(a, b, sa, sb, masked_m=masked, bias=bias, out=out, out_dtype=torch.float32,
+                          use_fast_accum=True)
+    call()
+    (p,) = grouped.cached_plans()
+    assert p.variant == native.NAME and p.config.pingpong
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for counts in ([200, 1, 0, 65, 128, 129], [0] * 6, [7, 200, 3, 0, 1, 199], [max_m] * 6):
+        masked.copy_(counts_tensor(counts))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out, reference(a_deq, b_deq, counts, GroupLayout.MASKED, bias.cpu()), REL8, f"replay {counts}")
+
+
+@gpu
 @pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "no_pdl"])
 def test_gpu_native_chain_reads_what_the_kernel_before_wrote(pdl, monkeypatch, seeded):
     """Native grouped GEMMs back to back (programmatic dependent launch on and off), eager and in

@@ -36,8 +36,8 @@ from .source import forward_def, statements
 # or the same expression assigned to a name that is then returned.
 # Tokens up to which forward runs the fused kernel. H100, decode preset "mlp fusion" (fused vs
 # quantize -> gate/up GEMM -> SiLU * up -> quantize, per layer in a CUDA graph): 1.00-1.23x at
-# M = 1-32 on Llama-3-8B, Llama-3-70B TP 4, Qwen2.5-7B and DeepSeek-V3 MLPs, 0.97-1.10x at 64,
-# 0.71-1.01x at 128.
+# M = 1-32 on Llama-3-8B, Llama-3-70B TP 4, Qwen2.5-7B and DeepSeek-V3 MLPs, 0.98-1.12x at 64,
+# 0.91-0.99x at 96, 0.95-1.05x at 128, 0.80-0.87x at 256.
 FUSED_MAX_TOKENS = 64
 
 _GATED = ast.dump(ast.parse("self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))", mode="eval").body)
