@@ -68,6 +68,47 @@ def test_heuristic(m, n, k, itemsize, expect):
     assert (config.tokens, config.stages, config.split) == expect
 
 
+@pytest.mark.parametrize("m, n, k, itemsize, expect", [
+    (1, 4096, 4096, 1, (8, 16, 1)),  # 64 tiles: unsplit, one CTA per SM at most: the deep ring
+    (1, 2560, 8192, 1, (8, 8, 2)),  # 40 tiles: pairs (80 CTAs, within 0.65 x 132)
+    (1, 2112, 7168, 1, (8, 16, 2)),  # 33 tiles: pairs, 66 CTAs: half the SMs
+    (16, 3584, 3584, 1, (16, 16, 1)),  # 56 tiles
+    (1, 4608, 3584, 1, (8, 8, 1)),  # 72 tiles: more than half the SMs
+    (8, 8192, 7168, 1, (8, 8, 1)),  # 128 tiles
+    (1, 3584, 18944, 1, (8, 16, 1)),  # 148 k-blocks: one CTA keeps them all
+    (1, 2560, 1024, 1, (8, 16, 1)),  # 8 k-blocks: too short to split
+])
+def test_heuristic_for_slow_memory(m, n, k, itemsize, expect):
+    config = decode.choose_config(m, n, k, itemsize, 132, slow_memory=True)
+    assert (config.tokens, config.stages, config.split) == expect
+
+
+def test_slow_memory_is_read_from_the_device(monkeypatch):
+    """An H100 SXM's 3.35 TB/s over 132 SMs is below the threshold, an H200's 4.8 TB/s above;
+    CPU tensors and unknown bandwidths keep the first rule."""
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(decode._device, "sm_count", lambda index: 132)
+    for bandwidth, slow in ((3.35e12, True), (4.8e12, False), (None, False)):
+        monkeypatch.setattr(decode._device, "memory_bandwidth", lambda index, b=bandwidth: b)
+        assert decode.slow_memory(gpu) is slow
+    assert not decode.slow_memory(torch.device("cpu"))
+    assert decode._device.memory_bandwidth_per_sm(torch.device("cpu")) is None
+
+
+def test_slow_memory_rule_takes_fp8_with_epilogue_scales_only(monkeypatch):
+    """On slow memory fp8 with tensor/row scales takes the refitted rule, whose unsplit CTAs may
+    take up to DECODE_MAX_SHARE_SLOW k-blocks; 16-bit and block-scaled problems keep the first."""
+    fp8 = _args(1, 7168, 16384, FP8)  # 112 tiles x 128 k-blocks: split-K under the first rule
+    block = _args(1, 4096, 4096, FP8, block_scaling=(Scaling.BLOCK_1X128, Scaling.BLOCK_128X128))
+    monkeypatch.setattr(decode, "slow_memory", lambda dev: False)
+    assert not any(decode.slow_memory_rule(a) for a in (fp8, block, _args(1, 4096, 4096)))
+    assert not plan._decode_first(fp8)
+    monkeypatch.setattr(decode, "slow_memory", lambda dev: True)
+    assert decode.slow_memory_rule(fp8)
+    assert not decode.slow_memory_rule(block) and not decode.slow_memory_rule(_args(1, 4096, 4096))
+    assert plan._decode_first(fp8)
+
+
 def _args(m, n, k, dtype=torch.bfloat16, k_major=True, device="cpu", **kw):
     a = torch.randn(m, k, device=device).to(dtype)
     w = torch.randn(n, k, device=device).to(dtype)

@@ -1,4 +1,5 @@
-"""Lazy queries about the CUDA device: capability, SM count, and why a fast path is unavailable."""
+"""Lazy queries about the CUDA device: capability, SM count, memory bandwidth, and why a fast path is
+unavailable."""
 
 from __future__ import annotations
 
@@ -26,6 +27,25 @@ def sm_count(index: int) -> int:
 @functools.lru_cache(maxsize=None)
 def name(index: int) -> str:
     return torch.cuda.get_device_name(index)
+
+
+@functools.lru_cache(maxsize=None)
+def memory_bandwidth(index: int) -> float | None:
+    """Peak DRAM bandwidth in bytes/s (memory clock x bus width, double data rate), or None where
+    torch does not report the two (H100 SXM: 2619 MHz x 5120 bits = 3.35e12)."""
+    props = torch.cuda.get_device_properties(index)
+    clock_khz, bus_bits = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
+    return 2 * clock_khz * 1e3 * bus_bits / 8 if clock_khz and bus_bits else None
+
+
+def memory_bandwidth_per_sm(dev: torch.device) -> float | None:
+    """Peak DRAM bytes/s per SM of the device a tensor lives on; None for CPU tensors or where
+    the bandwidth is not reported."""
+    if dev.type != "cuda":
+        return None
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    bandwidth = memory_bandwidth(index)
+    return None if bandwidth is None else bandwidth / sm_count(index)
 
 
 def sms_of(dev: torch.device, cpu: int = H100_SMS) -> int:

@@ -251,20 +251,27 @@ DECODE_MIN_N = 2048
 DECODE_MIN_K = 2048
 DECODE_MAX_TILES_PER_SM = 1
 DECODE_MAX_SHARE = 112
+# Problems under the decode kernel's rule for less memory bandwidth per SM (fp8 with tensor- or
+# row-wise scales, cuda.decode.slow_memory_rule): its unsplit CTAs of 128-148 k-blocks ran
+# 7168 x 16384 and 7168 x 18432 0.4-0.6% ahead of split-K, 3584 x 18944 within 0.8% either way
+# (H100, M = 1-16, BENCHMARKS.md).
+DECODE_MAX_SHARE_SLOW = 160
 
 
 def _decode_first(args: GemmArgs) -> bool:
     max_m = DECODE_MAX_M if args.block_scaling is None else DECODE_BLOCK_MAX_M
     if not (args.m <= max_m and args.n >= DECODE_MIN_N and args.k >= DECODE_MIN_K):
         return False
-    from .cuda.decode import WEIGHT_ROWS, choose_config  # backend modules: imported lazily
+    from .cuda.decode import WEIGHT_ROWS, choose_config, slow_memory_rule  # backend modules: imported lazily
     from .cuda.gemm import k_blocks
 
     sms = device.sms_of(args.out.device)
     itemsize = args.a.element_size()
-    split = choose_config(args.m, args.n, args.k, itemsize, sms).split
+    slow = slow_memory_rule(args)
+    split = choose_config(args.m, args.n, args.k, itemsize, sms, slow).split
+    max_share = DECODE_MAX_SHARE_SLOW if slow else DECODE_MAX_SHARE
     return (-(-args.n // WEIGHT_ROWS) <= DECODE_MAX_TILES_PER_SM * sms
-            and k_blocks(args.k, itemsize) <= DECODE_MAX_SHARE * split)
+            and k_blocks(args.k, itemsize) <= max_share * split)
 
 
 # fp8 from 17 to 32 tokens on weights FP8_TILE_MIN_N to FP8_TILE_MAX_N wide: the tile kernel (its

@@ -94,6 +94,21 @@ STAGES_64 = 12  # 64-token tiles: 16 KB stages, 12 fit shared memory
 SPLIT_FILL = 1.25
 LONG_SHARE = 48
 MIN_SHARE = 8  # a split never leaves a CTA fewer k-blocks than this
+# fp8 GEMMs with tensor- or row-wise scales on GPUs with at most SLOW_MEMORY_PER_SM bytes/s of
+# peak DRAM bandwidth per SM (an H100 SXM: 3.35 TB/s, 25 GB/s per SM; an H200: 4.8 TB/s, 36
+# GB/s) take their own rule (:func:`slow_memory_rule`), refitted on an H100: the same chains at
+# M = 1, 8 and 16, every config of the token tile, two rounds (BENCHMARKS.md). The K split goes
+# on while the CTAs stay within SPLIT_FILL_SLOW x SMs (N = 4096 unsplit: 10.0 us against 10.5 in
+# 2-CTA clusters at one token; N = 2560 in pairs: 12.1 against 12.5 in fours), and 16 stages only
+# while the CTAs fill at most DEEP_RING_FILL_SLOW of the SMs (3584 x 3584: 8.9 against 9.1 us
+# with 8; 4608 x 3584, 72 CTAs: 9.9 with 8 stages against 10.2). A likely reason, not profiled:
+# with less bandwidth to cover, fewer bytes in flight keep the memory busy, and a split's adds
+# cost more than its extra CTAs gain. Where the dispatcher takes the kernel this rule is within
+# 0.2% of the best config per shape in geomean (2% at worst); the rule above was 2.4% behind
+# there (12% at worst: Qwen2.5-7B's 4608 x 3584, unsplit 9.9 us against 10.9 in pairs).
+SLOW_MEMORY_PER_SM = 30e9
+SPLIT_FILL_SLOW = 0.65
+DEEP_RING_FILL_SLOW = 0.5
 
 
 def _max_stages(tokens: int) -> int:
@@ -114,16 +129,36 @@ def scales_mode(args: GemmArgs) -> int:
     return SCALES_BLOCK_128X128 if args.block_scaling[1] == Scaling.BLOCK_128X128 else SCALES_BLOCK_PER_ROW
 
 
-def choose_config(m: int, n: int, k: int, itemsize: int, sms: int) -> DecodeConfig:
+def slow_memory(dev: torch.device) -> bool:
+    """Whether the GPU of ``dev`` has at most SLOW_MEMORY_PER_SM of DRAM bandwidth per SM; False
+    where the bandwidth is not known."""
+    per_sm = _device.memory_bandwidth_per_sm(dev)
+    return per_sm is not None and per_sm <= SLOW_MEMORY_PER_SM
+
+
+def slow_memory_rule(args: GemmArgs) -> bool:
+    """Whether ``args`` takes the rule refitted for slow memory: fp8 with tensor- or row-wise
+    scales on such a GPU. In the decode stacks (H100, M = 1-16, BENCHMARKS.md) it made those
+    layers up to 3% faster (DeepSeek-V3's within 0.5% either way), while bf16 layers measured
+    level to 1% slower and block-scaled ones up to 14% slower (a likely reason, not profiled:
+    their per-k-block adds gain from more CTAs). Both keep the first rule."""
+    return args.a.element_size() == 1 and args.block_scaling is None and slow_memory(args.out.device)
+
+
+def choose_config(m: int, n: int, k: int, itemsize: int, sms: int, slow_memory: bool = False) -> DecodeConfig:
     """The launch for an (m, n, k) problem of ``itemsize``-byte operands on ``sms`` SMs (pure):
     the smallest of n8, n16, n32, n64 that holds the tokens; the K split and ring depth of the
-    heuristic above."""
+    heuristic above, or of its refit for GPUs with ``slow_memory`` (:func:`slow_memory`)."""
     tokens = next((t for t in TOKENS if m <= t), TOKENS[-1])
     tiles = -(-n // WEIGHT_ROWS) * -(-m // tokens)
     blocks = k_blocks(k, itemsize)
-    split = next((s for s in SPLITS[::-1] if tiles * s <= SPLIT_FILL * sms and blocks >= s * MIN_SHARE), 1)
-    long_share = tiles * split <= sms and blocks >= split * LONG_SHARE
-    return DecodeConfig(tokens, _max_stages(tokens) if long_share else STAGES_SHORT, split)
+    fill = SPLIT_FILL_SLOW if slow_memory else SPLIT_FILL
+    split = next((s for s in SPLITS[::-1] if tiles * s <= fill * sms and blocks >= s * MIN_SHARE), 1)
+    if slow_memory:
+        deep = tiles * split <= DEEP_RING_FILL_SLOW * sms
+    else:
+        deep = tiles * split <= sms and blocks >= split * LONG_SHARE
+    return DecodeConfig(tokens, _max_stages(tokens) if deep else STAGES_SHORT, split)
 
 
 def supports(args: GemmArgs) -> str | None:
@@ -258,7 +293,8 @@ def build(args: GemmArgs, config: DecodeConfig | None = None) -> Plan:
     reason = supports(args)
     if reason is not None:
         raise ValueError(f"{NAME}: {reason}")
-    config = config or choose_config(args.m, args.n, args.k, args.a.element_size(), _device.sms_of(args.out.device))
+    config = config or choose_config(args.m, args.n, args.k, args.a.element_size(), _device.sms_of(args.out.device),
+                                     slow_memory_rule(args))
     launch = _DecodeLaunch(args, config)
     return Plan(NAME, config, launch, launch.device_index, direct=True)
 
