@@ -79,7 +79,7 @@ def test_heuristic(m, n, k, itemsize, expect):
     (1, 2560, 1024, 1, (8, 16, 1)),  # 8 k-blocks: too short to split
 ])
 def test_heuristic_for_slow_memory(m, n, k, itemsize, expect):
-    config = decode.choose_config(m, n, k, itemsize, 132, slow_memory=True)
+    config = decode.choose_config(m, n, k, itemsize, 132, decode.RULE_SLOW_MEMORY)
     assert (config.tokens, config.stages, config.split) == expect
 
 
@@ -95,18 +95,31 @@ def test_slow_memory_is_read_from_the_device(monkeypatch):
     assert decode._device.memory_bandwidth_per_sm(torch.device("cpu")) is None
 
 
-def test_slow_memory_rule_takes_fp8_with_epilogue_scales_only(monkeypatch):
-    """On slow memory fp8 with tensor/row scales takes the refitted rule, whose unsplit CTAs may
-    take up to DECODE_MAX_SHARE_SLOW k-blocks; 16-bit and block-scaled problems keep the first."""
-    fp8 = _args(1, 7168, 16384, FP8)  # 112 tiles x 128 k-blocks: split-K under the first rule
-    block = _args(1, 4096, 4096, FP8, block_scaling=(Scaling.BLOCK_1X128, Scaling.BLOCK_128X128))
+@pytest.mark.parametrize("m, n, k, expect", [
+    (1, 4096, 4096, (8, 8, 2)),  # RULE's split, 8 stages
+    (8, 8192, 7168, (8, 8, 1)),  # 128 unsplit CTAs with 56 k-blocks each: RULE would take 16 stages
+    (1, 3584, 18944, (8, 8, 2)),
+    (1, 2112, 7168, (8, 8, 4)),
+])
+def test_heuristic_for_slow_memory_block_scales(m, n, k, expect):
+    config = decode.choose_config(m, n, k, 1, 132, decode.RULE_SLOW_MEMORY_BLOCK)
+    assert (config.tokens, config.stages, config.split) == expect
+
+
+def test_rule_for_reads_the_recipe_and_the_memory(monkeypatch):
+    """On slow memory fp8 with tensor/row scales and block-scaled fp8 take their refitted rules,
+    whose unsplit CTAs may take up to 160 k-blocks; 16-bit problems keep RULE everywhere."""
+    fp8 = _args(1, 7168, 16384, FP8)  # 112 tiles x 128 k-blocks: split-K under RULE
+    block = _args(1, 7168, 16384, FP8, block_scaling=(Scaling.BLOCK_1X128, Scaling.BLOCK_128X128))
+    half = _args(1, 4096, 4096)
     monkeypatch.setattr(decode, "slow_memory", lambda dev: False)
-    assert not any(decode.slow_memory_rule(a) for a in (fp8, block, _args(1, 4096, 4096)))
-    assert not plan._decode_first(fp8)
+    assert decode.rule_for(fp8) is decode.rule_for(block) is decode.rule_for(half) is decode.RULE
+    assert not plan._decode_first(fp8) and not plan._decode_first(block)
     monkeypatch.setattr(decode, "slow_memory", lambda dev: True)
-    assert decode.slow_memory_rule(fp8)
-    assert not decode.slow_memory_rule(block) and not decode.slow_memory_rule(_args(1, 4096, 4096))
-    assert plan._decode_first(fp8)
+    assert decode.rule_for(fp8) is decode.RULE_SLOW_MEMORY
+    assert decode.rule_for(block) is decode.RULE_SLOW_MEMORY_BLOCK
+    assert decode.rule_for(half) is decode.RULE
+    assert plan._decode_first(fp8) and plan._decode_first(block)
 
 
 def _args(m, n, k, dtype=torch.bfloat16, k_major=True, device="cpu", **kw):

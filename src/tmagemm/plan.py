@@ -236,12 +236,13 @@ SPLITK_16BIT_LONG_K = 8192
 
 # The native decode kernel (cuda/decode.py) first at M <= DECODE_MAX_M on weights of at least
 # DECODE_MIN_N x DECODE_MIN_K, with at most DECODE_MAX_TILES_PER_SM 64-row weight tiles per SM and
-# at most DECODE_MAX_SHARE k-blocks of 128 bytes per CTA (after its K split). Measured per GEMM on
-# the 17 decode-stack projections, 8 chained copies with their own weights in one CUDA graph,
-# M = 1 and 16 (H200, BENCHMARKS.md): where the rule takes it, fp8 1-19% faster than split-K on
-# all 10 shapes (geomean 9.8%), bf16 2.4% faster in geomean (11% faster to 4% slower). Past it
-# split-K was ahead: more tiles (N = 14336-37888, 2-11%) or a longer share of K per CTA
-# (7168 x 16384 and 7168 x 18432, 1-6%). Narrower or shorter weights were not measured.
+# at most its rule's max_share k-blocks of 128 bytes per CTA after its K split
+# (cuda.decode.rule_for). Measured per GEMM on the 17 decode-stack projections, 8 chained copies
+# with their own weights in one CUDA graph, M = 1 and 16 (H200, BENCHMARKS.md): where the rule
+# takes it, fp8 1-19% faster than split-K on all 10 shapes (geomean 9.8%), bf16 2.4% faster in
+# geomean (11% faster to 4% slower). Past it split-K was ahead: more tiles (N = 14336-37888,
+# 2-11%) or a longer share of K per CTA (7168 x 16384 and 7168 x 18432, 1-6%; on an H100 the
+# unsplit kernel was ahead there). Narrower or shorter weights were not measured.
 DECODE_MAX_M = 16
 # Block-scaled (1x128 x 128x128 or per-row), same rule up to 8 tokens (H200, BENCHMARKS.md): the
 # decode-stack layers at M = 1 and 8 0.4-4% faster than on split-K, single kernels at one token
@@ -250,28 +251,21 @@ DECODE_BLOCK_MAX_M = 8
 DECODE_MIN_N = 2048
 DECODE_MIN_K = 2048
 DECODE_MAX_TILES_PER_SM = 1
-DECODE_MAX_SHARE = 112
-# Problems under the decode kernel's rule for less memory bandwidth per SM (fp8 with tensor- or
-# row-wise scales, cuda.decode.slow_memory_rule): its unsplit CTAs of 128-148 k-blocks ran
-# 7168 x 16384 and 7168 x 18432 0.4-0.6% ahead of split-K, 3584 x 18944 within 0.8% either way
-# (H100, M = 1-16, BENCHMARKS.md).
-DECODE_MAX_SHARE_SLOW = 160
 
 
 def _decode_first(args: GemmArgs) -> bool:
     max_m = DECODE_MAX_M if args.block_scaling is None else DECODE_BLOCK_MAX_M
     if not (args.m <= max_m and args.n >= DECODE_MIN_N and args.k >= DECODE_MIN_K):
         return False
-    from .cuda.decode import WEIGHT_ROWS, choose_config, slow_memory_rule  # backend modules: imported lazily
+    from .cuda.decode import WEIGHT_ROWS, choose_config, rule_for  # backend modules: imported lazily
     from .cuda.gemm import k_blocks
 
     sms = device.sms_of(args.out.device)
     itemsize = args.a.element_size()
-    slow = slow_memory_rule(args)
-    split = choose_config(args.m, args.n, args.k, itemsize, sms, slow).split
-    max_share = DECODE_MAX_SHARE_SLOW if slow else DECODE_MAX_SHARE
+    rule = rule_for(args)
+    split = choose_config(args.m, args.n, args.k, itemsize, sms, rule).split
     return (-(-args.n // WEIGHT_ROWS) <= DECODE_MAX_TILES_PER_SM * sms
-            and k_blocks(args.k, itemsize) <= max_share * split)
+            and k_blocks(args.k, itemsize) <= rule.max_share * split)
 
 
 # fp8 from 17 to 32 tokens on weights FP8_TILE_MIN_N to FP8_TILE_MAX_N wide: the tile kernel (its

@@ -83,32 +83,55 @@ STAGES = 16
 STAGES_SHORT = 8
 STAGES_64 = 12  # 64-token tiles: 16 KB stages, 12 fit shared memory
 
+@dataclass(frozen=True)
+class DecodeRule:
+    """The constants of one fitted heuristic (:func:`choose_config`, ``plan._decode_first``).
+
+    split_fill: clusters of 4, else 2 CTAs share a tile's K while the CTAs stay within
+    split_fill x SMs (and each keeps at least MIN_SHARE k-blocks); deep_ring_fill: 16 stages while
+    the CTAs fill at most this share of the SMs (0: never), or None for the long-share rule (16
+    stages when the CTAs fit one per SM and each keeps at least LONG_SHARE k-blocks); max_share:
+    the dispatcher takes the kernel up to this many k-blocks per CTA after the split."""
+
+    split_fill: float
+    deep_ring_fill: float | None
+    max_share: int
+
+
 # The heuristic (H200, 8 chained GEMMs with their own weights in one CUDA graph, per GEMM, M = 1
 # and 16, fp8 and bf16, the 13 decode-stack projections with at most 2 x 132 weight tiles;
-# BENCHMARKS.md): clusters of 4 or 2 CTAs share K while that keeps the CTAs within
-# SPLIT_FILL x SMs (N = 4096: 2 CTAs per tile, 7.90 us against 8.68 unsplit for fp8 at one token;
-# N = 2112: 4, 7.88 against 11.81); CTAs that fit one per SM, each with a share of K of at least
-# LONG_SHARE k-blocks, keep 16 stages (bf16 4096 x 14336: 31.0 against 33.3 us; fp8 8192 x 7168:
-# 17.3 against 19.1), everything else takes 8. Where the dispatcher takes the kernel, within 1.6%
-# of the best of the six measured configs in geomean, 10% at worst.
-SPLIT_FILL = 1.25
+# BENCHMARKS.md): clusters of 4 or 2 CTAs share K while that keeps the CTAs within 1.25 x SMs
+# (N = 4096: 2 CTAs per tile, 7.90 us against 8.68 unsplit for fp8 at one token; N = 2112: 4,
+# 7.88 against 11.81); CTAs that fit one per SM, each with a share of K of at least LONG_SHARE
+# k-blocks, keep 16 stages (bf16 4096 x 14336: 31.0 against 33.3 us; fp8 8192 x 7168: 17.3
+# against 19.1), everything else takes 8. Where the dispatcher takes the kernel, within 1.6% of
+# the best of the six measured configs in geomean, 10% at worst. Past 112 k-blocks per CTA
+# split-K was ahead (7168 x 16384 and 7168 x 18432, 1-6%).
+RULE = DecodeRule(split_fill=1.25, deep_ring_fill=None, max_share=112)
 LONG_SHARE = 48
 MIN_SHARE = 8  # a split never leaves a CTA fewer k-blocks than this
-# fp8 GEMMs with tensor- or row-wise scales on GPUs with at most SLOW_MEMORY_PER_SM bytes/s of
-# peak DRAM bandwidth per SM (an H100 SXM: 3.35 TB/s, 25 GB/s per SM; an H200: 4.8 TB/s, 36
-# GB/s) take their own rule (:func:`slow_memory_rule`), refitted on an H100: the same chains at
-# M = 1, 8 and 16, every config of the token tile, two rounds (BENCHMARKS.md). The K split goes
-# on while the CTAs stay within SPLIT_FILL_SLOW x SMs (N = 4096 unsplit: 10.0 us against 10.5 in
-# 2-CTA clusters at one token; N = 2560 in pairs: 12.1 against 12.5 in fours), and 16 stages only
-# while the CTAs fill at most DEEP_RING_FILL_SLOW of the SMs (3584 x 3584: 8.9 against 9.1 us
-# with 8; 4608 x 3584, 72 CTAs: 9.9 with 8 stages against 10.2). A likely reason, not profiled:
-# with less bandwidth to cover, fewer bytes in flight keep the memory busy, and a split's adds
-# cost more than its extra CTAs gain. Where the dispatcher takes the kernel this rule is within
-# 0.2% of the best config per shape in geomean (2% at worst); the rule above was 2.4% behind
-# there (12% at worst: Qwen2.5-7B's 4608 x 3584, unsplit 9.9 us against 10.9 in pairs).
+# GPUs with at most SLOW_MEMORY_PER_SM bytes/s of peak DRAM bandwidth per SM (an H100 SXM: 3.35
+# TB/s, 25 GB/s per SM; an H200: 4.8 TB/s, 36 GB/s) take rules refitted on an H100
+# (:func:`rule_for`): the same chains at M = 1, 8 and 16, every config of the token tile
+# (BENCHMARKS.md).
 SLOW_MEMORY_PER_SM = 30e9
-SPLIT_FILL_SLOW = 0.65
-DEEP_RING_FILL_SLOW = 0.5
+# fp8 with tensor- or row-wise scales (two rounds): the K split only while the CTAs stay within
+# 0.65 x SMs (N = 4096 unsplit: 10.0 us against 10.5 in 2-CTA clusters at one token; N = 2560 in
+# pairs: 12.1 against 12.5 in fours), 16 stages only while the CTAs fill at most half the SMs
+# (3584 x 3584: 8.9 against 9.1 us with 8; 4608 x 3584, 72 CTAs: 9.9 with 8 stages against
+# 10.2). A likely reason, not profiled: with less bandwidth to cover, fewer bytes in flight keep
+# the memory busy, and a split's adds cost more than its extra CTAs gain. Where the dispatcher
+# takes the kernel, within 0.2% of the best config per shape in geomean (2% at worst), where
+# RULE was 2.4% behind (12% at worst: Qwen2.5-7B's 4608 x 3584, unsplit 9.9 us against 10.9 in
+# pairs). Unsplit CTAs of 128-148 k-blocks ran 7168 x 16384 and 7168 x 18432 0.4-0.6% ahead of
+# split-K and 3584 x 18944 within 0.8% either way.
+RULE_SLOW_MEMORY = DecodeRule(split_fill=0.65, deep_ring_fill=0.5, max_share=160)
+# Block-scaled fp8 (one round): RULE's K split, whose extra CTAs the per-k-block adds need (under
+# RULE_SLOW_MEMORY's the decode stacks ran up to 14% slower), but 8 stages throughout (8192 x 7168
+# unsplit: 24.5 against 25.2 us at one token; 3584 x 18944 in pairs: 29.6 against 30.7); one
+# 4096 x 4096 pair ran 1% faster with 16. Unsplit CTAs of 128-144 k-blocks ran 7168 x 16384 and
+# 7168 x 18432 3.3-4.7% ahead of split-K.
+RULE_SLOW_MEMORY_BLOCK = DecodeRule(split_fill=1.25, deep_ring_fill=0.0, max_share=160)
 
 
 def _max_stages(tokens: int) -> int:
@@ -136,28 +159,28 @@ def slow_memory(dev: torch.device) -> bool:
     return per_sm is not None and per_sm <= SLOW_MEMORY_PER_SM
 
 
-def slow_memory_rule(args: GemmArgs) -> bool:
-    """Whether ``args`` takes the rule refitted for slow memory: fp8 with tensor- or row-wise
-    scales on such a GPU. In the decode stacks (H100, M = 1-16, BENCHMARKS.md) it made those
-    layers up to 3% faster (DeepSeek-V3's within 0.5% either way), while bf16 layers measured
-    level to 1% slower and block-scaled ones up to 14% slower (a likely reason, not profiled:
-    their per-k-block adds gain from more CTAs). Both keep the first rule."""
-    return args.a.element_size() == 1 and args.block_scaling is None and slow_memory(args.out.device)
+def rule_for(args: GemmArgs) -> DecodeRule:
+    """The heuristic's constants for ``args``: RULE, or on a GPU with slow memory
+    (:func:`slow_memory`) RULE_SLOW_MEMORY for fp8 with tensor- or row-wise scales and
+    RULE_SLOW_MEMORY_BLOCK for block scales. 16-bit operands keep RULE: in the decode stacks
+    (H100, M = 1-16, BENCHMARKS.md) they measured level to 1% slower under RULE_SLOW_MEMORY."""
+    if args.a.element_size() != 1 or not slow_memory(args.out.device):
+        return RULE
+    return RULE_SLOW_MEMORY if args.block_scaling is None else RULE_SLOW_MEMORY_BLOCK
 
 
-def choose_config(m: int, n: int, k: int, itemsize: int, sms: int, slow_memory: bool = False) -> DecodeConfig:
+def choose_config(m: int, n: int, k: int, itemsize: int, sms: int, rule: DecodeRule = RULE) -> DecodeConfig:
     """The launch for an (m, n, k) problem of ``itemsize``-byte operands on ``sms`` SMs (pure):
-    the smallest of n8, n16, n32, n64 that holds the tokens; the K split and ring depth of the
-    heuristic above, or of its refit for GPUs with ``slow_memory`` (:func:`slow_memory`)."""
+    the smallest of n8, n16, n32, n64 that holds the tokens; the K split and ring depth of
+    ``rule`` (:func:`rule_for`)."""
     tokens = next((t for t in TOKENS if m <= t), TOKENS[-1])
     tiles = -(-n // WEIGHT_ROWS) * -(-m // tokens)
     blocks = k_blocks(k, itemsize)
-    fill = SPLIT_FILL_SLOW if slow_memory else SPLIT_FILL
-    split = next((s for s in SPLITS[::-1] if tiles * s <= fill * sms and blocks >= s * MIN_SHARE), 1)
-    if slow_memory:
-        deep = tiles * split <= DEEP_RING_FILL_SLOW * sms
-    else:
+    split = next((s for s in SPLITS[::-1] if tiles * s <= rule.split_fill * sms and blocks >= s * MIN_SHARE), 1)
+    if rule.deep_ring_fill is None:
         deep = tiles * split <= sms and blocks >= split * LONG_SHARE
+    else:
+        deep = tiles * split <= rule.deep_ring_fill * sms
     return DecodeConfig(tokens, _max_stages(tokens) if deep else STAGES_SHORT, split)
 
 
@@ -294,7 +317,7 @@ def build(args: GemmArgs, config: DecodeConfig | None = None) -> Plan:
     if reason is not None:
         raise ValueError(f"{NAME}: {reason}")
     config = config or choose_config(args.m, args.n, args.k, args.a.element_size(), _device.sms_of(args.out.device),
-                                     slow_memory_rule(args))
+                                     rule_for(args))
     launch = _DecodeLaunch(args, config)
     return Plan(NAME, config, launch, launch.device_index, direct=True)
 
