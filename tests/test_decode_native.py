@@ -122,6 +122,15 @@ def test_rule_for_reads_the_recipe_and_the_memory(monkeypatch):
     assert plan._decode_first(fp8) and plan._decode_first(block)
 
 
+def test_block_scales_take_the_kernel_to_16_tokens_on_slow_memory(monkeypatch):
+    block = (Scaling.BLOCK_1X128, Scaling.BLOCK_128X128)
+    at = lambda m: plan._decode_first(_args(m, 4096, 4096, FP8, block_scaling=block))  # noqa: E731
+    monkeypatch.setattr(decode, "slow_memory", lambda dev: False)
+    assert at(8) and not at(9)
+    monkeypatch.setattr(decode, "slow_memory", lambda dev: True)
+    assert at(8) and at(16) and not at(17)
+
+
 def _args(m, n, k, dtype=torch.bfloat16, k_major=True, device="cpu", **kw):
     a = torch.randn(m, k, device=device).to(dtype)
     w = torch.randn(n, k, device=device).to(dtype)

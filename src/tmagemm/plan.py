@@ -246,7 +246,9 @@ SPLITK_16BIT_LONG_K = 8192
 DECODE_MAX_M = 16
 # Block-scaled (1x128 x 128x128 or per-row), same rule up to 8 tokens (H200, BENCHMARKS.md): the
 # decode-stack layers at M = 1 and 8 0.4-4% faster than on split-K, single kernels at one token
-# 2% faster (flushed) on the block preset's shapes the rule takes; at 16 tokens 1-9% slower.
+# 2% faster (flushed) on the block preset's shapes the rule takes; at 16 tokens 1-9% slower. On
+# GPUs with slow memory (the kernel's RULE_SLOW_MEMORY_BLOCK) up to DECODE_MAX_M tokens: the
+# decode stacks at 12 and 16 tokens ran 0.3-3% faster per layer than on split-K (H100).
 DECODE_BLOCK_MAX_M = 8
 DECODE_MIN_N = 2048
 DECODE_MIN_K = 2048
@@ -254,15 +256,16 @@ DECODE_MAX_TILES_PER_SM = 1
 
 
 def _decode_first(args: GemmArgs) -> bool:
-    max_m = DECODE_MAX_M if args.block_scaling is None else DECODE_BLOCK_MAX_M
-    if not (args.m <= max_m and args.n >= DECODE_MIN_N and args.k >= DECODE_MIN_K):
+    if not (args.m <= DECODE_MAX_M and args.n >= DECODE_MIN_N and args.k >= DECODE_MIN_K):
         return False
-    from .cuda.decode import WEIGHT_ROWS, choose_config, rule_for  # backend modules: imported lazily
+    from .cuda.decode import RULE, WEIGHT_ROWS, choose_config, rule_for  # backend modules: imported lazily
     from .cuda.gemm import k_blocks
 
+    rule = rule_for(args)
+    if args.block_scaling is not None and rule is RULE and args.m > DECODE_BLOCK_MAX_M:
+        return False
     sms = device.sms_of(args.out.device)
     itemsize = args.a.element_size()
-    rule = rule_for(args)
     split = choose_config(args.m, args.n, args.k, itemsize, sms, rule).split
     return (-(-args.n // WEIGHT_ROWS) <= DECODE_MAX_TILES_PER_SM * sms
             and k_blocks(args.k, itemsize) <= rule.max_share * split)
@@ -398,7 +401,8 @@ def preference(args: GemmArgs) -> tuple[str, ...]:
     - larger M: the native persistent cooperative kernel (per-shape config), then the Triton
       persistent one.
     - block-scaled fp8 (1x128 x 128x128 or per-row 1x128): the native decode kernel at decode M
-      (:func:`_decode_first`, up to DECODE_BLOCK_MAX_M tokens); split-K where
+      (:func:`_decode_first`, up to DECODE_BLOCK_MAX_M tokens, DECODE_MAX_M on GPUs with slow
+      memory); split-K where
       :func:`_block_splitk_first` (it splits K, or at M <= BLOCK_SWAP_MAX_M the weight alone
       fills the SMs), then the native block-scaled kernel, or the Triton one first at M <=
       BLOCK_SMALL_M on weights with N <= BLOCK_SMALL_N.
