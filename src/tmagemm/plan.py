@@ -248,7 +248,7 @@ DECODE_MAX_M = 16
 # decode-stack layers at M = 1 and 8 0.4-4% faster than on split-K, single kernels at one token
 # 2% faster (flushed) on the block preset's shapes the rule takes; at 16 tokens 1-9% slower. On
 # GPUs with slow memory (the kernel's RULE_SLOW_MEMORY_BLOCK) up to DECODE_MAX_M tokens: the
-# decode stacks at 12 and 16 tokens ran 0.3-3% faster per layer than on split-K (H100).
+# decode stacks at 12 and 16 tokens ran 0.7-3.3% faster per layer than on split-K (H100).
 DECODE_BLOCK_MAX_M = 8
 DECODE_MIN_N = 2048
 DECODE_MIN_K = 2048
@@ -258,11 +258,11 @@ DECODE_MAX_TILES_PER_SM = 1
 def _decode_first(args: GemmArgs) -> bool:
     if not (args.m <= DECODE_MAX_M and args.n >= DECODE_MIN_N and args.k >= DECODE_MIN_K):
         return False
-    from .cuda.decode import RULE, WEIGHT_ROWS, choose_config, rule_for  # backend modules: imported lazily
+    from .cuda.decode import RULE_SLOW_MEMORY_BLOCK, WEIGHT_ROWS, choose_config, rule_for  # imported lazily
     from .cuda.gemm import k_blocks
 
     rule = rule_for(args)
-    if args.block_scaling is not None and rule is RULE and args.m > DECODE_BLOCK_MAX_M:
+    if args.block_scaling is not None and args.m > DECODE_BLOCK_MAX_M and rule is not RULE_SLOW_MEMORY_BLOCK:
         return False
     sms = device.sms_of(args.out.device)
     itemsize = args.a.element_size()

@@ -83,6 +83,7 @@ STAGES = 16
 STAGES_SHORT = 8
 STAGES_64 = 12  # 64-token tiles: 16 KB stages, 12 fit shared memory
 
+
 @dataclass(frozen=True)
 class DecodeRule:
     """The constants of one fitted heuristic (:func:`choose_config`, ``plan._decode_first``).
