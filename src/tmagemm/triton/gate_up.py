@@ -74,9 +74,9 @@ MAX_SWAP_M = BLOCK_SWAP_MAX_M
 HS = BIAS
 _OPERANDS = {"x_desc": A, "w_desc": B, "hq_ptr": OUT, "sx_ptr": SCALE_A, "sw_ptr": SCALE_B, "hs_ptr": HS,
              "ws_ptr": PARTIALS, "lock_ptr": COUNTERS}
-# Token tiles per band of the tile order (the kernel's scheduler): 8 x 64 tokens of activation (4
+# Token tiles per band of the tile order (the kernel's scheduler): 8 x 64 tokens of activation (3.5
 # MiB at H = 7168) stay in L2 while the band walks every group, and each group's weight rows are
-# read from DRAM once per band.
+# read from DRAM about once per band.
 BAND_M_TILES = 8
 # K-blocks a slice keeps at least: ``plan.block_split_k``'s 16 above M = 16, measured for the
 # block-scaled split-K GEMM (a shorter slice costs more in partial sums than it gains). A slice
