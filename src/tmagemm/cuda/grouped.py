@@ -142,11 +142,11 @@ def preferred(args: GroupedArgs) -> bool:
     (max_m in the hundreds) and 0.96-1.02x on balanced groups of 64, which stay below the bound.
     Promoted fp8 (use_fast_accum=False), whose native tiles measured 1.1-1.4x the Triton kernel
     on full groups, and block scales keep the rows-per-group rule."""
-    fast = args.is_fp8 and args.fast_accum
+    fast, promoted = args.is_fp8 and args.fast_accum, args.is_fp8 and not args.fast_accum
     short_k = args.k <= PINGPONG_MAX_K
     if args.scaling == GroupScaling.BLOCK:
         min_rows = BLOCK_MIN_ROWS
-    elif args.layout == GroupLayout.MASKED and not (args.is_fp8 and not args.fast_accum):
+    elif args.layout == GroupLayout.MASKED and not promoted:
         if not (fast and short_k):
             return False
         min_rows = FAST_MIN_ROWS
@@ -223,7 +223,7 @@ class _GroupedLaunch:
         p.groups, p.group_layout = args.e, int(args.layout != GroupLayout.CONTIGUOUS)
         p.group_rows = args.m
         # The heavy/light threshold of the tile walk (2x1 clusters ignore it: they keep group order).
-        self.heavy_group_rows = p.heavy_group_rows = HEAVY_GROUP_ROWS_PINGPONG if config.pingpong else HEAVY_GROUP_ROWS
+        p.heavy_group_rows = HEAVY_GROUP_ROWS_PINGPONG if config.pingpong else HEAVY_GROUP_ROWS
         p.b_group_rows = args.n if args.b_k_major else args.k
         p.ldd = out.stride(0)
         sa_e, sa_m, sa_k = args.scale_a_strides
@@ -238,6 +238,11 @@ class _GroupedLaunch:
         self._core = _MappedLaunch(config, a, b, out, args.b_k_major, p, tile_bound(args, config), exact_tiles=False)
         self.pdl = self._core.pdl
         self.device_index = self._core.device_index
+
+    @property
+    def heavy_group_rows(self) -> int:
+        """The heavy/light threshold the kernel walks its tiles with (rows per group)."""
+        return self._core.params.heavy_group_rows
 
     def __call__(self, a, b, out, scale_a, scale_b, bias, counts) -> None:
         """The launch on these operands (same signature as the plan's), on the current stream."""
