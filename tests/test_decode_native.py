@@ -113,7 +113,8 @@ def test_rule_for_reads_the_recipe_and_the_memory(monkeypatch):
     block = _args(1, 7168, 16384, FP8, block_scaling=(Scaling.BLOCK_1X128, Scaling.BLOCK_128X128))
     half = _args(1, 4096, 4096)
     monkeypatch.setattr(decode, "slow_memory", lambda dev: False)
-    assert decode.rule_for(fp8) is decode.rule_for(block) is decode.rule_for(half) is decode.RULE
+    assert decode.rule_for(fp8) is decode.rule_for(half) is decode.RULE
+    assert decode.rule_for(block) is decode.RULE_BLOCK
     assert not plan._decode_first(fp8) and not plan._decode_first(block)
     monkeypatch.setattr(decode, "slow_memory", lambda dev: True)
     assert decode.rule_for(fp8) is decode.RULE_SLOW_MEMORY

@@ -234,35 +234,28 @@ SPLITK_16BIT_MAX_M = 64
 SPLITK_16BIT_LONG_K = 8192
 
 
-# The native decode kernel (cuda/decode.py) first at M <= DECODE_MAX_M on weights of at least
-# DECODE_MIN_N x DECODE_MIN_K, with at most DECODE_MAX_TILES_PER_SM 64-row weight tiles per SM and
-# at most its rule's max_share k-blocks of 128 bytes per CTA after its K split
+# The native decode kernel (cuda/decode.py) first on weights of at least DECODE_MIN_N x
+# DECODE_MIN_K, with at most DECODE_MAX_TILES_PER_SM 64-row weight tiles per SM, up to its rule's
+# max_m tokens and max_share k-blocks of 128 bytes per CTA after its K split
 # (cuda.decode.rule_for). Measured per GEMM on the 17 decode-stack projections, 8 chained copies
 # with their own weights in one CUDA graph, M = 1 and 16 (H200, BENCHMARKS.md): where the rule
 # takes it, fp8 1-19% faster than split-K on all 10 shapes (geomean 9.8%), bf16 2.4% faster in
 # geomean (11% faster to 4% slower). Past it split-K was ahead: more tiles (N = 14336-37888,
 # 2-11%) or a longer share of K per CTA (7168 x 16384 and 7168 x 18432, 1-6%; on an H100 the
 # unsplit kernel was ahead there). Narrower or shorter weights were not measured.
-DECODE_MAX_M = 16
-# Block-scaled (1x128 x 128x128 or per-row), same rule up to 8 tokens (H200, BENCHMARKS.md): the
-# decode-stack layers at M = 1 and 8 0.4-4% faster than on split-K, single kernels at one token
-# 2% faster (flushed) on the block preset's shapes the rule takes; at 16 tokens 1-9% slower. On
-# GPUs with slow memory (the kernel's RULE_SLOW_MEMORY_BLOCK) up to DECODE_MAX_M tokens: the
-# decode stacks at 12 and 16 tokens ran 0.7-3.3% faster per layer than on split-K (H100).
-DECODE_BLOCK_MAX_M = 8
 DECODE_MIN_N = 2048
 DECODE_MIN_K = 2048
 DECODE_MAX_TILES_PER_SM = 1
 
 
 def _decode_first(args: GemmArgs) -> bool:
-    if not (args.m <= DECODE_MAX_M and args.n >= DECODE_MIN_N and args.k >= DECODE_MIN_K):
+    if not (args.n >= DECODE_MIN_N and args.k >= DECODE_MIN_K):
         return False
-    from .cuda.decode import RULE_SLOW_MEMORY_BLOCK, WEIGHT_ROWS, choose_config, rule_for  # imported lazily
+    from .cuda.decode import WEIGHT_ROWS, choose_config, rule_for  # backend modules: imported lazily
     from .cuda.gemm import k_blocks
 
     rule = rule_for(args)
-    if args.block_scaling is not None and args.m > DECODE_BLOCK_MAX_M and rule is not RULE_SLOW_MEMORY_BLOCK:
+    if args.m > rule.max_m:
         return False
     sms = device.sms_of(args.out.device)
     itemsize = args.a.element_size()
@@ -401,8 +394,7 @@ def preference(args: GemmArgs) -> tuple[str, ...]:
     - larger M: the native persistent cooperative kernel (per-shape config), then the Triton
       persistent one.
     - block-scaled fp8 (1x128 x 128x128 or per-row 1x128): the native decode kernel at decode M
-      (:func:`_decode_first`, up to DECODE_BLOCK_MAX_M tokens, DECODE_MAX_M on GPUs with slow
-      memory); split-K where
+      (:func:`_decode_first`, up to 8 tokens, 16 on GPUs with slow memory); split-K where
       :func:`_block_splitk_first` (it splits K, or at M <= BLOCK_SWAP_MAX_M the weight alone
       fills the SMs), then the native block-scaled kernel, or the Triton one first at M <=
       BLOCK_SMALL_M on weights with N <= BLOCK_SMALL_N.

@@ -9,7 +9,7 @@ CTAs split each tile's K without partial sums in global memory, counters or a se
 ``plan.preference`` puts it first at M <= 16 (block-scaled: M <= 8) where it measured ahead of
 split-K (``plan.DECODE_MIN_N`` and the rules beside it).
 
-Scope: M <= 64 (the dispatcher uses it up to ``plan.DECODE_MAX_M``, where it was measured); fp8
+Scope: M <= 64 (the dispatcher uses it up to its rule's ``max_m``, where it was measured); fp8
 with a K-major weight (``b = w.t()`` of a row-major (N, K) weight, the ``nn.Linear`` layout):
 tensor- or row-wise scales with fast accumulation, or block scales (1x128 activations with
 128x128 or per-row 1x128 weight scales, each k-block's product scaled and added in fp32); 16-bit
@@ -22,7 +22,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -91,12 +91,14 @@ class DecodeRule:
     split_fill: clusters of 4, else 2 CTAs share a tile's K while the CTAs stay within
     split_fill x SMs (and each keeps at least MIN_SHARE k-blocks); deep_ring_fill: 16 stages while
     the CTAs fill at most this share of the SMs (0: never), or None for the long-share rule (16
-    stages when the CTAs fit one per SM and each keeps at least LONG_SHARE k-blocks); max_share:
-    the dispatcher takes the kernel up to this many k-blocks per CTA after the split."""
+    stages when the CTAs fit one per SM and each keeps at least LONG_SHARE k-blocks); the
+    dispatcher takes the kernel up to max_m tokens and up to max_share k-blocks per CTA after the
+    split."""
 
     split_fill: float
     deep_ring_fill: float | None
     max_share: int
+    max_m: int
 
 
 # The heuristic (H200, 8 chained GEMMs with their own weights in one CUDA graph, per GEMM, M = 1
@@ -107,8 +109,13 @@ class DecodeRule:
 # k-blocks, keep 16 stages (bf16 4096 x 14336: 31.0 against 33.3 us; fp8 8192 x 7168: 17.3
 # against 19.1), everything else takes 8. Where the dispatcher takes the kernel, within 1.6% of
 # the best of the six measured configs in geomean, 10% at worst. Past 112 k-blocks per CTA
-# split-K was ahead (7168 x 16384 and 7168 x 18432, 1-6%).
-RULE = DecodeRule(split_fill=1.25, deep_ring_fill=None, max_share=112)
+# split-K was ahead (7168 x 16384 and 7168 x 18432, 1-6%). Up to 16 tokens (wgmma's n16; at 17-32
+# tokens the tile kernel or split-K ran ahead).
+RULE = DecodeRule(split_fill=1.25, deep_ring_fill=None, max_share=112, max_m=16)
+# Block-scaled (1x128 x 128x128 or per-row), the same rule up to 8 tokens (H200): the decode-stack
+# layers at M = 1 and 8 0.4-4% faster than on split-K, single kernels at one token 2% faster
+# (flushed) on the block preset's shapes the rule takes; at 16 tokens 1-9% slower.
+RULE_BLOCK = replace(RULE, max_m=8)
 LONG_SHARE = 48
 MIN_SHARE = 8  # a split never leaves a CTA fewer k-blocks than this
 # GPUs with at most SLOW_MEMORY_PER_SM bytes/s of peak DRAM bandwidth per SM (an H100 SXM: 3.35
@@ -126,13 +133,14 @@ SLOW_MEMORY_PER_SM = 30e9
 # RULE was 2.4% behind (12% at worst: Qwen2.5-7B's 4608 x 3584, unsplit 9.9 us against 10.9 in
 # pairs). Unsplit CTAs of 128-148 k-blocks ran 7168 x 16384 and 7168 x 18432 0.4-0.6% ahead of
 # split-K and 3584 x 18944 within 0.8% either way.
-RULE_SLOW_MEMORY = DecodeRule(split_fill=0.65, deep_ring_fill=0.5, max_share=160)
+RULE_SLOW_MEMORY = DecodeRule(split_fill=0.65, deep_ring_fill=0.5, max_share=160, max_m=16)
 # Block-scaled fp8 (one round): RULE's K split, whose extra CTAs the per-k-block adds need (under
 # RULE_SLOW_MEMORY's the decode stacks ran up to 14% slower), but 8 stages throughout (8192 x 7168
 # unsplit: 24.5 against 25.2 us at one token; 3584 x 18944 in pairs: 29.6 against 30.7); one
 # 4096 x 4096 pair ran 1% faster with 16. Unsplit CTAs of 128-144 k-blocks ran 7168 x 16384 and
-# 7168 x 18432 3.3-4.7% ahead of split-K.
-RULE_SLOW_MEMORY_BLOCK = DecodeRule(split_fill=1.25, deep_ring_fill=0.0, max_share=160)
+# 7168 x 18432 3.3-4.7% ahead of split-K. Up to 16 tokens: the decode stacks at 12 and 16 tokens
+# ran 0.7-3.3% faster per layer than on split-K.
+RULE_SLOW_MEMORY_BLOCK = DecodeRule(split_fill=1.25, deep_ring_fill=0.0, max_share=160, max_m=16)
 
 
 def _max_stages(tokens: int) -> int:
@@ -161,13 +169,15 @@ def slow_memory(dev: torch.device) -> bool:
 
 
 def rule_for(args: GemmArgs) -> DecodeRule:
-    """The heuristic's constants for ``args``: RULE, or on a GPU with slow memory
-    (:func:`slow_memory`) RULE_SLOW_MEMORY for fp8 with tensor- or row-wise scales and
-    RULE_SLOW_MEMORY_BLOCK for block scales. 16-bit operands keep RULE: in the decode stacks
-    (H100, M = 1-16, BENCHMARKS.md) they measured level to 1% slower under RULE_SLOW_MEMORY."""
+    """The heuristic's constants for ``args``: RULE (RULE_BLOCK for block scales), or on a GPU
+    with slow memory (:func:`slow_memory`) RULE_SLOW_MEMORY for fp8 with tensor- or row-wise
+    scales and RULE_SLOW_MEMORY_BLOCK for block scales. 16-bit operands keep RULE: in the decode
+    stacks (H100, M = 1-16, BENCHMARKS.md) they measured level to 1% slower under
+    RULE_SLOW_MEMORY."""
+    block = args.block_scaling is not None
     if args.a.element_size() != 1 or not slow_memory(args.out.device):
-        return RULE
-    return RULE_SLOW_MEMORY if args.block_scaling is None else RULE_SLOW_MEMORY_BLOCK
+        return RULE_BLOCK if block else RULE
+    return RULE_SLOW_MEMORY_BLOCK if block else RULE_SLOW_MEMORY
 
 
 def choose_config(m: int, n: int, k: int, itemsize: int, sms: int, rule: DecodeRule = RULE) -> DecodeConfig:
