@@ -435,6 +435,42 @@ def test_k_without_a_tensor_map_takes_pointer_loads(m, n, k, seeded):
     assert bool(((out.double() - ref).abs() <= 2.0**-10 * magnitude + 1e-6).all())
 
 
+def m_contiguous(t: torch.Tensor, lead: int | None = None) -> torch.Tensor:
+    """``t`` (M, KB) contiguous along M with a column stride of ``lead`` (default M rounded up to
+    4: DeepGEMM's TMA-aligned layout), in a buffer whose padding rows hold NaN."""
+    rows, cols = t.shape
+    lead = lead or -(-rows // 4) * 4
+    view = torch.full((cols, lead), float("nan"), dtype=t.dtype, device=t.device)[:, :rows].t()
+    view.copy_(t)
+    return view
+
+
+@pytest.mark.anydevice
+@pytest.mark.parametrize("m", [17, 40, 130])
+@pytest.mark.parametrize("recipe", [BLOCK_128, PER_CHANNEL], ids=["128x128", "per_channel"])
+def test_m_contiguous_scales_in_chunks(m, recipe, seeded):
+    """a's scales contiguous along M (PyTorch's outer-dim-major layout and DeepGEMM's, whose
+    column stride is M rounded up to 4) reach both Triton block kernels in chunks of k-blocks:
+    18 k-blocks (ragged K) make two whole chunks and a partial one, and split-K's slices start
+    inside a chunk (9 k-blocks each); NaN in the padding rows of the scale buffer never reaches
+    a stored row. Row-major scales keep the per-step loads."""
+    n, k = 200, 2200
+    a, w, sa, sb = operands(m, n, k, recipe)
+    want = block_reference(a, w, sa, sb, recipe)
+    tol = (WGMMA_TOL if ON_GPU else TOL)[torch.float32]
+    for scale_a in (outer_major(sa), m_contiguous(sa)):
+        args = GemmArgs(a, w.t(), poisoned((m, n), torch.float32, DEVICE), scale_a, sb, None, True, recipe)
+        assert bs.layout_of(args).scale_a_chunks and not bs.layout_of(args._replace(scale_a=sa)).scale_a_chunks
+        run(args)
+        assert_close(args.out, want, tol, f"tile kernel, M = {m}, stride {scale_a.stride()}")
+        for swap in (True, False):
+            out = poisoned((m, n), torch.float32, DEVICE)
+            config = splitk.SplitKConfig(block_m=16, block_n=64, block_k=128, split_k=2, swap_ab=swap, a_tma=True,
+                                         num_stages=2)
+            splitk.build(args._replace(out=out), config)(args._replace(out=out))
+            assert_close(out, want, tol, f"split-K, swap {swap}, M = {m}, stride {scale_a.stride()}")
+
+
 # ------------------------------------------------------------- small M: split-K (triton.splitk)
 
 

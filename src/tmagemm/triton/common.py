@@ -140,11 +140,49 @@ def load_block_scales(sa_ptrs, sb_ptrs, stride_sak, stride_sbk, kb, row_ok, col_
     the tile's one weight block. sa_ptrs / sb_ptrs point at k-block 0 of the tile's rows / weight
     block. Masked lanes read 1.0, so rows and columns past the edge cannot turn into NaN."""
     sa = tl.load(sa_ptrs + kb * stride_sak, mask=row_ok, other=1.0)
+    return sa, load_weight_scales(sb_ptrs, stride_sbk, kb, col_ok, B_PER_CHANNEL, BLOCK_N)
+
+
+@triton.jit
+def load_weight_scales(sb_ptrs, stride_sbk, kb, col_ok, B_PER_CHANNEL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """k-block kb's weight scale(s) of :func:`load_block_scales` alone (for kernels that load the
+    activation scales in chunks: :func:`load_row_scale_chunk`)."""
     if B_PER_CHANNEL or BLOCK_N > 128:
-        sb = tl.load(sb_ptrs + kb * stride_sbk, mask=col_ok, other=1.0)
-    else:
-        sb = tl.load(sb_ptrs + kb * stride_sbk)
-    return sa, sb
+        return tl.load(sb_ptrs + kb * stride_sbk, mask=col_ok, other=1.0)
+    return tl.load(sb_ptrs + kb * stride_sbk)
+
+
+# k-blocks per load of 1x128 activation scales contiguous along M (PyTorch's outer-dim-major and
+# DeepGEMM's layout), see load_row_scale_chunk.
+SCALE_CHUNK = tl.constexpr(8)
+
+
+@triton.jit
+def load_row_scale_chunk(sa_ptrs, stride_sak, kb, k_end, row_ok):
+    """a's 1x128 scales of k-blocks [kb, kb + SCALE_CHUNK) (those before ``k_end``) for the
+    tile's rows, [rows, SCALE_CHUNK]; masked entries read 1.0 as in :func:`load_block_scales`.
+
+    For scales contiguous along M, where one k-block's scales of the tile's rows are one short
+    run and the next k-block's lie M floats further: a per-step load is an L2 round trip in
+    every step (0.88-0.91x of row-major scales at M <= 128, where the rows' consecutive
+    k-blocks share a sector and 7 of 8 per-step loads hit L1). The kernels load a chunk of
+    k-blocks a chunk ahead of its use and pick each step's column (:func:`row_scales_in`)."""
+    ks = kb + tl.arange(0, SCALE_CHUNK)
+    return tl.load(sa_ptrs[:, None] + ks[None, :] * stride_sak, mask=row_ok[:, None] & (ks[None, :] < k_end),
+                   other=1.0)
+
+
+@triton.jit
+def chunk_step(kb, k_first):
+    """k-block kb's column in its chunk, the chunks counted from k-block k_first (>= 0 apart)."""
+    j = kb - k_first
+    return j - j // SCALE_CHUNK * SCALE_CHUNK  # the interpreter's ints take no % of a constexpr
+
+
+@triton.jit
+def row_scales_in(chunk, j):
+    """Column ``j`` of a :func:`load_row_scale_chunk` chunk: one k-block's row scales."""
+    return tl.sum(tl.where(tl.arange(0, SCALE_CHUNK)[None, :] == j, chunk, 0.0), axis=1)
 
 
 @triton.jit

@@ -26,8 +26,9 @@ import triton.language as tl
 from .. import device, tma, tuning
 from ..configs import TritonGemmConfig
 from ..plan import GemmArgs, Plan, Scaling, Variant
-from .common import (SCALES_AHEAD_MIN_ROWS, block_scaled_add, first_row_in_bounds, grouped_tile, let_next_kernel_launch,
-                     load_block_scales, wait_for_previous_kernel)
+from .common import (SCALE_CHUNK, SCALES_AHEAD_MIN_ROWS, block_scaled_add, chunk_step, first_row_in_bounds,
+                     grouped_tile, let_next_kernel_launch, load_block_scales, load_row_scale_chunk, load_weight_scales,
+                     row_scales_in, wait_for_previous_kernel)
 from .host import GEMM_OPERANDS, descriptor
 from .launch import KernelCall, aot_spec as _aot_spec, direct_launch, pdl
 from .matmul_tma import store_tile
@@ -46,7 +47,7 @@ def blockscaled_gemm_kernel(
     M, N, K, stride_cm, stride_cn, stride_sam, stride_sak, stride_sbn, stride_sbk, stride_am, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     B_PER_CHANNEL: tl.constexpr, TMA_STORE: tl.constexpr, HAS_BIAS: tl.constexpr, OPERAND_TMA: tl.constexpr,
-    PDL: tl.constexpr,
+    SCALE_A_CHUNKS: tl.constexpr, PDL: tl.constexpr,
 ):
     # ---- static checks: one k-step is exactly one scale block
     tl.static_assert(BLOCK_K == 128, "block-scaled GEMM: BLOCK_K must be the 128-deep scale block")
@@ -79,8 +80,15 @@ def blockscaled_gemm_kernel(
     # pointer loads instead: a_desc / b_desc are then the tensors' base pointers.
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_blocks = tl.cdiv(K, BLOCK_K)
-    SCALES_AHEAD: tl.constexpr = BLOCK_M >= SCALES_AHEAD_MIN_ROWS  # common.SCALES_AHEAD_MIN_ROWS says why
-    if SCALES_AHEAD:
+    # common.SCALES_AHEAD_MIN_ROWS says why. SCALE_A_CHUNKS (scale_a contiguous along M): the row
+    # scales come in chunks of SCALE_CHUNK k-blocks, loaded a chunk ahead (common.load_row_scale_chunk),
+    # and the weight scales a step ahead.
+    SCALES_AHEAD: tl.constexpr = BLOCK_M >= SCALES_AHEAD_MIN_ROWS
+    if SCALE_A_CHUNKS:
+        sa_chunk = load_row_scale_chunk(sa_ptrs, stride_sak, 0, k_blocks, sa_mask)
+        sa_next = load_row_scale_chunk(sa_ptrs, stride_sak, SCALE_CHUNK, k_blocks, sa_mask)
+        sb = load_weight_scales(sb_ptrs, stride_sbk, 0, sb_mask, B_PER_CHANNEL, BLOCK_N)
+    elif SCALES_AHEAD:
         sa, sb = load_block_scales(sa_ptrs, sb_ptrs, stride_sak, stride_sbk, 0, sa_mask, sb_mask, B_PER_CHANNEL,
                                    BLOCK_N)
     for kb in range(k_blocks):
@@ -95,11 +103,20 @@ def blockscaled_gemm_kernel(
             b = tl.load(b_desc + offs_n[None, :].to(tl.int64) * stride_bn + ks[:, None],
                         mask=k_ok[:, None] & (offs_n[None, :] < N), other=0.0)
         partial = tl.dot(a, b)  # no accumulator in: the block's sum starts from zero
-        if not SCALES_AHEAD:
+        if SCALE_A_CHUNKS:
+            step = chunk_step(kb, 0)
+            sa = row_scales_in(sa_chunk, step)
+        elif not SCALES_AHEAD:
             sa, sb = load_block_scales(sa_ptrs, sb_ptrs, stride_sak, stride_sbk, kb, sa_mask, sb_mask, B_PER_CHANNEL,
                                        BLOCK_N)
         acc = block_scaled_add(acc, partial, sa, sb, B_PER_CHANNEL, BLOCK_N, False)
-        if SCALES_AHEAD:  # the next k-block's (this one's again after the last)
+        if SCALE_A_CHUNKS:
+            sb = load_weight_scales(sb_ptrs, stride_sbk, tl.minimum(kb + 1, k_blocks - 1), sb_mask, B_PER_CHANNEL,
+                                    BLOCK_N)
+            if step == SCALE_CHUNK - 1:  # the next chunk is in; load the one after it
+                sa_chunk = sa_next
+                sa_next = load_row_scale_chunk(sa_ptrs, stride_sak, kb + 1 + SCALE_CHUNK, k_blocks, sa_mask)
+        elif SCALES_AHEAD:  # the next k-block's (this one's again after the last)
             sa, sb = load_block_scales(sa_ptrs, sb_ptrs, stride_sak, stride_sbk, tl.minimum(kb + 1, k_blocks - 1),
                                        sa_mask, sb_mask, B_PER_CHANNEL, BLOCK_N)
     let_next_kernel_launch(PDL)
@@ -187,6 +204,7 @@ class Layout:
     tma_store: bool  # out row-major, aligned: TMA store; otherwise masked pointer stores
     has_bias: bool
     operand_tma: bool = True  # a and b through tensor maps; otherwise masked pointer loads
+    scale_a_chunks: bool = False  # scale_a contiguous along M: loaded in chunks (scale_a_in_chunks)
 
 
 def _scale_reason(scale, name: str, shape: tuple, recipe: str, dev) -> str | None:
@@ -245,7 +263,14 @@ def layout_of(args: GemmArgs) -> Layout | str:
         if bias.device != dev:
             return f"bias is on {bias.device}, the operands on {dev}"
     return Layout(b_per_channel=per_channel, tma_store=tma.store_reason(args.out) is None, has_bias=bias is not None,
-                  operand_tma=operand_tma)
+                  operand_tma=operand_tma, scale_a_chunks=scale_a_in_chunks(args.scale_a))
+
+
+def scale_a_in_chunks(scale_a: torch.Tensor) -> bool:
+    """Whether the block kernels load a's 1x128 scales in chunks of k-blocks
+    (``common.load_row_scale_chunk``): scales contiguous along M (PyTorch's outer-dim-major and
+    DeepGEMM's layout) with more than one row and k-block. Row-major ones keep per-step loads."""
+    return min(scale_a.shape) > 1 and tma.contiguous_dim(scale_a) == 0
 
 
 def supports(args: GemmArgs) -> str | None:
@@ -273,7 +298,7 @@ def kernel_call(args: GemmArgs, config: TritonGemmConfig, layout: Layout) -> Ker
         stride_am=tma.leading_stride(args.a, True), stride_bn=tma.leading_stride(args.b, False),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
         B_PER_CHANNEL=layout.b_per_channel, TMA_STORE=layout.tma_store, HAS_BIAS=layout.has_bias,
-        OPERAND_TMA=layout.operand_tma, PDL=pdl(args.out),
+        OPERAND_TMA=layout.operand_tma, SCALE_A_CHUNKS=layout.scale_a_chunks, PDL=pdl(args.out),
     )
     return KernelCall(blockscaled_gemm_kernel, grid, values,
                       dict(num_warps=config.num_warps, num_stages=config.num_stages), GEMM_OPERANDS)

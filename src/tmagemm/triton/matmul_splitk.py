@@ -34,7 +34,8 @@ import triton.language as tl
 from .. import device, tma, workspace
 from ..plan import GemmArgs, Plan, Scaling, Variant, block_tiling
 from . import matmul_blockscaled as blockscaled
-from .common import (SCALES_AHEAD_MIN_ROWS, block_scaled_add, let_next_kernel_launch, load_block_scales, mma,
+from .common import (SCALE_CHUNK, SCALES_AHEAD_MIN_ROWS, block_scaled_add, let_next_kernel_launch, load_block_scales,
+                     chunk_step, load_row_scale_chunk, load_weight_scales, mma, row_scales_in,
                      scale_bias_epilogue, wait_for_previous_kernel)
 from .host import descriptor
 from .launch import A, B, BIAS, COUNTERS, OUT, PARTIALS, SCALE_A, SCALE_B, KernelCall, direct_launch, pdl
@@ -213,6 +214,7 @@ def _splitk_kernel(
     HAS_BIAS: tl.constexpr,
     FAST_ACCUM: tl.constexpr,
     BLOCK_SCALED: tl.constexpr,
+    SCALE_A_CHUNKS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # -- scheduler: axis 0 is the K slice, so the slices of one tile are launched side by side
@@ -249,9 +251,16 @@ def _splitk_kernel(
             sb_ptrs = scale_b_ptr + offs_n * stride_sbn
         else:
             sb_ptrs = scale_b_ptr + (off_n // 128) * stride_sbn  # BLOCK_N divides the 128-row block
-    SCALES_AHEAD: tl.constexpr = BLOCK_M >= SCALES_AHEAD_MIN_ROWS  # common.SCALES_AHEAD_MIN_ROWS says why
+    # common.SCALES_AHEAD_MIN_ROWS says why. SCALE_A_CHUNKS (scale_a contiguous along M): the row
+    # scales come in chunks of SCALE_CHUNK k-blocks, loaded a chunk ahead (common.load_row_scale_chunk),
+    # and the weight scale a step ahead.
+    SCALES_AHEAD: tl.constexpr = BLOCK_M >= SCALES_AHEAD_MIN_ROWS
     if BLOCK_SCALED:
-        if SCALES_AHEAD:
+        if SCALE_A_CHUNKS:
+            sa_chunk = load_row_scale_chunk(sa_ptrs, stride_sak, k_lo, k_hi, offs_m < M)
+            sa_next = load_row_scale_chunk(sa_ptrs, stride_sak, k_lo + SCALE_CHUNK, k_hi, offs_m < M)
+            sb = load_weight_scales(sb_ptrs, stride_sbk, k_lo, offs_n < N, BLOCK_SCALED == 2, BLOCK_N)
+        elif SCALES_AHEAD:
             sa, sb = load_block_scales(sa_ptrs, sb_ptrs, stride_sak, stride_sbk, k_lo, offs_m < M, offs_n < N,
                                        BLOCK_SCALED == 2, BLOCK_N)
     for ki in range(k_lo, k_hi):
@@ -276,11 +285,20 @@ def _splitk_kernel(
                 partial = tl.dot(w, a.T)
             else:
                 partial = tl.dot(a, w.T)
-            if not SCALES_AHEAD:
+            if SCALE_A_CHUNKS:
+                step = chunk_step(ki, k_lo)
+                sa = row_scales_in(sa_chunk, step)
+            elif not SCALES_AHEAD:
                 sa, sb = load_block_scales(sa_ptrs, sb_ptrs, stride_sak, stride_sbk, ki, offs_m < M, offs_n < N,
                                            BLOCK_SCALED == 2, BLOCK_N)
             acc = block_scaled_add(acc, partial, sa, sb, BLOCK_SCALED == 2, BLOCK_N, SWAP_AB)
-            if SCALES_AHEAD:  # the next k-block's (this one's again after the last)
+            if SCALE_A_CHUNKS:
+                sb = load_weight_scales(sb_ptrs, stride_sbk, tl.minimum(ki + 1, k_hi - 1), offs_n < N,
+                                        BLOCK_SCALED == 2, BLOCK_N)
+                if step == SCALE_CHUNK - 1:  # the next chunk is in; load the one after it
+                    sa_chunk = sa_next
+                    sa_next = load_row_scale_chunk(sa_ptrs, stride_sak, ki + 1 + SCALE_CHUNK, k_hi, offs_m < M)
+            elif SCALES_AHEAD:  # the next k-block's (this one's again after the last)
                 sa, sb = load_block_scales(sa_ptrs, sb_ptrs, stride_sak, stride_sbk, tl.minimum(ki + 1, k_hi - 1),
                                            offs_m < M, offs_n < N, BLOCK_SCALED == 2, BLOCK_N)
         elif SWAP_AB:
@@ -381,10 +399,12 @@ def kernel_call(args: GemmArgs, config: SplitKConfig, ws: workspace.Workspace) -
         scale_strides = dict(stride_sam=sa.stride(0), stride_sak=sa.stride(1), stride_sbn=sb.stride(0),
                              stride_sbk=sb.stride(1))
         scaling = dict(SCALE_A=int(Scaling.NONE), SCALE_B=int(Scaling.NONE),
-                       BLOCK_SCALED=2 if args.block_scaling[1] == Scaling.BLOCK_1X128 else 1)
+                       BLOCK_SCALED=2 if args.block_scaling[1] == Scaling.BLOCK_1X128 else 1,
+                       SCALE_A_CHUNKS=blockscaled.scale_a_in_chunks(sa))
     else:
         scale_strides = dict(stride_sam=0, stride_sak=0, stride_sbn=0, stride_sbk=0)
-        scaling = dict(SCALE_A=int(Scaling.of(args.scale_a)), SCALE_B=int(Scaling.of(args.scale_b)), BLOCK_SCALED=0)
+        scaling = dict(SCALE_A=int(Scaling.of(args.scale_a)), SCALE_B=int(Scaling.of(args.scale_b)), BLOCK_SCALED=0,
+                       SCALE_A_CHUNKS=False)
     values = dict(
         a_ptr=a, a_desc=a_desc, w_desc=w_desc, out_ptr=out, scale_a_ptr=args.scale_a, scale_b_ptr=args.scale_b,
         bias_ptr=args.bias, ws_ptr=ws.partials, lock_ptr=ws.counters,
