@@ -399,6 +399,36 @@ def test_fp8_blockwise(layout, seeded):
     check(out, reference(a_deq, b_deq, counts, layout, bias.cpu()), REL8, f"fp8 block {layout.name}")
 
 
+@pytest.mark.anydevice
+@pytest.mark.parametrize("layout", [GroupLayout.CONTIGUOUS, GroupLayout.MASKED], ids=["contiguous", "masked"])
+def test_fp8_block_scales_contiguous_along_rows(layout, seeded):
+    """1x128 activation scales contiguous along the rows (torch's outer-dim-major layout for the
+    contiguous groups, DeepGEMM's (E, KB, max_m) transposed for masked ones), k-blocks 130 rows
+    apart, over 9 k-blocks: the kernel loads them in chunks of 8 k-blocks, the second one partial.
+    Row-major scales, and rows of k-blocks closer than CHUNK_MIN_K_STRIDE, keep per-step loads."""
+    from tmagemm.triton import matmul_grouped
+
+    e, rows, k, n = 3, 130, 1104, 150
+    kb, nb = -(-k // 128), -(-n // 128)
+    counts = [0, 11, 26] if layout == GroupLayout.CONTIGUOUS else [26, 3, 0]
+    a, b = fp8_operands((rows, k) if layout == GroupLayout.CONTIGUOUS else (e, rows, k), e, k, n)
+    if layout == GroupLayout.CONTIGUOUS:
+        sa = (torch.rand(kb, rows, device=DEV) + 0.5).t()
+    else:
+        sa = (torch.rand(e, kb, rows, device=DEV) + 0.5).transpose(1, 2)
+    sb = torch.rand(e, nb, kb, device=DEV) + 0.5
+    kw = {"offs": counts_tensor(counts)} if layout == GroupLayout.CONTIGUOUS else {"masked_m": counts_tensor(counts)}
+    args = grouped.scaled_mm_args(a, b, sa, sb, out_dtype=torch.float32, out=poisoned((*a.shape[:-1], n)), **kw)
+    assert matmul_grouped.scale_a_in_chunks(args)
+    assert not matmul_grouped.scale_a_in_chunks(grouped.scaled_mm_args(a, b, sa.contiguous(), sb, **kw))
+    if layout == GroupLayout.MASKED:  # max_m = 100: k-blocks 100 rows apart
+        close = (torch.rand(e, kb, 100, device=DEV) + 0.5).transpose(1, 2)
+        assert not matmul_grouped.scale_a_in_chunks(grouped.scaled_mm_args(a[:, :100].contiguous(), b, close, sb, **kw))
+    out = grouped.run(args, config=CFG_BLOCK, num_sms=SMS)
+    a_deq, b_deq = _block_deq(a, b, sa, sb)
+    check(out, reference(a_deq, b_deq, counts, layout), REL8, f"fp8 block, row-contiguous scales, {layout.name}")
+
+
 def test_fp8_block_wide_tiles_and_mixed_recipes(seeded):
     """Wide tiles (BLOCK_N 256 spans two weight blocks), per-channel 1x128 weight scales, and
     1x128 activations with row-wise weight scales (promoted per k-block all the same)."""

@@ -45,8 +45,9 @@ from .. import device, tma
 from ..configs import TritonGemmConfig
 from ..grouped import GroupedArgs, GroupLayout, GroupScaling
 from ..plan import Plan
-from .common import (SCALES_AHEAD_MIN_ROWS, block_scaled_add, grouped_tile, let_next_kernel_launch, load_block_scales,
-                     mma, wait_for_previous_kernel)
+from .common import (SCALE_CHUNK, SCALES_AHEAD_MIN_ROWS, block_scaled_add, chunk_step, grouped_tile,
+                     let_next_kernel_launch, load_block_scales, load_row_scale_chunk, load_weight_scales, mma,
+                     row_scales_in, wait_for_previous_kernel)
 from .launch import A, B, BIAS, OUT, PARTIALS, SCALE_A, SCALE_B, KernelCall, aot_spec as _aot_spec, direct_launch, pdl
 
 NAME = "triton.grouped"
@@ -124,7 +125,7 @@ def grouped_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_SMS: tl.constexpr, E_BLOCK: tl.constexpr, LAYOUT: tl.constexpr, B_K_MAJOR: tl.constexpr,
     SCALING: tl.constexpr, B_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, FAST_ACCUM: tl.constexpr,
-    HAS_K: tl.constexpr, PDL: tl.constexpr,
+    HAS_K: tl.constexpr, SCALE_A_CHUNKS: tl.constexpr, PDL: tl.constexpr,
 ):
     # ---- static checks
     tl.static_assert(SCALING != 2 or BLOCK_K == 128, "block-scaled: BLOCK_K must be the 128-deep scale block")
@@ -173,19 +174,35 @@ def grouped_gemm_kernel(
                 else:
                     sb_ptrs = scale_b_ptr + g64 * stride_sbe + (offs_n // 128) * stride_sbn
                 k_blocks = tl.cdiv(K, BLOCK_K)
-                SCALES_AHEAD: tl.constexpr = BLOCK_M >= SCALES_AHEAD_MIN_ROWS  # common.py says why
-                if SCALES_AHEAD:
+                # common.py says why. SCALE_A_CHUNKS (scale_a contiguous along M): the row scales
+                # in chunks of SCALE_CHUNK k-blocks a chunk ahead (common.load_row_scale_chunk),
+                # the weight scales a step ahead.
+                SCALES_AHEAD: tl.constexpr = BLOCK_M >= SCALES_AHEAD_MIN_ROWS
+                if SCALE_A_CHUNKS:
+                    sa_chunk = load_row_scale_chunk(sa_ptrs, stride_sak, 0, k_blocks, row_ok)
+                    sa_next = load_row_scale_chunk(sa_ptrs, stride_sak, SCALE_CHUNK, k_blocks, row_ok)
+                    sb = load_weight_scales(sb_ptrs, stride_sbk, 0, col_ok, B_PER_CHANNEL, BLOCK_N)
+                elif SCALES_AHEAD:
                     sa, sb = load_block_scales(sa_ptrs, sb_ptrs, stride_sak, stride_sbk, 0, row_ok, col_ok,
                                                B_PER_CHANNEL, BLOCK_N)
                 for kb in range(k_blocks):
                     a = load_a(a_desc, g, off_m, kb * BLOCK_K, BLOCK_M, BLOCK_K, LAYOUT)
                     b = load_b(b_desc, g, kb * BLOCK_K, off_n, BLOCK_N, BLOCK_K, B_K_MAJOR)
                     partial = tl.dot(a, b)
-                    if not SCALES_AHEAD:
+                    if SCALE_A_CHUNKS:
+                        step = chunk_step(kb, 0)
+                        sa = row_scales_in(sa_chunk, step)
+                    elif not SCALES_AHEAD:
                         sa, sb = load_block_scales(sa_ptrs, sb_ptrs, stride_sak, stride_sbk, kb, row_ok, col_ok,
                                                    B_PER_CHANNEL, BLOCK_N)
                     acc = block_scaled_add(acc, partial, sa, sb, B_PER_CHANNEL, BLOCK_N, False)
-                    if SCALES_AHEAD:  # the next k-block's (this one's again after the last)
+                    if SCALE_A_CHUNKS:
+                        sb = load_weight_scales(sb_ptrs, stride_sbk, tl.minimum(kb + 1, k_blocks - 1), col_ok,
+                                                B_PER_CHANNEL, BLOCK_N)
+                        if step == SCALE_CHUNK - 1:  # the next chunk is in; load the one after it
+                            sa_chunk = sa_next
+                            sa_next = load_row_scale_chunk(sa_ptrs, stride_sak, kb + 1 + SCALE_CHUNK, k_blocks, row_ok)
+                    elif SCALES_AHEAD:  # the next k-block's (this one's again after the last)
                         sa, sb = load_block_scales(sa_ptrs, sb_ptrs, stride_sak, stride_sbk,
                                                    tl.minimum(kb + 1, k_blocks - 1), row_ok, col_ok, B_PER_CHANNEL,
                                                    BLOCK_N)
@@ -329,6 +346,24 @@ def descriptors(args: GroupedArgs, config: TritonGemmConfig) -> tuple[TensorDesc
     return a_desc, b_desc
 
 
+# 1x128 activation scales contiguous along the rows with consecutive k-blocks at least this many
+# elements apart load in chunks (scale_a_in_chunks). Measured on an H200 (BENCHMARKS.md), 32
+# experts of DeepSeek-V3 / Qwen3-MoE, 4-64 rows each, against row-major scales: contiguous groups
+# (k-blocks M_total >= 128 apart) 0.78-0.94x with per-step loads, 0.91-0.95x in chunks; masked
+# groups with max_m <= 64 0.91-1.00x per step, 0.93-0.95x in chunks (their few rows of k-blocks
+# share cache lines, and a chunk costs each step a select across the chunk's lanes).
+CHUNK_MIN_K_STRIDE = 128
+
+
+def scale_a_in_chunks(args: GroupedArgs) -> bool:
+    """Whether the kernel loads 1x128 activation scales in chunks of k-blocks
+    (``common.load_row_scale_chunk``): scales contiguous along the rows (PyTorch's outer-dim-major
+    and DeepGEMM's layout) over more than one k-block, consecutive k-blocks CHUNK_MIN_K_STRIDE or
+    more apart; other layouts keep per-step loads."""
+    _, sa_m, sa_k = args.scale_a_strides
+    return sa_m == 1 and sa_k >= CHUNK_MIN_K_STRIDE and args.k > SCALE_BLOCK
+
+
 def kernel_call(args: GroupedArgs, config: TritonGemmConfig, num_sms: int | None = None) -> KernelCall:
     """One launch, every kernel argument named once (direct launch, Triton's launcher, AOT).
     ``num_sms``: the persistent stride (default the device's SMs; 4 under the interpreter, so
@@ -357,7 +392,8 @@ def kernel_call(args: GroupedArgs, config: TritonGemmConfig, num_sms: int | None
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         NUM_SMS=num_sms, E_BLOCK=triton.next_power_of_2(max(args.e, 1)), LAYOUT=int(args.layout),
         B_K_MAJOR=args.b_k_major, SCALING=int(scaling), B_PER_CHANNEL=args.b_per_channel,
-        HAS_BIAS=bias is not None, FAST_ACCUM=args.fast_accum, HAS_K=has_k, PDL=pdl(out),
+        HAS_BIAS=bias is not None, FAST_ACCUM=args.fast_accum, HAS_K=has_k,
+        SCALE_A_CHUNKS=scaling == GroupScaling.BLOCK and scale_a_in_chunks(args), PDL=pdl(out),
     )
     return KernelCall(grouped_gemm_kernel, grid, values,
                       dict(num_warps=config.num_warps, num_stages=config.num_stages), _OPERANDS)
