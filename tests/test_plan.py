@@ -186,16 +186,22 @@ S, T, C, D = "triton.splitk", "triton.blockscaled", "cuda.blockscaled", "cuda.de
 
 
 @pytest.mark.parametrize("m, n, k, expected", [
-    (1, 51200, 5120, (S, C, T)),  # M <= 16: split-K (800 weight tiles: past the decode kernel's rule)
+    (1, 51200, 5120, (S, T, C)),  # M <= 16: split-K (800 weight tiles: past the decode kernel's rule)
     (8, 5120, 2048, (D, S, T, C)),  # the decode kernel where its rule takes the shape, split-K next
     (16, 5120, 2048, (S, T, C)),  # block-scaled: the decode kernel up to 8 tokens
     (1, 7168, 16384, (S, T, C)),  # 128 k-blocks for each of 112 CTAs
     (17, 5120, 2048, (T, C, S)),  # past M = 16: no decode kernel
     (32, 4096, 7168, (S, T, C)),  # 64 tiles: 4 slices
-    (32, 14336, 8192, (S, C, T)),  # 224 tiles fill the SMs unsplit: split-K streams faster at M <= 32
-    (32, 28672, 4096, (S, C, T)),
-    (32, 24576, 1536, (C, T, S)),  # 12 k-blocks: the native tiles
-    (33, 14336, 8192, (C, T, S)),  # above M = 32: the native tiles
+    (32, 6144, 4096, (S, T, C)),  # swapped tiles: 2 slices are enough
+    (64, 6144, 4096, (T, C, S)),  # 96 unswapped tiles, 2 slices: the 64 x 64 tiles instead
+    (64, 8192, 7168, (T, C, S)),  # 128 tiles, 2 slices
+    (64, 4096, 4096, (S, T, C)),  # 64 tiles, 2 slices: split-K while the tiles fill under half the SMs
+    (47, 1000, 4400, (S, T, C)),  # 16 tiles
+    (32, 14336, 8192, (S, T, C)),  # 224 tiles fill the SMs unsplit: split-K streams faster at M <= 32
+    (32, 28672, 4096, (S, T, C)),
+    (32, 24576, 1536, (T, C, S)),  # 12 k-blocks: one row of 64 x 64 tiles, any width
+    (33, 14336, 8192, (T, C, S)),  # above M = 32: the 64 x 64 tiles up to 64 rows
+    (65, 14336, 8192, (C, T, S)),  # two rows of tiles on a wide weight: the native tiles
     (32, 8192, 2048, (T, C, S)),  # 128 tiles: short of the SMs
     (64, 5120, 2048, (T, C, S)),  # 80 tiles, 16 k-blocks: no split, the 64 x 64 tiles
     (128, 7168, 16384, (T, C, S)),  # 112 tiles, 2 slices: not enough above M = 64

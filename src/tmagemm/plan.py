@@ -302,12 +302,21 @@ def _splitk_first(args: GemmArgs) -> bool:
 
 
 # Block-scaled fp8 at decode-sized M. The split-K kernel (swap-AB, 64 weight rows per tile) wins
-# at M <= 16 on every checkpoint shape, and up to BLOCK_SMALL_M where its K split is at least 2
-# (3 above M = 64): narrow or long-K weights whose tiles alone leave SMs idle. Elsewhere the
-# Triton kernel's 64 x 64 tiles are ahead of the native kernel's 128 x 128 on weights up to
-# BLOCK_SMALL_N wide (H100, graph-timed, L2 flushed; BENCHMARKS.md).
+# at M <= 16 on every checkpoint shape, and up to BLOCK_SMALL_M where its K split is at least 3,
+# or 2 on its swapped tiles (M <= BLOCK_SWAP_MAX_M) and, up to one row of 64-token tiles, where
+# those tiles cover under half the SMs: narrow or long-K weights whose tiles alone leave SMs
+# idle. Elsewhere the Triton kernel's 64 x 64 tiles are ahead of the native kernel's 128 x 128 on
+# weights up to BLOCK_SMALL_N wide, and on every weight while its tiles make one row (M <=
+# BLOCK_ONE_ROW_M). H100, 8 chained copies in one CUDA graph, the decode stacks' 17 projections
+# at M = 64 (BENCHMARKS.md): where split-K cut K in 2 over half the SMs or more, the Triton tiles
+# ran 1-15% faster (6144 x 4096 16.4 -> 14.2 us, 8192 x 7168 29.2 -> 27.3, 7168 x 16384 51.6 ->
+# 49.9); on weights wider than 8192, 5-9% faster than the native tiles (36864 x 7168 113.7 ->
+# 104.0 us), which stay ahead at M = 128. At M = 32 the chained copies measured the same, but in
+# the MLP chain (quantized activations from the kernel before) 7168 x 18432 ran 20% slower on
+# the Triton tiles than split in 2: the swapped tiles keep their 2 slices.
 BLOCK_SMALL_M = 128
 BLOCK_SMALL_N = 8192
+BLOCK_ONE_ROW_M = 64
 
 
 # Block-scaled split-K tiles: up to BLOCK_SWAP_MAX_M tokens (rounded up to a power of two >= 16)
@@ -370,7 +379,9 @@ def _block_splitk_first(args: GemmArgs) -> bool:
     if args.m <= BLOCK_SWAP_MAX_M and -(-args.n // 64) >= sms and -(-args.k // 128) >= BLOCK_STREAM_K_BLOCKS:
         return True
     split = block_split_k(args.m, args.n, args.k, sms)
-    return args.m <= 16 or split >= (3 if args.m > 64 else 2)
+    if args.m <= 16 or split >= 3 or (split == 2 and args.m <= BLOCK_SWAP_MAX_M):
+        return True
+    return split == 2 and args.m <= BLOCK_ONE_ROW_M and 2 * -(-args.n // 64) < sms
 
 
 def preference(args: GemmArgs) -> tuple[str, ...]:
@@ -395,13 +406,13 @@ def preference(args: GemmArgs) -> tuple[str, ...]:
       persistent one.
     - block-scaled fp8 (1x128 x 128x128 or per-row 1x128): the native decode kernel at decode M
       (:func:`_decode_first`, up to 8 tokens, 16 on GPUs with slow memory); split-K where
-      :func:`_block_splitk_first` (it splits K, or at M <= BLOCK_SWAP_MAX_M the weight alone
-      fills the SMs), then the native block-scaled kernel, or the Triton one first at M <=
-      BLOCK_SMALL_M on weights with N <= BLOCK_SMALL_N.
+      :func:`_block_splitk_first` (it splits K in 3 or more, or at M <= BLOCK_SWAP_MAX_M the
+      weight alone fills the SMs), then the native block-scaled kernel, or the Triton one first at
+      M <= BLOCK_ONE_ROW_M, and at M <= BLOCK_SMALL_M on weights with N <= BLOCK_SMALL_N.
     """
     if args.block_scaling is not None:
         native = ("cuda.blockscaled", "triton.blockscaled")
-        if args.m <= BLOCK_SMALL_M and args.n <= BLOCK_SMALL_N:
+        if args.m <= BLOCK_ONE_ROW_M or (args.m <= BLOCK_SMALL_M and args.n <= BLOCK_SMALL_N):
             native = native[::-1]
         order = ("triton.splitk", *native) if _block_splitk_first(args) else (*native, "triton.splitk")
         return ("cuda.decode", *order) if _decode_first(args) else order

@@ -35,10 +35,13 @@ from .source import forward_def, statements
 # Qwen3MLP and many more): ``return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))``,
 # or the same expression assigned to a name that is then returned.
 # Tokens up to which forward runs the fused kernel. H100, decode preset "mlp fusion" (fused vs
-# quantize -> gate/up GEMM -> SiLU * up -> quantize, per layer in a CUDA graph): 1.00-1.23x at
-# M = 1-32 on Llama-3-8B, Llama-3-70B TP 4, Qwen2.5-7B and DeepSeek-V3 MLPs, 0.98-1.12x at 64,
-# 0.91-0.99x at 96, 0.95-1.05x at 128, 0.80-0.87x at 256.
-FUSED_MAX_TOKENS = 64
+# quantize -> gate/up GEMM -> SiLU * up -> quantize, per layer in a CUDA graph) on Llama-3-8B,
+# Llama-3-70B TP 4, Qwen2.5-7B and DeepSeek-V3 MLPs: 1.00-1.23x at M = 1-16, at 24-32 0.97-0.98x
+# on Llama-3-70B TP 4 and 1.01-1.12x on the others. Since the block-scaled gate/up GEMM takes the
+# Triton 64 x 64 tiles at 33-64 tokens (plan.BLOCK_ONE_ROW_M), the chain is ahead there: fused
+# 0.92-0.95x at 48 on three of the four (1.05x Llama-3-8B), 0.93-1.10x at 64; 0.91-0.99x at 96,
+# 0.95-1.05x at 128, 0.80-0.87x at 256 (BENCHMARKS.md).
+FUSED_MAX_TOKENS = 32
 
 _GATED = ast.dump(ast.parse("self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))", mode="eval").body)
 
