@@ -173,6 +173,23 @@ def load_row_scale_chunk(sa_ptrs, stride_sak, kb, k_end, row_ok):
 
 
 @triton.jit
+def first_row_scale_chunks(sa_ptrs, stride_sak, k_first, k_end, row_ok):
+    """The chunks a loop starting at k-block ``k_first`` begins with: its first and the next."""
+    return (load_row_scale_chunk(sa_ptrs, stride_sak, k_first, k_end, row_ok),
+            load_row_scale_chunk(sa_ptrs, stride_sak, k_first + SCALE_CHUNK, k_end, row_ok))
+
+
+@triton.jit
+def next_row_scale_chunks(chunk, ahead, step, sa_ptrs, stride_sak, kb, k_end, row_ok):
+    """The chunks after k-block ``kb`` (column ``step`` of ``chunk``): unchanged within a chunk; past
+    its last column the chunk ahead, already loaded, and a load of the one after it."""
+    if step == SCALE_CHUNK - 1:
+        chunk = ahead
+        ahead = load_row_scale_chunk(sa_ptrs, stride_sak, kb + 1 + SCALE_CHUNK, k_end, row_ok)
+    return chunk, ahead
+
+
+@triton.jit
 def chunk_step(kb, k_first):
     """k-block kb's column in its chunk, the chunks counted from k-block k_first (>= 0 apart)."""
     j = kb - k_first

@@ -26,8 +26,8 @@ import triton.language as tl
 from .. import device, tma, tuning
 from ..configs import TritonGemmConfig
 from ..plan import GemmArgs, Plan, Scaling, Variant
-from .common import (SCALE_CHUNK, SCALES_AHEAD_MIN_ROWS, block_scaled_add, chunk_step, first_row_in_bounds,
-                     grouped_tile, let_next_kernel_launch, load_block_scales, load_row_scale_chunk, load_weight_scales,
+from .common import (SCALES_AHEAD_MIN_ROWS, block_scaled_add, chunk_step, first_row_in_bounds, first_row_scale_chunks,
+                     grouped_tile, let_next_kernel_launch, load_block_scales, load_weight_scales, next_row_scale_chunks,
                      row_scales_in, wait_for_previous_kernel)
 from .host import GEMM_OPERANDS, descriptor
 from .launch import KernelCall, aot_spec as _aot_spec, direct_launch, pdl
@@ -85,8 +85,7 @@ def blockscaled_gemm_kernel(
     # and the weight scales a step ahead.
     SCALES_AHEAD: tl.constexpr = BLOCK_M >= SCALES_AHEAD_MIN_ROWS
     if SCALE_A_CHUNKS:
-        sa_chunk = load_row_scale_chunk(sa_ptrs, stride_sak, 0, k_blocks, sa_mask)
-        sa_next = load_row_scale_chunk(sa_ptrs, stride_sak, SCALE_CHUNK, k_blocks, sa_mask)
+        sa_chunk, sa_next = first_row_scale_chunks(sa_ptrs, stride_sak, 0, k_blocks, sa_mask)
         sb = load_weight_scales(sb_ptrs, stride_sbk, 0, sb_mask, B_PER_CHANNEL, BLOCK_N)
     elif SCALES_AHEAD:
         sa, sb = load_block_scales(sa_ptrs, sb_ptrs, stride_sak, stride_sbk, 0, sa_mask, sb_mask, B_PER_CHANNEL,
@@ -113,9 +112,8 @@ def blockscaled_gemm_kernel(
         if SCALE_A_CHUNKS:
             sb = load_weight_scales(sb_ptrs, stride_sbk, tl.minimum(kb + 1, k_blocks - 1), sb_mask, B_PER_CHANNEL,
                                     BLOCK_N)
-            if step == SCALE_CHUNK - 1:  # the next chunk is in; load the one after it
-                sa_chunk = sa_next
-                sa_next = load_row_scale_chunk(sa_ptrs, stride_sak, kb + 1 + SCALE_CHUNK, k_blocks, sa_mask)
+            sa_chunk, sa_next = next_row_scale_chunks(sa_chunk, sa_next, step, sa_ptrs, stride_sak, kb, k_blocks,
+                                                      sa_mask)
         elif SCALES_AHEAD:  # the next k-block's (this one's again after the last)
             sa, sb = load_block_scales(sa_ptrs, sb_ptrs, stride_sak, stride_sbk, tl.minimum(kb + 1, k_blocks - 1),
                                        sa_mask, sb_mask, B_PER_CHANNEL, BLOCK_N)

@@ -45,8 +45,8 @@ from .. import device, tma
 from ..configs import TritonGemmConfig
 from ..grouped import GroupedArgs, GroupLayout, GroupScaling
 from ..plan import Plan
-from .common import (SCALE_CHUNK, SCALES_AHEAD_MIN_ROWS, block_scaled_add, chunk_step, grouped_tile,
-                     let_next_kernel_launch, load_block_scales, load_row_scale_chunk, load_weight_scales, mma,
+from .common import (SCALES_AHEAD_MIN_ROWS, block_scaled_add, chunk_step, first_row_scale_chunks, grouped_tile,
+                     let_next_kernel_launch, load_block_scales, load_weight_scales, mma, next_row_scale_chunks,
                      row_scales_in, wait_for_previous_kernel)
 from .launch import A, B, BIAS, OUT, PARTIALS, SCALE_A, SCALE_B, KernelCall, aot_spec as _aot_spec, direct_launch, pdl
 
@@ -179,8 +179,7 @@ def grouped_gemm_kernel(
                 # the weight scales a step ahead.
                 SCALES_AHEAD: tl.constexpr = BLOCK_M >= SCALES_AHEAD_MIN_ROWS
                 if SCALE_A_CHUNKS:
-                    sa_chunk = load_row_scale_chunk(sa_ptrs, stride_sak, 0, k_blocks, row_ok)
-                    sa_next = load_row_scale_chunk(sa_ptrs, stride_sak, SCALE_CHUNK, k_blocks, row_ok)
+                    sa_chunk, sa_next = first_row_scale_chunks(sa_ptrs, stride_sak, 0, k_blocks, row_ok)
                     sb = load_weight_scales(sb_ptrs, stride_sbk, 0, col_ok, B_PER_CHANNEL, BLOCK_N)
                 elif SCALES_AHEAD:
                     sa, sb = load_block_scales(sa_ptrs, sb_ptrs, stride_sak, stride_sbk, 0, row_ok, col_ok,
@@ -199,9 +198,8 @@ def grouped_gemm_kernel(
                     if SCALE_A_CHUNKS:
                         sb = load_weight_scales(sb_ptrs, stride_sbk, tl.minimum(kb + 1, k_blocks - 1), col_ok,
                                                 B_PER_CHANNEL, BLOCK_N)
-                        if step == SCALE_CHUNK - 1:  # the next chunk is in; load the one after it
-                            sa_chunk = sa_next
-                            sa_next = load_row_scale_chunk(sa_ptrs, stride_sak, kb + 1 + SCALE_CHUNK, k_blocks, row_ok)
+                        sa_chunk, sa_next = next_row_scale_chunks(sa_chunk, sa_next, step, sa_ptrs, stride_sak, kb,
+                                                                  k_blocks, row_ok)
                     elif SCALES_AHEAD:  # the next k-block's (this one's again after the last)
                         sa, sb = load_block_scales(sa_ptrs, sb_ptrs, stride_sak, stride_sbk,
                                                    tl.minimum(kb + 1, k_blocks - 1), row_ok, col_ok, B_PER_CHANNEL,

@@ -34,8 +34,8 @@ import triton.language as tl
 from .. import device, tma, workspace
 from ..plan import GemmArgs, Plan, Scaling, Variant, block_tiling
 from . import matmul_blockscaled as blockscaled
-from .common import (SCALE_CHUNK, SCALES_AHEAD_MIN_ROWS, block_scaled_add, let_next_kernel_launch, load_block_scales,
-                     chunk_step, load_row_scale_chunk, load_weight_scales, mma, row_scales_in,
+from .common import (SCALES_AHEAD_MIN_ROWS, block_scaled_add, chunk_step, first_row_scale_chunks, let_next_kernel_launch,
+                     load_block_scales, load_weight_scales, mma, next_row_scale_chunks, row_scales_in,
                      scale_bias_epilogue, wait_for_previous_kernel)
 from .host import descriptor
 from .launch import A, B, BIAS, COUNTERS, OUT, PARTIALS, SCALE_A, SCALE_B, KernelCall, direct_launch, pdl
@@ -257,8 +257,7 @@ def _splitk_kernel(
     SCALES_AHEAD: tl.constexpr = BLOCK_M >= SCALES_AHEAD_MIN_ROWS
     if BLOCK_SCALED:
         if SCALE_A_CHUNKS:
-            sa_chunk = load_row_scale_chunk(sa_ptrs, stride_sak, k_lo, k_hi, offs_m < M)
-            sa_next = load_row_scale_chunk(sa_ptrs, stride_sak, k_lo + SCALE_CHUNK, k_hi, offs_m < M)
+            sa_chunk, sa_next = first_row_scale_chunks(sa_ptrs, stride_sak, k_lo, k_hi, offs_m < M)
             sb = load_weight_scales(sb_ptrs, stride_sbk, k_lo, offs_n < N, BLOCK_SCALED == 2, BLOCK_N)
         elif SCALES_AHEAD:
             sa, sb = load_block_scales(sa_ptrs, sb_ptrs, stride_sak, stride_sbk, k_lo, offs_m < M, offs_n < N,
@@ -295,9 +294,8 @@ def _splitk_kernel(
             if SCALE_A_CHUNKS:
                 sb = load_weight_scales(sb_ptrs, stride_sbk, tl.minimum(ki + 1, k_hi - 1), offs_n < N,
                                         BLOCK_SCALED == 2, BLOCK_N)
-                if step == SCALE_CHUNK - 1:  # the next chunk is in; load the one after it
-                    sa_chunk = sa_next
-                    sa_next = load_row_scale_chunk(sa_ptrs, stride_sak, ki + 1 + SCALE_CHUNK, k_hi, offs_m < M)
+                sa_chunk, sa_next = next_row_scale_chunks(sa_chunk, sa_next, step, sa_ptrs, stride_sak, ki, k_hi,
+                                                          offs_m < M)
             elif SCALES_AHEAD:  # the next k-block's (this one's again after the last)
                 sa, sb = load_block_scales(sa_ptrs, sb_ptrs, stride_sak, stride_sbk, tl.minimum(ki + 1, k_hi - 1),
                                            offs_m < M, offs_n < N, BLOCK_SCALED == 2, BLOCK_N)
