@@ -5,9 +5,9 @@ one kernel (``tmagemm.gate_up_silu_quant``), block-scaled fp8 recipe.
 Forward: quantize x per 1x128 group -> fused gate/up (fp8 h and its 1x128 scales) -> the down
 projection's block-scaled ``scaled_mm``: three launches where a chain of FP8Linear layers takes
 eight (each projection quantizes its input and multiplies; SiLU and the product are two more)
-and h never exists in 16 bits. Above FUSED_MAX_TOKENS tokens (prefill) the stacked gate/up
-weight runs as one block-scaled GEMM, then SiLU-and-multiply and a quantizer: measured faster
-there.
+and h never exists in 16 bits. Above FUSED_MAX_TOKENS tokens (larger decode batches, prefill)
+the stacked gate/up weight runs as one block-scaled GEMM, then SiLU-and-multiply and a quantizer:
+measured faster there.
 
 Checkpoint layout: the module keeps the Hugging Face names. ``gate_proj`` and ``up_proj`` stay
 ``FP8Linear`` children whose ``weight`` / ``weight_scale_inv`` buffers are views of the two
