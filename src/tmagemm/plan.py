@@ -407,9 +407,10 @@ def preference(args: GemmArgs) -> tuple[str, ...]:
       persistent one.
     - block-scaled fp8 (1x128 x 128x128 or per-row 1x128): the native decode kernel at decode M
       (:func:`_decode_first`, up to 8 tokens, 16 on GPUs with slow memory); split-K where
-      :func:`_block_splitk_first` (it splits K in 3 or more, or at M <= BLOCK_SWAP_MAX_M the
-      weight alone fills the SMs), then the native block-scaled kernel, or the Triton one first at
-      M <= BLOCK_ONE_ROW_M, and at M <= BLOCK_SMALL_M on weights with N <= BLOCK_SMALL_N.
+      :func:`_block_splitk_first` (K in 3 or more slices; in 2 on the swapped tiles, or where
+      the 64-token tiles cover under half the SMs; or at M <= BLOCK_SWAP_MAX_M the weight alone
+      fills the SMs), then the native block-scaled kernel, or the Triton one first at M <=
+      BLOCK_ONE_ROW_M, and at M <= BLOCK_SMALL_M on weights with N <= BLOCK_SMALL_N.
     """
     if args.block_scaling is not None:
         native = ("cuda.blockscaled", "triton.blockscaled")
