@@ -314,7 +314,8 @@ def _splitk_first(args: GemmArgs) -> bool:
 # 104.0 us), which stay ahead at M = 128. Decode stacks at 48 and 64 tokens: layers 4-7% faster
 # on an H100, 7-14% on an H200. At M = 32 the chained copies measured the same, but in
 # the MLP chain (quantized activations from the kernel before) 7168 x 18432 ran 20% slower on
-# the Triton tiles than split in 2: the swapped tiles keep their 2 slices.
+# the Triton tiles, whose 64-row activation box hangs half past M, than split in 2: the swapped
+# tiles keep their 2 slices.
 BLOCK_SMALL_M = 128
 BLOCK_SMALL_N = 8192
 BLOCK_ONE_ROW_M = 64
