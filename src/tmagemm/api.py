@@ -81,7 +81,7 @@ def check_runtime_device(dev: torch.device, dtype: torch.dtype) -> None:
     """Device checks that need the CUDA runtime or the environment (done at run time, not while
     tracing)."""
     if dev.type == "cuda":
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        index = device.index_of(dev)
         major, minor = device.capability(index)
         if (major, minor) != (9, 0):
             raise ValueError(

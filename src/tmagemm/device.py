@@ -14,6 +14,11 @@ SM90_SMEM_PER_BLOCK = 232448
 H100_SMS = 132
 
 
+def index_of(dev: torch.device) -> int:
+    """The CUDA device index of ``dev`` (``cuda`` without an index: the current device)."""
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
 @functools.lru_cache(maxsize=None)
 def capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
@@ -43,7 +48,7 @@ def memory_bandwidth_per_sm(dev: torch.device) -> float | None:
     the bandwidth is not reported."""
     if dev.type != "cuda":
         return None
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    index = index_of(dev)
     bandwidth = memory_bandwidth(index)
     return None if bandwidth is None else bandwidth / sm_count(index)
 
@@ -52,7 +57,7 @@ def sms_of(dev: torch.device, cpu: int = H100_SMS) -> int:
     """SM count of the device a tensor lives on; ``cpu`` for CPU tensors (the interpreter)."""
     if dev.type != "cuda":
         return cpu
-    return sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
+    return sm_count(index_of(dev))
 
 
 def on_device(dev: torch.device):
@@ -65,7 +70,7 @@ def on_device(dev: torch.device):
 
 
 def is_hopper(device: torch.device) -> bool:
-    return device.type == "cuda" and capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)
+    return device.type == "cuda" and capability(index_of(device)) == (9, 0)
 
 
 def hopper_available() -> str | None:

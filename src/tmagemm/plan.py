@@ -381,9 +381,11 @@ def _block_splitk_first(args: GemmArgs) -> bool:
     if args.m <= BLOCK_SWAP_MAX_M and -(-args.n // 64) >= sms and -(-args.k // 128) >= BLOCK_STREAM_K_BLOCKS:
         return True
     split = block_split_k(args.m, args.n, args.k, sms)
-    if args.m <= 16 or split >= 3 or (split == 2 and args.m <= BLOCK_SWAP_MAX_M):
+    if args.m <= 16 or split >= 3:
         return True
-    return split == 2 and args.m <= BLOCK_ONE_ROW_M and 2 * -(-args.n // 64) < sms
+    # Two slices: on the swapped tiles, or while one row of 64-token tiles covers under half the SMs.
+    one_row_short = args.m <= BLOCK_ONE_ROW_M and 2 * -(-args.n // 64) < sms
+    return split == 2 and (args.m <= BLOCK_SWAP_MAX_M or one_row_short)
 
 
 def preference(args: GemmArgs) -> tuple[str, ...]:

@@ -203,7 +203,7 @@ def copy_2d(x: torch.Tensor, out: torch.Tensor, config: CopyConfig = CopyConfig(
     out_map.params.validate_store()
     tiles_cols = -(-x.shape[1] // config.box_cols)
     num_tiles = tiles_cols * -(-x.shape[0] // config.box_rows)
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    index = device.index_of(x.device)
     per_sm = config.ctas_per_sm or max(1, min(8, (MAX_SMEM_BYTES + _ALIGN_SLACK) // (smem + _ALIGN_SLACK)))
     grid = min(num_tiles, device.sm_count(index) * per_sm)
     module = jit.compile(SOURCE, defines=copy_defines(size, config))

@@ -267,7 +267,10 @@ def layout_of(args: GemmArgs) -> Layout | str:
 def scale_a_in_chunks(scale_a: torch.Tensor) -> bool:
     """Whether the block kernels load a's 1x128 scales in chunks of k-blocks
     (``common.load_row_scale_chunk``): scales contiguous along M (PyTorch's outer-dim-major and
-    DeepGEMM's layout) with more than one row and k-block. Row-major ones keep per-step loads."""
+    DeepGEMM's layout) with more than one row and k-block. Row-major ones keep per-step loads.
+    Any k-stride: even at M = 16 (k-blocks 16 floats apart) chunks ran 0.94x of row-major speed
+    against 0.88x per step (H200, BENCHMARKS.md); the grouped kernel, whose masked groups measured
+    otherwise, has its own bound (``matmul_grouped.CHUNK_MIN_K_STRIDE``)."""
     return min(scale_a.shape) > 1 and tma.contiguous_dim(scale_a) == 0
 
 
