@@ -13,7 +13,7 @@ import torch
 from gemm_ref import FP8, assert_close, poisoned
 
 import tmagemm
-from tmagemm import device
+from tmagemm import device, tma
 from tmagemm import plan as plan_layer
 from tmagemm.configs import TritonGemmConfig
 from tmagemm.plan import GemmArgs, Scaling
@@ -298,6 +298,33 @@ def test_quantizer_matches_torch(which, in_dtype, pow2, shape, seeded):
     assert worst <= 0, f"round trip off by {worst:.3g} beyond the bound"
 
 
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("shape", [(1, 1), (17, 200), (130, 384), (727, 300)])
+def test_quantizer_m_major_scales(shape, pow2, seeded):
+    """scale_layout="m-major": the row-major quantizer's values, the scales contiguous along M with
+    the column stride M rounded up to 4, in a buffer ending at the last scale: a layout a tensor
+    map describes (what the native kernel loads by TMA)."""
+    x = torch.randn(*shape, device=DEVICE) * torch.logspace(-2, 2, shape[1], device=DEVICE)
+    q, scale = tmagemm.quantize_fp8(x, "1x128", scale_layout="m-major", pow2_scale=pow2)
+    q_ref, scale_ref, _ = quantize_reference(x, 1, pow2=pow2)
+    m, kb = scale_ref.shape
+    assert scale.shape == (m, kb) and scale.stride() == (1, -(-m // 4) * 4)
+    assert scale.untyped_storage().nbytes() == 4 * ((kb - 1) * scale.stride(1) + m)
+    assert tma.map_reason(scale, "scale_a", (1, 0), address=False) is None
+    assert torch.equal(scale.cpu(), scale_ref) and torch.equal(q.float().cpu(), q_ref.float())
+
+
+def test_quantizer_scale_layout_refusals():
+    x = torch.randn(4, 256, device=DEVICE)
+    with pytest.raises(ValueError, match="scale_layout must be one of 'row-major', 'm-major', got 'col'"):
+        tmagemm.quantize_fp8(x, "1x128", scale_layout="col")
+    for granularity in ("tensor", "row", "128x128"):
+        with pytest.raises(ValueError, match=f"applies to granularity '1x128'.*got '{granularity}'"):
+            tmagemm.quantize_fp8(x, granularity, scale_layout="m-major")
+    q, scale = tmagemm.quantize_fp8(x[:0], "1x128", scale_layout="m-major")
+    assert q.shape == (0, 256) and scale.shape == (0, 2)
+
+
 @pytest.mark.parametrize("which", list(QUANTIZERS))
 def test_quantizer_e5m2(which, seeded):
     fn, rows_per = QUANTIZERS[which]
@@ -401,6 +428,25 @@ def test_gpu_every_config(config, seeded):
     out = poisoned((m, n), torch.bfloat16, "cuda")
     run(GemmArgs(a, w.t(), out, sa, sb, None, False, BLOCK_128), config)
     assert_close(out, block_reference(a, w, sa, sb, BLOCK_128), WGMMA_TOL[torch.bfloat16], str(config))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(129, 2112, 7168), (727, 577, 7000), (1100, 2112, 576), (4096, 4096, 1024)])
+def test_gpu_m_major_activation_scales(m, n, k, seeded):
+    """The quantizers' m-major activation scales (what tmagemm.nn passes above 128 rows, loaded by
+    TMA where the native kernel can) give the float64 block reference, and the very output of
+    the same values as row-major scales."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    a, sa = tmagemm.quantize_fp8(x, "1x128", scale_layout="m-major")
+    wq, sb = tmagemm.quantize_fp8(w, "128x128")
+    assert sa.stride() == (1, -(-m // 4) * 4)
+    out = poisoned((m, n), torch.bfloat16, "cuda")
+    tmagemm.scaled_mm(a, wq.t(), sa, sb, out=out)
+    row_major = poisoned((m, n), torch.bfloat16, "cuda")
+    tmagemm.scaled_mm(a, wq.t(), sa.contiguous(), sb, out=row_major)
+    assert_close(out, block_reference(a, wq, sa, sb, BLOCK_128), WGMMA_TOL[torch.bfloat16], f"{m}x{n}x{k}")
+    assert torch.equal(out, row_major)
 
 
 @pytest.mark.gpu

@@ -55,6 +55,33 @@ def test_kernel_matches_the_norm_and_the_layers_quantizer(rows, hidden, recipe, 
     q_want, s_want = quantize_fp8(y, recipe, check_finite=False)
     assert fp8_equal(q, q_want) and torch.equal(scale, s_want)
     assert scale.shape == ((rows, -(-hidden // 128)) if recipe == "1x128" else (rows, 1))
+    if recipe == "1x128":  # the same values with the scales contiguous along M
+        _, q_m, scale_m = rms_norm_quantize(x, weight, 1e-5, recipe, m_major=True)
+        assert scale_m.stride() == (1, -(-rows // 4) * 4) and torch.equal(scale_m, scale) and fp8_equal(q_m, q)
+
+
+@pytest.mark.parametrize("recipe", ["block", "row"])
+@pytest.mark.parametrize("rows", [17, 128, 129, 200])
+def test_layers_activation_scales_are_m_major_past_decode_sizes(rows, recipe, seeded):
+    """The layers' quantizer ops give block scales contiguous along M above 128 rows (what the
+    native kernel loads by TMA) and row-major ones up to 128; their fake implementations (meta
+    tensors, torch.compile's tracing) say the same shapes and strides; the values are the
+    row-major quantizer's."""
+    x = torch.randn(rows, 384, device=DEVICE, dtype=HALF) * 2
+    w = torch.rand(384, device=DEVICE, dtype=HALF) + 0.5
+    m_major = recipe == "block" and rows > 128
+    want_stride = (1, -(-rows // 4) * 4) if m_major else ((3, 1) if recipe == "block" else (1, 1))
+    granularity = "1x128" if recipe == "block" else recipe
+    q, scale = torch.ops.tmagemm_nn.quantize_activation(x, recipe)
+    q_want, s_want = quantize_fp8(x, granularity, check_finite=False)
+    assert scale.stride() == want_stride and torch.equal(scale, s_want) and fp8_equal(q, q_want)
+    fake = torch.ops.tmagemm_nn.quantize_activation(x.to("meta"), recipe)
+    assert [(t.shape, t.stride(), t.dtype) for t in fake] == [(t.shape, t.stride(), t.dtype) for t in (q, scale)]
+    y, q, scale = torch.ops.tmagemm_nn.rms_norm_quantize_activation(x, w, 1e-6, recipe)
+    q_want, s_want = quantize_fp8(y, granularity, check_finite=False)
+    assert scale.stride() == want_stride and torch.equal(scale, s_want) and fp8_equal(q, q_want)
+    fake = torch.ops.tmagemm_nn.rms_norm_quantize_activation(x.to("meta"), w.to("meta"), 1e-6, recipe)
+    assert [(t.shape, t.stride(), t.dtype) for t in fake] == [(t.shape, t.stride(), t.dtype) for t in (y, q, scale)]
 
 
 def test_kernel_edges_and_refusals():
@@ -72,6 +99,7 @@ def test_kernel_edges_and_refusals():
         ((x.t(), torch.ones(4, device=DEVICE, dtype=HALF), 1e-6), ValueError, "contiguous last dimension"),
         ((x, w, -1.0), ValueError, "eps must be"),
         ((x, w, 1e-6, "tensor"), ValueError, "recipe must be one of"),
+        ((x, w, 1e-6, "row", FP8, True), ValueError, "m_major applies to the '1x128' recipe"),
         ((torch.zeros(1, MAX_HIDDEN + 16, device=DEVICE), torch.zeros(MAX_HIDDEN + 16, device=DEVICE), 1e-6),
          ValueError, "hidden size"),
     ]
@@ -144,7 +172,7 @@ def count_quantizers(monkeypatch):
 
 @pytest.mark.parametrize("fusions", [{}, {"fuse_qkv": True}, {"fuse_qkv": True, "fuse_gate_up": True}])
 @pytest.mark.parametrize("recipe", ["block", "row"])
-@pytest.mark.parametrize("lead", [(1,), (17,), (2, 9), (0,)])
+@pytest.mark.parametrize("lead", [(1,), (17,), (2, 9), (0,), (2, 75)])
 def test_linked_layers_take_the_norms_quantization(lead, recipe, fusions, seeded, count_quantizers):
     """Both norms become FP8RMSNorm linked to what they feed; the layers quantize nothing
     themselves (unfused MLP: only down_proj's input), and the block gives the layers-converted

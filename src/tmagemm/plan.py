@@ -321,6 +321,17 @@ BLOCK_SMALL_N = 8192
 BLOCK_ONE_ROW_M = 64
 
 
+# The layout of the 1x128 activation scales the library's own quantizers write for a block-scaled
+# GEMM (tmagemm.nn): contiguous along M (tma.aligned_empty) above BLOCK_SMALL_M rows, where the
+# native kernel runs and its producer loads such scales by TMA with the operands (H100, 11
+# checkpoint shapes, auto: 0.999x row-major's speed at M = 192, 1.004x at 256, 1.022-1.035x at
+# 512-4096, outputs bit for bit the same; BENCHMARKS.md); row-major at fewer rows, where the
+# split-K and Triton tiles read a k-block's scales across the tile's tokens (0.89x at M = 16-128
+# with M-contiguous scales before those kernels loaded them in chunks, 0.95-0.99x since).
+def activation_scales_m_major(m: int) -> bool:
+    return m > BLOCK_SMALL_M
+
+
 # Block-scaled split-K tiles: up to BLOCK_SWAP_MAX_M tokens (rounded up to a power of two >= 16)
 # sit in WGMMA's N slot (swap-AB); from there 64-token tiles keep them in the M slot, where each
 # thread promotes 2 token rows per k-block instead of loading 16 column scales strided by

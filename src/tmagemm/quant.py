@@ -10,6 +10,7 @@ _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 _GRANULARITIES = ("tensor", "row", "1x128", "128x128")
+_SCALE_LAYOUTS = ("row-major", "m-major")
 
 
 def quantize_fp8(
@@ -19,6 +20,7 @@ def quantize_fp8(
     *,
     pow2_scale: bool = False,
     check_finite: bool = True,
+    scale_layout: str = "row-major",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D float tensor to FP8 with an fp32 dequantization scale (x ~= x_fp8 * scale).
 
@@ -35,6 +37,12 @@ def quantize_fp8(
     as ``b`` and ``w_scale.t()`` ((1, N), row) or ``w_scale`` itself (block) as ``scale_b``.
     An all-zero tensor (row, group) gets the smallest positive scale, so it quantizes to zeros.
     pow2_scale (block granularities): scales rounded up to powers of two (UE8M0).
+    scale_layout ("1x128"): "row-major" (the default), or "m-major": contiguous along M, the
+    column stride M rounded up to 4 (16 bytes). That is DeepGEMM's TMA-aligned layout and, where
+    M is a multiple of 4, the outer-dim-major one PyTorch's ``F.scaled_mm`` takes. The native
+    block-scaled kernel loads it by TMA: from M = 512 the GEMM ran 2-3.5% faster in geomean than
+    with row-major scales (up to 9%), level at M = 192-256 (H100, BENCHMARKS.md); at 128 rows
+    and fewer row-major scales are faster (``tmagemm.nn`` switches at that size).
 
     Raises ValueError when ``x`` holds Inf or NaN: no finite scale represents it, and quantizing
     anyway would give an infinite scale and silently zero the tensor (or row). The message names
@@ -52,11 +60,20 @@ def quantize_fp8(
         raise TypeError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
     if granularity not in _GRANULARITIES:
         raise ValueError(f"granularity must be one of {', '.join(repr(g) for g in _GRANULARITIES)}, got {granularity!r}")
-    if granularity in ("1x128", "128x128"):
-        from .triton.quantize import quantize_1x128, quantize_128x128
+    if scale_layout not in _SCALE_LAYOUTS:
+        raise ValueError(f"scale_layout must be one of {', '.join(repr(s) for s in _SCALE_LAYOUTS)}, got {scale_layout!r}")
+    if scale_layout != "row-major" and granularity != "1x128":
+        raise ValueError(f"scale_layout={scale_layout!r} applies to granularity '1x128' (activations), "
+                         f"got {granularity!r}")
+    if granularity == "1x128":
+        from .triton.quantize import quantize_1x128
 
-        block = quantize_1x128 if granularity == "1x128" else quantize_128x128
-        return block(x, dtype, pow2_scale=pow2_scale, check_finite=check_finite)
+        return quantize_1x128(x, dtype, pow2_scale=pow2_scale, check_finite=check_finite,
+                              m_major=scale_layout == "m-major")
+    if granularity == "128x128":
+        from .triton.quantize import quantize_128x128
+
+        return quantize_128x128(x, dtype, pow2_scale=pow2_scale, check_finite=check_finite)
     if pow2_scale:
         raise ValueError("pow2_scale applies to the block granularities ('1x128', '128x128')")
     if granularity == "row" and (x.is_cuda or interpret()):

@@ -466,18 +466,26 @@ def map_reason(t: torch.Tensor, name: str, dims: Sequence[int], address: bool = 
     return None
 
 
+def aligned_empty(shape: Sequence[int], inner: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """An empty 2-D tensor in a layout a tensor map describes: contiguous along dimension
+    ``inner``, the other stride rounded up to 16 bytes, its storage ending at the last element.
+    With ``inner=0`` this is the layout of 1x128 activation scales that DeepGEMM's
+    ``get_mn_major_tma_aligned_tensor`` gives and PyTorch's ``F.scaled_mm`` takes (where M is a
+    multiple of 4): the persistent kernel loads them by TMA (``cuda.gemm.block_scale_maps``)."""
+    if len(shape) != 2 or inner not in (0, 1):
+        raise ValueError(f"aligned_empty takes a 2-D shape and inner 0 or 1, got shape {tuple(shape)}, inner {inner}")
+    per_16b = ALIGN // torch.empty((), dtype=dtype).element_size()
+    lead = -(-shape[inner] // per_16b) * per_16b
+    return torch.empty_strided(tuple(shape), (lead, 1) if inner == 1 else (1, lead), dtype=dtype, device=device)
+
+
 def aligned_copy(t: torch.Tensor, inner: int) -> torch.Tensor:
-    """2-D ``t``'s values in a layout a tensor map describes: contiguous along dimension ``inner``,
-    the other stride rounded up to 16 bytes, in a buffer that ends at the last element (the
-    layout DeepGEMM's ``get_mn_major_tma_aligned_tensor`` gives scales, with ``inner=0``). Block
-    scales laid out so (a's along M, the weight's along K) reach the persistent kernel's loads
+    """2-D ``t``'s values in :func:`aligned_empty`'s layout. Block scales laid out so (a's along
+    M with ``inner=0``, the weight's along K with ``inner=1``) reach the persistent kernel's loads
     by TMA (``cuda.gemm.block_scale_maps``)."""
     if t.dim() != 2 or inner not in (0, 1):
         raise ValueError(f"aligned_copy takes a 2-D tensor and inner 0 or 1, got shape {tuple(t.shape)}, inner {inner}")
-    per_16b = ALIGN // t.element_size()
-    lead = -(-t.shape[inner] // per_16b) * per_16b
-    flat = torch.empty(max(0, (t.shape[1 - inner] - 1) * lead + t.shape[inner]), dtype=t.dtype, device=t.device)
-    view = flat.as_strided(tuple(t.shape), (lead, 1) if inner == 1 else (1, lead))
+    view = aligned_empty(t.shape, inner, t.dtype, t.device)
     view.copy_(t)
     return view
 

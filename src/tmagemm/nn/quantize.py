@@ -11,10 +11,12 @@ Recipes (the ``recipe`` of :class:`~tmagemm.nn.FP8Linear`):
 =========  ======================================  ==================================
 recipe     activation x (M, K)                     weight w (N, K) (``weight_scale_inv``)
 =========  ======================================  ==================================
-"block"    1x128 groups: scale (M, ceil(K/128))     128x128 blocks: (ceil(N/128), ceil(K/128))
+"block"    1x128 groups: scale (M, ceil(K/128)) +   128x128 blocks: (ceil(N/128), ceil(K/128))
 "row"      one scale per token: (M, 1)              one per output channel: (N, 1)
 "tensor"   one scale for the whole x: (1, 1)        one scale: (1,)
 =========  ======================================  ==================================
+
++ row-major up to 128 tokens, contiguous along M above (``plan.activation_scales_m_major``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from __future__ import annotations
 import torch
 
 from .. import envs
+from ..plan import activation_scales_m_major
 from ..quant import quantize_fp8
+from ..tma import aligned_empty
 from ..triton.norm_quantize import rms_norm_quantize
 from ..triton.quantize import SCALE_BLOCK, quantize_128x128
 
@@ -53,6 +57,20 @@ def activation_scale_shape(recipe: str, m: int, k: int) -> tuple[int, int]:
     return (m, 1) if recipe == "row" else (1, 1)
 
 
+def _m_major(recipe: str, m: int) -> bool:
+    """Whether the activation's scales are laid out contiguous along M (the block recipe past
+    decode sizes: what the native kernel loads by TMA, ``plan.activation_scales_m_major``)."""
+    return recipe == "block" and activation_scales_m_major(m)
+
+
+def _empty_scale(x: torch.Tensor, recipe: str, m: int, k: int) -> torch.Tensor:
+    """The fake implementations' scale: the shape and layout the quantizers give."""
+    shape = activation_scale_shape(recipe, m, k)
+    if _m_major(recipe, m):
+        return aligned_empty(shape, 0, torch.float32, x.device)
+    return x.new_empty(shape, dtype=torch.float32)
+
+
 # ------------------------------------------------------------------------------- activations
 
 
@@ -66,17 +84,19 @@ def _check_device(x: torch.Tensor, what: str) -> None:
 @torch.library.custom_op("tmagemm_nn::quantize_activation", mutates_args=())
 def quantize_activation(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x_fp8, scale)`` of a 2-D activation with a contiguous last dimension and K % 16 == 0
-    (so x_fp8 is contiguous, as the fake implementation says)."""
+    (so x_fp8 is contiguous, as the fake implementation says). Block scales are contiguous along
+    M past decode sizes (``plan.activation_scales_m_major``), row-major otherwise."""
     _check_device(x, "FP8Linear")
     # No Inf/NaN read-back per forward pass (a host sync on every layer): a non-finite activation
     # shows as an Inf scale in its group and propagates to the output, as in other engines.
-    return quantize_fp8(x, "1x128" if recipe == "block" else recipe, check_finite=False)
+    layout = "m-major" if _m_major(recipe, x.shape[0]) else "row-major"
+    return quantize_fp8(x, "1x128" if recipe == "block" else recipe, check_finite=False, scale_layout=layout)
 
 
 @quantize_activation.register_fake
 def _(x, recipe):
     m, k = x.shape
-    return x.new_empty((m, k), dtype=FP8), x.new_empty(activation_scale_shape(recipe, m, k), dtype=torch.float32)
+    return x.new_empty((m, k), dtype=FP8), _empty_scale(x, recipe, m, k)
 
 
 @torch.library.custom_op("tmagemm_nn::rms_norm_quantize_activation", mutates_args=())
@@ -87,14 +107,15 @@ def rms_norm_quantize_activation(x: torch.Tensor, weight: torch.Tensor, eps: flo
     :func:`quantize_activation` would quantize it, in one kernel
     (:func:`tmagemm.triton.norm_quantize.rms_norm_quantize`)."""
     _check_device(x, "FP8RMSNorm")
-    return rms_norm_quantize(x, weight, eps, "1x128" if recipe == "block" else recipe)
+    return rms_norm_quantize(x, weight, eps, "1x128" if recipe == "block" else recipe,
+                             m_major=_m_major(recipe, x.shape[0]))
 
 
 @rms_norm_quantize_activation.register_fake
 def _(x, weight, eps, recipe):
     m, k = x.shape
     return (x.new_empty((m, k), dtype=torch.promote_types(weight.dtype, x.dtype)), x.new_empty((m, k), dtype=FP8),
-            x.new_empty(activation_scale_shape(recipe, m, k), dtype=torch.float32))
+            _empty_scale(x, recipe, m, k))
 
 
 # ----------------------------------------------------------------------------------- weights

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ..device import on_device
+from ..tma import aligned_empty
 from .common import let_next_kernel_launch, wait_for_previous_kernel
 from .launch import pdl
 from .quantize import IN_DTYPES, SCALE_BLOCK, check_input, fp8_grid, fp8_rows, quantize_row_groups
@@ -36,7 +37,7 @@ def valid_eps(eps) -> bool:
 @triton.jit
 def _rms_norm_quantize_kernel(
     x_ptr, w_ptr, y_ptr, q_ptr, s_ptr,
-    H, stride_x, stride_y, stride_q, stride_s, eps,
+    H, stride_x, stride_y, stride_q, stride_s, stride_sk, eps,
     FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, F32_TINY: tl.constexpr,
     BLOCK_H: tl.constexpr, PER_GROUP: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -63,15 +64,16 @@ def _rms_norm_quantize_kernel(
     q, scale = quantize_row_groups(tl.reshape(y.to(tl.float32), (BLOCK_H // GROUP, GROUP)),
                                    FP8_MAX, MANT_BITS, MIN_EXP, F32_TINY, False)
     group = tl.arange(0, BLOCK_H // GROUP)
-    tl.store(s_ptr + row * stride_s + group, scale, mask=group * GROUP < H)
+    tl.store(s_ptr + row * stride_s + group * stride_sk, scale, mask=group * GROUP < H)
     tl.store(q_ptr + row * stride_q + cols, tl.reshape(q, (BLOCK_H,)).to(q_ptr.dtype.element_ty), mask=valid)
 
 
 def rms_norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float, recipe: str = "1x128",
-                      dtype: torch.dtype = torch.float8_e4m3fn):
+                      dtype: torch.dtype = torch.float8_e4m3fn, m_major: bool = False):
     """``(y, y_fp8, scale)``: transformers' RMSNorm of ``x`` (M, H) with ``weight`` (H,) and
     ``eps``, and y quantized per ``recipe`` ("1x128": scale (M, ceil(H/128)); "row": (M, 1)), as
-    ``quantize_fp8(y, recipe)`` would, in one kernel.
+    ``quantize_fp8(y, recipe)`` would, in one kernel. ``m_major`` ("1x128" only): the scales
+    contiguous along M, as ``quantize_fp8(y, "1x128", scale_layout="m-major")`` lays them out.
 
     x: float16/bfloat16/float32, 2-D, contiguous last dimension; weight: one of those dtypes,
     on x's device; y has dtype ``torch.promote_types(weight.dtype, x.dtype)``. y_fp8's row stride
@@ -83,14 +85,19 @@ def rms_norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float, recipe:
     y = torch.empty(rows, h, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     q = fp8_rows(rows, h, dtype, x.device)
     per_group = recipe == "1x128"
-    scale = torch.empty(rows, -(-h // SCALE_BLOCK) if per_group else 1, dtype=torch.float32, device=x.device)
+    if m_major and not per_group:
+        raise ValueError(f"rms_norm_quantize: m_major applies to the '1x128' recipe, got recipe {recipe!r}")
+    if m_major:
+        scale = aligned_empty((rows, -(-h // SCALE_BLOCK)), 0, torch.float32, x.device)
+    else:
+        scale = torch.empty(rows, -(-h // SCALE_BLOCK) if per_group else 1, dtype=torch.float32, device=x.device)
     if rows == 0:
         return y, q, scale
     block_h = max(SCALE_BLOCK, triton.next_power_of_2(h))
     use_pdl = pdl(q)
     with on_device(x.device):  # Triton launches on the current GPU: make it x's
         _rms_norm_quantize_kernel[(rows,)](
-            x, weight, y, q, scale, h, x.stride(0), y.stride(0), q.stride(0), scale.stride(0), float(eps),
+            x, weight, y, q, scale, h, x.stride(0), y.stride(0), q.stride(0), scale.stride(0), scale.stride(1), float(eps),
             **fp8_grid(dtype), BLOCK_H=block_h, PER_GROUP=per_group, PDL=use_pdl,
             # 8-32 fp32 values per thread for the rows of today's models (H = 2048-8192).
             num_warps=min(16, max(4, block_h // 512)), **({"launch_pdl": True} if use_pdl else {}),

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ..device import on_device
+from ..tma import aligned_empty
 from .common import let_next_kernel_launch, wait_for_previous_kernel
 from .launch import pdl
 
@@ -111,14 +112,14 @@ def fp8_grid(dtype: torch.dtype = torch.float8_e4m3fn) -> dict:
 @triton.jit
 def _block_quantize_kernel(
     x_ptr, q_ptr, s_ptr,
-    R, K, stride_x, stride_q, stride_s,
+    R, K, stride_x, stride_q, stride_s, stride_sk,
     FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, F32_TINY: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PER_ROW: tl.constexpr, POW2: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: BLOCK_R rows x one BLOCK_K-wide column group of x.
 
-    PER_ROW: one scale per row of the tile (1x128 groups, s[r, kb]); otherwise one scale for the
-    whole tile (BLOCK_R = 128: a 128x128 block, s[rb, kb]).
+    PER_ROW: one scale per row of the tile (1x128 groups, s[r, kb] at r * stride_s + kb *
+    stride_sk); otherwise one scale for the whole tile (BLOCK_R = 128: a 128x128 block, s[rb, kb]).
     """
     # PDL: x typically comes from the kernel before.
     wait_for_previous_kernel(PDL)
@@ -142,9 +143,9 @@ def _block_quantize_kernel(
         q = _fp8_values(x, scale, FP8_MAX, MANT_BITS, MIN_EXP)
     tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
     if PER_ROW:
-        tl.store(s_ptr + rows * stride_s + kb, scale, mask=rows < R)
+        tl.store(s_ptr + rows * stride_s + kb * stride_sk, scale, mask=rows < R)
     else:
-        tl.store(s_ptr + pid_r * stride_s + kb, scale)
+        tl.store(s_ptr + pid_r * stride_s + kb * stride_sk, scale)
 
 
 @triton.jit
@@ -229,7 +230,8 @@ def check_input(x: torch.Tensor, dtype: torch.dtype, name: str, fn: str) -> None
                          f"(stride {tuple(x.stride())}); pass {name}.contiguous()")
 
 
-def _quantize(x, dtype, pow2_scale, per_row: bool, fn: str, name: str, check_finite: bool = True):
+def _quantize(x, dtype, pow2_scale, per_row: bool, fn: str, name: str, check_finite: bool = True,
+              m_major: bool = False):
     check_input(x, dtype, name, fn)
     rows, k = x.shape
     kb = triton.cdiv(k, SCALE_BLOCK)
@@ -239,14 +241,17 @@ def _quantize(x, dtype, pow2_scale, per_row: bool, fn: str, name: str, check_fin
     # The interpreter (CPU tensors) runs each program as numpy calls: fewer, larger ones.
     block_r = 16 if per_row and x.is_cuda else SCALE_BLOCK
     q = fp8_rows(rows, k, dtype, x.device)
-    scale = torch.empty(rows if per_row else triton.cdiv(rows, SCALE_BLOCK), kb, dtype=torch.float32, device=x.device)
+    if m_major:
+        scale = aligned_empty((rows, kb), 0, torch.float32, x.device)
+    else:
+        scale = torch.empty(rows if per_row else triton.cdiv(rows, SCALE_BLOCK), kb, dtype=torch.float32, device=x.device)
     if rows == 0 or k == 0:
         return q, scale
     grid = (triton.cdiv(rows, block_r), kb)
     use_pdl = pdl(q)
     with on_device(x.device):  # Triton launches on the current GPU: make it x's
         _block_quantize_kernel[grid](
-            x, q, scale, rows, k, x.stride(0), q.stride(0), scale.stride(0),
+            x, q, scale, rows, k, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
             **fp8_grid(dtype), BLOCK_R=block_r, BLOCK_K=SCALE_BLOCK, PER_ROW=per_row, POW2=bool(pow2_scale),
             PDL=use_pdl,
             # 4 warps hold a 16x128 tile in 16 fp32 registers per thread; the 128x128 weight tile
@@ -273,13 +278,15 @@ def _non_finite_message(x, scale, per_row: bool, fn: str, name: str) -> str:
 
 
 def quantize_1x128(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, pow2_scale: bool = False,
-                   check_finite: bool = True):
+                   check_finite: bool = True, m_major: bool = False):
     """Quantize activations ``x`` (M, K) per row per 128 columns.
 
     Returns ``(x_fp8, scale)``: x_fp8 (M, K) row-major in ``dtype`` (contiguous when K is a
     multiple of 16; otherwise its row stride is K rounded up to 16, as TMA needs); scale
-    (M, ceil(K/128)) fp32 row-major with ``x[m, k] ~= x_fp8[m, k] * scale[m, k // 128]`` (the scale_a of a
-    block-scaled GEMM). A ragged last group's amax covers only its valid columns.
+    (M, ceil(K/128)) fp32 with ``x[m, k] ~= x_fp8[m, k] * scale[m, k // 128]`` (the scale_a of a
+    block-scaled GEMM), row-major, or with ``m_major`` contiguous along M with its column stride M
+    rounded up to 4 (:func:`tmagemm.tma.aligned_empty`). A ragged last group's amax covers only
+    its valid columns.
 
     x: float16/bfloat16/float32, any row stride, contiguous last dimension (ValueError
     otherwise). pow2_scale: round scales up to powers of two. Raises ValueError when x holds Inf
@@ -287,7 +294,7 @@ def quantize_1x128(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, po
     a model's forward pass should not pay on every call (then a non-finite group gives an Inf
     scale). Never checked during CUDA-graph capture.
     """
-    return _quantize(x, dtype, pow2_scale, True, "quantize_1x128", "x", check_finite)
+    return _quantize(x, dtype, pow2_scale, True, "quantize_1x128", "x", check_finite, m_major)
 
 
 def quantize_128x128(w: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, pow2_scale: bool = False,
