@@ -90,7 +90,7 @@ def _quantizer_spec():
 
     constexprs = {**quantize.fp8_grid(), "BLOCK_R": 16, "BLOCK_K": 128, "PER_ROW": True, "POW2": False, "PDL": True}
     signature = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "R": "i32", "K": "i32", "stride_x": "i32",
-                 "stride_q": "i32", "stride_s": "i32", **{c: "constexpr" for c in constexprs}}
+                 "stride_q": "i32", "stride_s": "i32", "stride_sk": "i32", **{c: "constexpr" for c in constexprs}}
     return inspection.KernelSpec(quantize._block_quantize_kernel, signature, constexprs, 4, 3, "quantize_1x128")
 
 
