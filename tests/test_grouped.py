@@ -10,6 +10,7 @@ with torch's grouped GEMMs.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import pytest
@@ -499,6 +500,177 @@ def test_k_zero_gives_bias_rows(seeded):
 # ---------------------------------------------------------------------------------- errors
 
 
+# ------------------------------------------------------------- groups along K; autograd
+
+
+CFG_K = TritonGemmConfig(16, 16, 16, 8, 2, 4)  # the reduction form: many steps per group
+
+
+def reduce_reference(a, b, offs):
+    """float64 (E, M, N): a[:, K_g] @ b[K_g] over the documented groups (zeros when empty)."""
+    a, b = a.double().cpu(), b.double().cpu()
+    spans = bounds(offs, GroupLayout.CONTIGUOUS, a.shape[1])
+    out = torch.zeros(len(offs), a.shape[0], b.shape[1], dtype=torch.float64)
+    for g, (s_, t) in enumerate(spans):
+        out[g] = a[:, s_:t] @ b[s_:t]
+    return out
+
+
+@pytest.mark.parametrize("a_k_major", [True, False], ids=["a_k_major", "a_m_major"])
+@pytest.mark.parametrize("b_n_major", [True, False], ids=["b_n_major", "b_k_major"])
+@pytest.mark.parametrize("offs", [[13, 13, 50, 91], [0, 96, 96, 96], [40, 30, 200, 7]],
+                         ids=["ragged_and_empty", "one_group_takes_all", "decreasing_and_past_end"])
+def test_groups_along_k(offs, a_k_major, b_n_major, seeded):
+    """torch._grouped_mm's 2-D x 2-D form: out[g] = a[:, K_g] @ b[K_g] for every layout of a and
+    b, groups starting and ending inside steps (and off 16 bytes), empty groups giving zeros,
+    bad offsets clamped by the row rule. The rows no group covers hold Inf and NaN, which must
+    not reach any result."""
+    m, k, n = 24, 96, 40
+    a = torch.randn(k, m, device=DEV).to(HALF).t() if not a_k_major else torch.randn(m, k, device=DEV).to(HALF)
+    b = torch.randn(n, k, device=DEV).to(HALF).t() if not b_n_major else torch.randn(k, n, device=DEV).to(HALF)
+    spans = bounds(offs, GroupLayout.CONTIGUOUS, k)
+    uncovered = spans[-1][1]
+    if uncovered < k:
+        a[:, uncovered:] = float("nan")
+        b[uncovered:] = float("inf")
+    out = poisoned((len(offs), m, n), torch.float32)
+    args = grouped.mm_args(a, b, offs=counts_tensor(offs), out_dtype=torch.float32, out=out)
+    assert isinstance(args, grouped.ReduceArgs) and (args.a_k_major, args.b_n_major) == (a_k_major, b_n_major)
+    grouped.run(args, config=CFG_K)
+    want = reduce_reference(torch.nan_to_num(a.float(), 0.0, 0.0, 0.0), torch.nan_to_num(b.float(), 0.0, 0.0, 0.0), offs)
+    assert torch.isfinite(out).all()
+    for g, (s_, t) in enumerate(spans):
+        if t == s_:
+            assert not out[g].any(), f"empty group {g} is not zeros"
+    check(out, want, 1e-5, f"offs={offs}")
+    # The public function (heuristic config) and a 16-bit output.
+    got = grouped_mm(a, b, offs=counts_tensor(offs))
+    assert got.dtype == HALF and got.shape == (len(offs), m, n)
+    check(got, want, REL_HALF_OUT, "public")
+
+
+def test_groups_along_k_zero_sizes(seeded):
+    a, b = torch.randn(8, 32, device=DEV).to(HALF), torch.randn(32, 16, device=DEV).to(HALF)
+    offs = counts_tensor([10, 32])
+    assert not grouped_mm(a[:, :0], b[:0], offs=offs).any()  # K_total = 0: every group empty
+    assert grouped_mm(a, b, offs=offs[:0]).shape == (0, 8, 16)
+    assert grouped_mm(a[:0], b, offs=offs).shape == (2, 0, 16)
+
+
+def _grads(a, b, grad, counts, layout):
+    """float64 (d a, d b) of the per-group products; rows no group covers get zero gradient."""
+    a, b, grad = a.double().cpu(), b.double().cpu(), grad.double().cpu()
+    ga, gb = torch.zeros_like(a), torch.zeros_like(b)
+    counts = [a.shape[-2]] * b.shape[0] if counts is None else counts
+    for g, (s_, t) in enumerate(bounds(counts, layout, a.shape[-2])):
+        ag, dg = (a[s_:t], grad[s_:t]) if layout == GroupLayout.CONTIGUOUS else (a[g, s_:t], grad[g, s_:t])
+        if layout == GroupLayout.CONTIGUOUS:
+            ga[s_:t] = dg @ b[g].t()
+        else:
+            ga[g, s_:t] = dg @ b[g].t()
+        gb[g] = ag.t() @ dg
+    return ga, gb
+
+
+@pytest.mark.parametrize("layout", list(GroupLayout), ids=lambda x: x.name.lower())
+@pytest.mark.parametrize("k_major", [True, False], ids=["b_k_major", "b_n_major"])
+def test_autograd_matches_the_reference(layout, k_major, seeded):
+    """grouped_mm is differentiable: d a = grad_g @ b[g]^T on each group's rows (zeros on rows
+    no group covers), d b[g] = a_g^T @ grad_g (zeros for an empty group), for every layout."""
+    e, k, n = 3, 48, 40
+    if layout == GroupLayout.CONTIGUOUS:
+        counts = [17, 17, 50]
+        a = torch.randn(60, k, device=DEV).to(HALF)
+        kw = {"offs": counts_tensor(counts)}
+    else:
+        counts = [5, 0, 20] if layout == GroupLayout.MASKED else None
+        a = torch.randn(e, 20, k, device=DEV).to(HALF)
+        kw = {"masked_m": counts_tensor(counts)} if counts else {}
+    b = weights(e, k, n, HALF, k_major).detach().requires_grad_()
+    a.requires_grad_()
+    out = grouped_mm(a, b, **kw)
+    grad = torch.randn_like(out)
+    spans = bounds(counts or [20] * e, layout, a.shape[-2])
+    if layout == GroupLayout.CONTIGUOUS:
+        grad[spans[-1][1]:] = float("nan")  # rows no group covers: their gradient must not matter
+    elif layout == GroupLayout.MASKED:
+        for g, (_, t) in enumerate(spans):
+            grad[g, t:] = float("nan")
+    out.backward(grad)
+    ga, gb = _grads(a.detach(), b.detach(), torch.nan_to_num(grad, 0.0), counts, layout)
+    assert a.grad.dtype == a.dtype and b.grad.dtype == b.dtype and b.grad.shape == b.shape
+    rel = 2e-3 if DEV == "cpu" else 8e-3
+    for got, want, name in ((a.grad, ga, "d a"), (b.grad, gb, "d b")):
+        assert torch.isfinite(got).all(), name
+        err = (got.double().cpu() - want).norm() / want.norm()
+        assert err < rel, (name, err.item())
+    if layout == GroupLayout.CONTIGUOUS:
+        assert not a.grad[spans[-1][1]:].any()
+    if layout == GroupLayout.MASKED:
+        assert not b.grad[1].any() and not a.grad[0, 5:].any()
+
+
+def test_autograd_of_the_k_grouped_form(seeded):
+    """The 2-D x 2-D form's gradients: d a[:, K_g] = grad[g] @ b[K_g]^T, d b[K_g] = a[:, K_g]^T @
+    grad[g], zeros on the K rows no group covers."""
+    m, k, n = 24, 80, 32
+    offs = [30, 30, 70]
+    a = torch.randn(k, m, device=DEV).to(HALF).t().detach().requires_grad_()  # x.t(): contiguous along M
+    b = torch.randn(k, n, device=DEV).to(HALF).requires_grad_()
+    out = grouped_mm(a, b, offs=counts_tensor(offs))
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ga, gb = torch.zeros(m, k, dtype=torch.float64), torch.zeros(k, n, dtype=torch.float64)
+    a64, b64, g64 = a.detach().double().cpu(), b.detach().double().cpu(), grad.double().cpu()
+    for g, (s_, t) in enumerate(bounds(offs, GroupLayout.CONTIGUOUS, k)):
+        ga[:, s_:t] = g64[g] @ b64[s_:t].t()
+        gb[s_:t] = a64[:, s_:t].t() @ g64[g]
+    for got, want, name in ((a.grad, ga, "d a"), (b.grad, gb, "d b")):
+        err = (got.double().cpu() - want).norm() / want.norm()
+        assert err < (2e-3 if DEV == "cpu" else 8e-3), (name, err.item())
+    assert not a.grad[:, 70:].any() and not b.grad[70:].any()
+
+
+def test_autograd_refusals_and_weight_grad_errors(seeded):
+    a, b, o = _ops16()
+    a.requires_grad_()
+    with pytest.raises(ValueError, match="out= is not differentiable"):
+        grouped_mm(a, b, offs=o, out=torch.empty(8, 16, device=DEV, dtype=HALF))
+    out = grouped_mm(a, b, offs=o)  # the op with its autograd formula
+    assert out.requires_grad and out.grad_fn is not None
+    with pytest.raises(ValueError, match="grouped_scaled_mm .* does not support automatic differentiation"):
+        a8 = torch.randn(8, 32, device=DEV).to(FP8)
+        grouped_scaled_mm(a8, b.detach().to(FP8).requires_grad_(), torch.ones(8, device=DEV),
+                          torch.ones(2, 16, device=DEV), offs=o)
+    with pytest.raises(ValueError, match="grad .* must have the rows of a"):
+        grouped.weight_grad(a.detach(), torch.randn(7, 16, device=DEV).to(HALF), offs=o)
+    with pytest.raises(ValueError, match="masked_m must be 1-D"):
+        grouped.weight_grad(torch.randn(2, 4, 32, device=DEV).to(HALF), torch.randn(2, 4, 16, device=DEV).to(HALF),
+                            masked_m=o[:1])
+
+
+def test_compile_traces_the_backward(seeded):
+    """torch.compile(fullgraph=True) with AOTAutograd: the forward traces as tmagemm.grouped_mm and
+    the backward as grouped_mm_out and grouped_weight_grad, with the eager gradients."""
+    torch._dynamo.reset()
+    e, k, n = 3, 32, 24
+    a = torch.randn(40, k, device=DEV).to(HALF)
+    b = weights(e, k, n, HALF).detach()
+    offs = counts_tensor([10, 25, 40])
+
+    def loss(a, b, offs):
+        return grouped_mm(a, b, offs=offs).float().square().sum()
+
+    grads = []
+    for fn in (loss, torch.compile(loss, fullgraph=True, backend="aot_eager")):
+        a_, b_ = a.clone().requires_grad_(), b.clone().requires_grad_()
+        fn(a_, b_, offs).backward()
+        grads.append((a_.grad, b_.grad))
+    for (eager, compiled), name in zip(zip(*grads), ("d a", "d b")):
+        assert torch.allclose(eager.float(), compiled.float(), rtol=1e-2, atol=1e-2), name
+    torch._dynamo.reset()
+
+
 def _ops16(e=2, m=8, k=32, n=16):
     return torch.randn(m, k, device=DEV).to(HALF), weights(e, k, n, HALF), counts_tensor([3, 8][:e])
 
@@ -510,7 +682,16 @@ def _ops16(e=2, m=8, k=32, n=16):
     (lambda a, b, o: grouped_mm(a, b), ValueError, "offs is required"),
     (lambda a, b, o: grouped_mm(a, b, offs=o, masked_m=o), ValueError, "not both"),
     (lambda a, b, o: grouped_mm(a[:, :16], b, offs=o), ValueError, "inner dimensions differ"),
-    (lambda a, b, o: grouped_mm(a, b[0], offs=o), ValueError, "b must be 3-D"),
+    (lambda a, b, o: grouped_mm(a, b[0, 0], offs=o), ValueError, r"b must be 3-D \(E, K, N\) or 2-D"),
+    (lambda a, b, o: grouped_mm(a, b[0], masked_m=o), ValueError, "masked_m takes a 3-D a and b"),
+    (lambda a, b, o: grouped_mm(a, b[0]), ValueError, "offs is required for a 2-D b"),
+    (lambda a, b, o: grouped_mm(a, b[0, :16], offs=o), ValueError, "must share their grouped dimension K_total"),
+    (lambda a, b, o: grouped_mm(a[None], b[0], offs=o), ValueError, "the 2-D x 2-D form takes a"),
+    (lambda a, b, o: grouped_mm(a, b[0], offs=o[None]), ValueError, r"offs must be 1-D \(E,\)"),
+    (lambda a, b, o: grouped_mm(a, torch.randn(16, 64, device=DEV).to(HALF)[:, ::2].t(), offs=o), ValueError,
+     r"b \(32, 16\) must be contiguous along N or K_total"),
+    (lambda a, b, o: grouped_mm(a, b[0], offs=o, out=torch.empty(2, 8, 15, device=DEV, dtype=HALF)), ValueError,
+     "out has shape"),
     (lambda a, b, o: grouped_mm(a, b.float(), offs=o), TypeError, "must both be bfloat16 or both float16"),
     (lambda a, b, o: grouped_mm(a.t().contiguous().t(), b, offs=o), ValueError, "a .* must be contiguous"),
     (lambda a, b, o: grouped_mm(a[:, :20].contiguous(), weights(2, 20, 16, HALF), offs=o), ValueError,
@@ -652,6 +833,69 @@ def test_gpu_large_contiguous_matches_torch(fp8, seeded):
             pytest.skip(f"torch peer unavailable: {exc}")
         rows = int(offs[-1])
         assert torch.allclose(got[:rows].float(), theirs[:rows].float(), rtol=2e-2, atol=2e-2 * ref[:rows].abs().max().item())
+
+
+@pytest.mark.gpu
+def test_gpu_training_step_graph_replays_with_new_offsets(seeded):
+    """Forward and backward captured in one CUDA graph (nothing syncs with the host), replayed
+    after the offsets change in place: both gradients follow the new groups."""
+    e, k, n = 4, 512, 384
+    a = torch.randn(1000, k, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    b = (torch.randn(e, n, k, device="cuda") / 8).to(torch.bfloat16).transpose(1, 2).detach().requires_grad_()
+    grad = torch.randn(1000, n, device="cuda", dtype=torch.bfloat16)
+    offs = counts_tensor([100, 100, 700, 1000])
+
+    def step():
+        grouped_mm(a, b, offs=offs).backward(grad)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            a.grad = b.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    a.grad = b.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for values in ([250, 250, 600, 1000], [0, 999, 999, 999], [100, 100, 700, 1000]):
+        offs.copy_(counts_tensor(values))
+        graph.replay()
+        torch.cuda.synchronize()
+        ga, gb = _grads(a.detach(), b.detach(), grad, values, GroupLayout.CONTIGUOUS)
+        for got, want, name in ((a.grad, ga, "d a"), (b.grad, gb, "d b")):
+            err = ((got.double().cpu() - want).norm() / want.norm()).item()
+            assert err < 8e-3, (values, name, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sizes", [[0, 300, 1, 513, 129, 192, 65, 1024], [256] * 8], ids=["ragged", "balanced"])
+def test_gpu_autograd_matches_torch_grouped_mm(sizes, seeded):
+    """bf16 forward and backward against torch._grouped_mm's (same inputs) and float64: the input
+    gradient, the weight gradient (the 2-D x 2-D kernel) and the 2-D x 2-D form's own output."""
+    e, k, n = len(sizes), 1536, 1024
+    offs = counts_tensor(list(itertools.accumulate(sizes)))
+    total = sum(sizes)
+    a = torch.randn(total, k, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(e, n, k, device="cuda") / 8).to(torch.bfloat16)
+    grad = torch.randn(total, n, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for fn in (grouped_mm, torch._grouped_mm):
+        a_, b_ = a.clone().requires_grad_(), w.transpose(1, 2).detach().requires_grad_()
+        out = fn(a_, b_, offs=offs)
+        out.backward(grad)
+        results.append((out.detach(), a_.grad, b_.grad))
+    ga, gb = _grads(a, w.transpose(1, 2), grad, list(itertools.accumulate(sizes)), GroupLayout.CONTIGUOUS)
+    for (ours, theirs), want, name in zip(zip(*results), (None, ga, gb), ("out", "d a", "d b")):
+        if want is None:
+            want = reference(a.double().cpu(), w.transpose(1, 2).double().cpu(), list(itertools.accumulate(sizes)),
+                             GroupLayout.CONTIGUOUS)
+        ref_err = ((theirs.double().cpu() - want).norm() / want.norm()).item()
+        err = ((ours.double().cpu() - want).norm() / want.norm()).item()
+        assert err < 8e-3 and err <= 1.25 * ref_err + 1e-4, (name, err, ref_err)
+    # The weight gradient is torch's 2-D x 2-D call, bit for bit (the same kernel).
+    assert torch.equal(grouped_mm(a.t(), grad, offs=offs), results[0][2])
 
 
 @gpu
@@ -1141,3 +1385,30 @@ def test_native_builds_for_sm90a(config, ab, out):
     # Single CTAs load light groups' weights with an L2 evict-first policy (2x1 clusters do not).
     hinted = "L2::cache_hint" in module.ptx and "L2::evict_first" in module.ptx
     assert hinted == (config.cluster_m == 1)
+
+
+# ------------------------------------------------------------------------ sm_90a, ahead of time
+
+
+def test_groups_along_k_compile_for_sm90a():
+    """The 2-D x 2-D (weight-gradient) kernel as the GPU runs it, compiled for sm_90a: TMA loads,
+    bf16 wgmma, no spills, PDL's wait before the first load and its trigger after the main loop,
+    and a parameter list the direct launch can fill."""
+    from tmagemm import inspection
+    from tmagemm.triton import matmul_grouped_k as kernel
+    from tmagemm.triton.common import HAS_GDC
+    from tmagemm.triton.launch import parameter_plan
+
+    art = inspection.compile_triton(kernel.aot_spec())
+    s = inspection.summarize(art)
+    assert s["sass UTMALDG"] > 0 and s["sass HGMMA"] > 0, s
+    assert art.spills == 0
+    body = art.ptx[art.ptx.index(".entry"):]
+    if HAS_GDC:
+        wait = body.index("griddepcontrol.wait")
+        assert body.index("cp.async.bulk.tensor") > wait and body.index("griddepcontrol.launch_dependents") > wait
+    x, dy = torch.empty(4096, 2048, dtype=torch.bfloat16), torch.empty(4096, 7168, dtype=torch.bfloat16)
+    call = kernel.kernel_call(grouped.reduce_args(x.t(), dy, torch.arange(1, 9, dtype=torch.int32) * 512),
+                              kernel.DEFAULT)
+    laid_out = parameter_plan(art.ptx, art.launch_metadata, call.positional, call.operand_slots, call.unspecialized)
+    assert not isinstance(laid_out, str), laid_out

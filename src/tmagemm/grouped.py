@@ -1,7 +1,8 @@
 """Grouped GEMMs for Mixture-of-Experts: ``grouped_mm`` (bf16/fp16) and ``grouped_scaled_mm`` (fp8).
 
 Drop-ins for ``torch._grouped_mm`` / ``torch._scaled_grouped_mm`` where the contracts overlap
-(a 2-D ``a`` with ``offs``, or 3-D ``a`` x 3-D ``b``), plus DeepGEMM's masked layout:
+(a 2-D ``a`` with ``offs``, 3-D ``a`` x 3-D ``b``, and for ``grouped_mm`` 2-D x 2-D with the
+groups along K), plus DeepGEMM's masked layout; ``grouped_mm`` is differentiable (ops.py):
 
 * contiguous: a (M_total, K), rows sorted by expert; b (E, K, N); ``offs`` (E,) int32 on the
   device, the cumulative group ends; out (M_total, N). Group g is rows [end_{g-1}, end_g) with
@@ -10,6 +11,9 @@ Drop-ins for ``torch._grouped_mm`` / ``torch._scaled_grouped_mm`` where the cont
 * masked: a (E, max_m, K); ``masked_m`` (E,) int32 on the device, valid rows per expert
   (clamped to [0, max_m]); out (E, max_m, N). Rows past an expert's count are not written.
 * batched (neither given): a (E, M, K) x b (E, K, N) -> (E, M, N), every row valid.
+* groups along K (``grouped_mm``): a (M, K_total) x b (K_total, N) with ``offs`` the cumulative
+  group ends along K_total (the same rule) -> (E, M, N), ``out[g] = a[:, K_g] @ b[K_g]``; the
+  weight gradient ``grouped_mm(x.t(), dy, offs=offs)``.
 
 Counts stay on the device: no call reads them on the host, so a call captures into a CUDA graph
 and replays with new counts. Under torch.compile both functions trace as the torch ops
@@ -111,6 +115,45 @@ class GroupedArgs(NamedTuple):
         return self.a, self.b, self.out, self.scale_a, self.scale_b, self.bias, self.counts
 
 
+class ReduceArgs(NamedTuple):
+    """Checked operands of a grouped GEMM over the reduction dimension (``torch._grouped_mm``'s
+    2-D x 2-D form; the weight gradient of the other forms): ``out[g] = a[:, K_g] @ b[K_g, :]``.
+
+    a: (M, K_total), contiguous along K_total (``a_k_major``) or along M; b: (K_total, N),
+    contiguous along N (``b_n_major``) or along K_total; out: (E, M, N), any strides. The groups
+    split K_total: CONTIGUOUS, ``counts`` = offs, the cumulative group ends (the row rule of the
+    other forms); MASKED, group g is the first clamp(counts[g], 0, rows) of its ``rows``
+    (K_total = E x rows); BATCHED (counts None), all ``rows`` of each group.
+    """
+
+    a: torch.Tensor
+    b: torch.Tensor
+    out: torch.Tensor
+    counts: torch.Tensor | None
+    layout: GroupLayout
+    e: int
+    rows: int
+    a_k_major: bool
+    b_n_major: bool
+
+    @property
+    def m(self) -> int:
+        return self.a.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.a.shape[1]
+
+    @property
+    def n(self) -> int:
+        return self.b.shape[1]
+
+    @property
+    def operands(self) -> tuple:
+        """The grouped plans' launch operands: ``(a, b, out, scale_a, scale_b, bias, counts)``."""
+        return self.a, self.b, self.out, None, None, None, self.counts
+
+
 # ---------------------------------------------------------------------------------- checks
 
 
@@ -141,7 +184,7 @@ def _layout(a, b, offs, masked_m, fp8: bool, tracing: bool = False):
     _tensor(a, "a")
     _tensor(b, "b")
     if b.dim() != 3:
-        raise ValueError(f"b must be 3-D (E, K, N), got shape {tuple(b.shape)}")
+        raise ValueError(f"b must be 3-D (E, K, N){'' if fp8 else ' or 2-D (K_total, N)'}, got shape {tuple(b.shape)}")
     e, k, n = b.shape
     if offs is not None and masked_m is not None:
         raise ValueError("pass offs (contiguous layout, 2-D a) or masked_m (masked layout, 3-D a), not both")
@@ -204,7 +247,8 @@ def _out_shape(a: torch.Tensor, b: torch.Tensor) -> tuple:
 
 def _no_grad(a, b) -> None:
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-        raise ValueError("grouped GEMMs do not support automatic differentiation; call them under torch.no_grad()")
+        raise ValueError("grouped_scaled_mm (fp8) does not support automatic differentiation; call it under "
+                         "torch.no_grad() (grouped_mm's 16-bit GEMMs are differentiable)")
 
 
 def mm_args(a, b, *, offs=None, masked_m=None, out_dtype=None, out=None, tracing=False) -> GroupedArgs:
@@ -216,10 +260,90 @@ def mm_args(a, b, *, offs=None, masked_m=None, out_dtype=None, out=None, tracing
     if a.dtype not in _HALF or b.dtype != a.dtype:
         raise TypeError(f"a and b must both be bfloat16 or both float16, got a {a.dtype} and b {b.dtype}"
                         + ("; use grouped_scaled_mm for fp8" if a.element_size() == 1 else ""))
+    out_dtype = a.dtype if out_dtype is None else out_dtype
+    if b.dim() == 2:
+        if masked_m is not None:
+            raise ValueError("masked_m takes a 3-D a and b; a 2-D b (K_total, N) takes offs, its groups along K_total")
+        return reduce_args(a, b, offs, out_dtype, out, tracing)
     layout, b_k_major, counts = _layout(a, b, offs, masked_m, fp8=False, tracing=tracing)
-    _no_grad(a, b)
-    out = _out(out, _out_shape(a, b), a.dtype if out_dtype is None else out_dtype, a.device, allocate=not tracing)
+    out = _out(out, _out_shape(a, b), out_dtype, a.device, allocate=not tracing)
     return GroupedArgs(a, b, out, counts, None, None, None, layout, b_k_major)
+
+
+def _major(t: torch.Tensor, name: str, dims: tuple[str, str]) -> bool:
+    """Whether 2-D ``t`` is contiguous along its last dimension (else along its first); raises
+    naming ``t`` when along neither."""
+    if t.shape[1] <= 1 or t.stride(1) == 1:
+        return True
+    if t.shape[0] <= 1 or t.stride(0) == 1:
+        return False
+    raise ValueError(f"{name} {tuple(t.shape)} must be contiguous along {dims[1]} or {dims[0]}, "
+                     f"got stride {tuple(t.stride())}")
+
+
+def _reduce_operands(a, b, out, counts, layout: GroupLayout, e: int, rows: int, out_dtype, tracing: bool,
+                     names=("a", "b")) -> ReduceArgs:
+    """The checks shared by every reduction-form problem: 2-D a (M, K_total) and b (K_total, N)
+    of one 16-bit dtype, each contiguous along one dimension and readable by TMA."""
+    if a.dtype not in _HALF or b.dtype != a.dtype:
+        raise TypeError(f"{names[0]} and {names[1]} must both be bfloat16 or both float16, got {a.dtype} and {b.dtype}")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"{names[0]} {tuple(a.shape)} and {names[1]} {tuple(b.shape)} must share their grouped "
+                         f"dimension K_total: {a.shape[1]} != {b.shape[0]}")
+    if a.shape[1] >= 2**31:
+        raise ValueError(f"K_total = {a.shape[1]}; grouped GEMMs index rows with int32 (< 2^31)")
+    dev = a.device
+    _same_device(b, names[1], dev)
+    a_k_major = _major(a, names[0], ("M", "K_total"))
+    b_n_major = _major(b, names[1], ("K_total", "N"))
+    if min(a.shape + b.shape) > 0:
+        for t, name, row_major in ((a, names[0], a_k_major), (b, names[1], b_n_major)):
+            reason = tma.map_reason(t, name, (0, 1) if row_major else (1, 0), address=not tracing)
+            if reason:
+                raise ValueError(reason)
+    out = _out(out, (e, a.shape[0], b.shape[1]), out_dtype, dev, allocate=not tracing)
+    return ReduceArgs(a, b, out, counts, layout, e, rows, a_k_major, b_n_major)
+
+
+def reduce_args(a, b, offs, out_dtype=None, out=None, tracing=False) -> ReduceArgs:
+    """Check ``grouped_mm``'s 2-D x 2-D form, ``out[g] = a[:, K_g] @ b[K_g, :]`` with ``offs``
+    the cumulative ends of the groups along K_total, and return the problem (``out`` allocated;
+    ``tracing`` as in :func:`mm_args`)."""
+    _tensor(a, "a")
+    _tensor(b, "b")
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"the 2-D x 2-D form takes a (M, K_total) and b (K_total, N), got shapes "
+                         f"{tuple(a.shape)} and {tuple(b.shape)}")
+    if offs is None:
+        raise ValueError("offs is required for a 2-D b (K_total, N): the cumulative ends of the groups along K_total")
+    _tensor(offs, "offs")
+    if offs.dim() != 1:
+        raise ValueError(f"offs must be 1-D (E,), one cumulative end per group, got shape {tuple(offs.shape)}")
+    _counts(offs, "offs", offs.shape[0], a.device)
+    return _reduce_operands(a, b, out, offs, GroupLayout.CONTIGUOUS, offs.shape[0], 0,
+                            a.dtype if out_dtype is None else out_dtype, tracing)
+
+
+def weight_grad_args(a, grad, offs=None, masked_m=None, out_dtype=None, tracing=False) -> ReduceArgs:
+    """The weight gradient of a grouped GEMM ``out = grouped_mm(a, b, ...)``: ``a_g^T @ grad_g``
+    per group, (E, K, N), for each layout of ``a``: 2-D with ``offs``, 3-D (E, max_m, K) with
+    ``masked_m`` (rows past a count excluded) or with neither (batched). ``grad`` has the
+    output's shape; 3-D operands are read as their (E * max_m, .) rows."""
+    _tensor(a, "a")
+    _tensor(grad, "grad")
+    if grad.dim() != a.dim() or grad.shape[:-1] != a.shape[:-1]:
+        raise ValueError(f"grad {tuple(grad.shape)} must have the rows of a {tuple(a.shape)}")
+    if a.dim() == 2:
+        return reduce_args(a.t(), grad, offs, out_dtype, tracing=tracing)
+    if a.dim() != 3:
+        raise ValueError(f"a must be 2-D (with offs) or 3-D (E, max_m, K), got shape {tuple(a.shape)}")
+    e, rows = a.shape[0], a.shape[1]
+    layout = GroupLayout.BATCHED if masked_m is None else GroupLayout.MASKED
+    if masked_m is not None:
+        _counts(masked_m, "masked_m", e, a.device)
+    return _reduce_operands(a.reshape(e * rows, a.shape[2]).t(), grad.reshape(e * rows, grad.shape[2]), None,
+                            masked_m, layout, e, rows, a.dtype if out_dtype is None else out_dtype, tracing,
+                            names=("a", "grad"))
 
 
 def _scale_tensor(scale, name: str, dev: torch.device) -> None:
@@ -335,6 +459,8 @@ def run(args: GroupedArgs, config=None, key=None, num_sms: int | None = None) ->
     the device. Plans made during CUDA-graph capture are not kept."""
     if args.a.device.type != "meta":
         check_runtime_device(args.a.device, args.a.dtype)
+    if isinstance(args, ReduceArgs):
+        return _run_reduce(args, config, key)
     if args.e == 0 or args.m == 0 or args.n == 0 or args.a.device.type == "meta":
         return args.out
     from .cuda import gemm as native_gemm
@@ -352,6 +478,23 @@ def run(args: GroupedArgs, config=None, key=None, num_sms: int | None = None) ->
     return args.out
 
 
+def _run_reduce(args: ReduceArgs, config, key) -> torch.Tensor:
+    """:func:`run` for the reduction form: the Triton kernel of ``triton/matmul_grouped_k.py``.
+    An empty K_total makes every group empty: zeros, without a kernel."""
+    if args.e == 0 or args.m == 0 or args.n == 0 or args.a.device.type == "meta":
+        return args.out
+    if args.k == 0:
+        return args.out.zero_()
+    from .triton import matmul_grouped_k
+
+    with on_device(args.out.device):
+        plan = matmul_grouped_k.build(args, config)
+    plan.run(*args.operands)
+    if key is not None and not (args.out.is_cuda and torch.cuda.is_current_stream_capturing()):
+        remember(key, _Call(plan, args))
+    return args.out
+
+
 def cached_plans() -> list[Plan]:
     """The plans of the cached grouped call signatures (in the plan layer's one cache)."""
     return [call.plan for call in cached_calls() if isinstance(call, _Call)]
@@ -363,34 +506,55 @@ def cached_plans() -> list[Plan]:
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, *, offs: torch.Tensor | None = None,
                masked_m: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
-    """Grouped BF16/FP16 GEMM with fp32 accumulation (``torch._grouped_mm`` for 2-D x 3-D and
-    3-D x 3-D, plus the masked layout).
+    """Grouped BF16/FP16 GEMM with fp32 accumulation (``torch._grouped_mm``'s 2-D x 3-D, 3-D x 3-D
+    and 2-D x 2-D forms, plus the masked layout). Differentiable, except with ``out=``.
 
     a: (M_total, K) with ``offs``, or (E, max_m, K) with ``masked_m`` (or neither: batched);
     K contiguous. b: (E, K, N), K-major (``w.transpose(1, 2)`` of (E, N, K) weights) or N-major.
     offs / masked_m: (E,) int32 on a's device (see the module doc for the row rule).
+    2-D x 2-D: a (M, K_total) and b (K_total, N), each contiguous along either dimension, with
+    ``offs`` the cumulative ends of the groups along K_total (the same rule): out (E, M, N),
+    ``out[g] = a[:, K_g] @ b[K_g, :]``, zeros for an empty group (the weight gradient of an MoE
+    layer: ``grouped_mm(x.t(), dy, offs=offs)``).
     out_dtype: defaults to a.dtype; bfloat16, float16 or float32. out: preallocated result;
     rows no group covers keep their values (with out=None they are uninitialised).
     Strides: every non-innermost stride of a and b a multiple of 16 bytes (TMA), as torch requires.
-    Under torch.compile the call traces as ``torch.ops.tmagemm.grouped_mm`` (``_out`` with out=).
+    Under torch.compile, and where a or b requires grad, the call runs as
+    ``torch.ops.tmagemm.grouped_mm`` (``_out`` with out=), whose backward is grouped GEMMs too:
+    docs/grouped.md, "Autograd".
     """
-    if torch.compiler.is_compiling():
+    needs_grad = (torch.is_grad_enabled() and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                  and (a.requires_grad or b.requires_grad))
+    if torch.compiler.is_compiling() or needs_grad:
         mm_args(a, b, offs=offs, masked_m=masked_m, out_dtype=out_dtype, out=out, tracing=True)
         if out is None:
             return torch.ops.tmagemm.grouped_mm(a, b, offs, masked_m, out_dtype)
+        if needs_grad:
+            raise ValueError("grouped_mm: out= is not differentiable; call without out= (or under torch.no_grad())")
         torch.ops.tmagemm.grouped_mm_out(a, b, offs, masked_m, out)
         return out
     counts = offs if masked_m is None else masked_m
     try:
-        grad = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
         key = ("grouped_mm", tensor_key(a), tensor_key(b), tensor_key(offs), tensor_key(masked_m), tensor_key(out),
-               out_dtype, grad)
+               out_dtype)
         known = cached(key)
     except (AttributeError, TypeError):  # not tensors, or an unhashable option: the checks say why
         key = known = None
     if known is not None:
         return known(a, b, out, None, None, None, counts)
     return run(mm_args(a, b, offs=offs, masked_m=masked_m, out_dtype=out_dtype, out=out), key=key)
+
+
+def weight_grad(a: torch.Tensor, grad: torch.Tensor, *, offs: torch.Tensor | None = None,
+                masked_m: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The weight gradient of ``grouped_mm(a, b, offs=offs | masked_m=masked_m)`` for the output
+    gradient ``grad``: (E, K, N), ``a_g^T @ grad_g`` over each group's rows (masked: the first
+    masked_m[g] of expert g's; an empty group gives zeros). The backward of the op calls it;
+    with a 2-D ``a`` it is ``grouped_mm(a.t(), grad, offs=offs)``."""
+    if torch.compiler.is_compiling():
+        weight_grad_args(a, grad, offs, masked_m, out_dtype, tracing=True)
+        return torch.ops.tmagemm.grouped_weight_grad(a, grad, offs, masked_m, out_dtype)
+    return run(weight_grad_args(a, grad, offs, masked_m, out_dtype))
 
 
 def grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, *,

@@ -120,12 +120,31 @@ def _(xq, sx, w, sw, pow2_scale, hq, hs):
 @torch.library.custom_op("tmagemm::grouped_mm", mutates_args=())
 def grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = None,
                   masked_m: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    return grouped.grouped_mm(a, b, offs=offs, masked_m=masked_m, out_dtype=out_dtype)
+    with torch.no_grad():  # the op's own autograd formula covers it; the function would call the op again
+        return grouped.grouped_mm(a, b, offs=offs, masked_m=masked_m, out_dtype=out_dtype)
+
+
+def _grouped_out_shape(a, b, offs) -> tuple:
+    if b.dim() == 2:  # 2-D x 2-D: one (M, N) block per group along K_total
+        return (offs.shape[0], a.shape[0], b.shape[1])
+    return (*a.shape[:-1], b.shape[2])
 
 
 @grouped_mm_op.register_fake
 def _(a, b, offs=None, masked_m=None, out_dtype=None):
-    return a.new_empty((*a.shape[:-1], b.shape[2]), dtype=a.dtype if out_dtype is None else out_dtype)
+    return a.new_empty(_grouped_out_shape(a, b, offs), dtype=a.dtype if out_dtype is None else out_dtype)
+
+
+@torch.library.custom_op("tmagemm::grouped_weight_grad", mutates_args=())
+def grouped_weight_grad_op(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor | None = None,
+                           masked_m: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return grouped.weight_grad(a, grad, offs=offs, masked_m=masked_m, out_dtype=out_dtype)
+
+
+@grouped_weight_grad_op.register_fake
+def _(a, grad, offs=None, masked_m=None, out_dtype=None):
+    e = a.shape[0] if a.dim() == 3 else offs.shape[0]
+    return a.new_empty((e, a.shape[-1], grad.shape[-1]), dtype=a.dtype if out_dtype is None else out_dtype)
 
 
 @torch.library.custom_op("tmagemm::grouped_mm_out", mutates_args=("out",))
@@ -208,3 +227,36 @@ def _matmul_backward(ctx, grad):
 
 
 torch.library.register_autograd("tmagemm::matmul", _matmul_backward, setup_context=_matmul_setup_context)
+
+
+def _grouped_mm_setup_context(ctx, inputs, output):
+    a, b, offs, masked_m, out_dtype = inputs
+    ctx.save_for_backward(a, b, offs, masked_m)
+
+
+def _grouped_mm_backward(ctx, grad):
+    """d(grouped_mm) through grouped GEMMs (docs/grouped.md, "Autograd"). Gradient rows of a that
+    no group covers are zeros (grouped_mm_out leaves the zeros it is given there)."""
+    a, b, offs, masked_m = ctx.saved_tensors
+    grad = grad.to(a.dtype).contiguous()  # e.g. the expanded gradient of a sum(): strides of 0
+    grad_a = grad_b = None
+    if b.dim() == 2:
+        # out[g] = a[:, K_g] @ b[K_g]: the gradients' rows along K_total are the contiguous form,
+        # d(a)^T[K_g] = b[K_g] @ grad[g]^T and d(b)[K_g] = a[:, K_g]^T @ grad[g].
+        if ctx.needs_input_grad[0]:
+            grad_a = torch.zeros_like(a, memory_format=torch.contiguous_format)
+            b_rows = b if b.stride(-1) == 1 else b.contiguous()
+            torch.ops.tmagemm.grouped_mm_out(b_rows, grad.transpose(1, 2), offs, None, grad_a.t())
+        if ctx.needs_input_grad[1]:
+            grad_b = torch.zeros_like(b, memory_format=torch.contiguous_format)
+            torch.ops.tmagemm.grouped_mm_out(a.t().contiguous(), grad, offs, None, grad_b)
+        return grad_a, grad_b, None, None, None
+    if ctx.needs_input_grad[0]:
+        grad_a = torch.zeros_like(a, memory_format=torch.contiguous_format)
+        torch.ops.tmagemm.grouped_mm_out(grad, b.transpose(1, 2), offs, masked_m, grad_a)
+    if ctx.needs_input_grad[1]:
+        grad_b = torch.ops.tmagemm.grouped_weight_grad(a, grad, offs, masked_m, b.dtype)
+    return grad_a, grad_b, None, None, None
+
+
+torch.library.register_autograd("tmagemm::grouped_mm", _grouped_mm_backward, setup_context=_grouped_mm_setup_context)

@@ -534,8 +534,8 @@ def tensor_key(t: torch.Tensor | None):
     """What a call key holds of one tensor argument (None stays None)."""
     if t is None:
         return None
-    # get_device() is -1 off CUDA, so it tells devices apart.
-    return (type(t), t.get_device(), t.dtype, t.shape, t.stride(), t.data_ptr() % 16)
+    # get_device() is -1 off CUDA, so it tells CUDA devices apart; is_cpu tells CPU from meta.
+    return (type(t), t.get_device(), t.is_cpu, t.dtype, t.shape, t.stride(), t.data_ptr() % 16)
 
 
 def call_key(op: str, a, b, scale_a, scale_b, bias, out, out_dtype, fast_accum, backend, recipes=None) -> tuple:
