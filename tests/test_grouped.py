@@ -649,6 +649,24 @@ def test_autograd_refusals_and_weight_grad_errors(seeded):
                             masked_m=o[:1])
 
 
+@pytest.mark.parametrize("layout, counts", [(GroupLayout.CONTIGUOUS, [5, 5, 30]), (GroupLayout.CONTIGUOUS, [40, 2, 70]),
+                                            (GroupLayout.CONTIGUOUS, []), (GroupLayout.MASKED, [3, 0, 40, -2])],
+                         ids=["contiguous", "past_the_end", "no_groups", "masked"])
+def test_zero_uncovered_rows_writes_those_rows_alone(layout, counts):
+    """The zeros the input gradient needs: rows no group covers (by the row rule) become 0.0, the
+    covered ones keep what they held (NaN here)."""
+    shape = (40, 150) if layout == GroupLayout.CONTIGUOUS else (len(counts), 33, 150)
+    out = torch.full(shape, float("nan"), device=DEV, dtype=HALF)
+    kw = {"offs" if layout == GroupLayout.CONTIGUOUS else "masked_m": counts_tensor(counts)}
+    assert grouped.zero_uncovered_rows(out, **kw) is out
+    covered = ~torch.isnan(reference(torch.ones(*shape[:-1], 1, dtype=torch.float64),
+                                     torch.ones(max(len(counts), 1), 1, 1, dtype=torch.float64), counts, layout))
+    got = out.cpu()
+    assert torch.isnan(got[covered.expand_as(got)]).all() and (got[~covered.expand_as(got)] == 0).all()
+    with pytest.raises(ValueError, match="must be 2-D with offs"):
+        grouped.zero_uncovered_rows(out[None] if layout == GroupLayout.CONTIGUOUS else out[0], **kw)
+
+
 def test_compile_traces_the_backward(seeded):
     """torch.compile(fullgraph=True) with AOTAutograd: the forward traces as tmagemm.grouped_mm and
     the backward as grouped_mm_out and grouped_weight_grad, with the eager gradients."""

@@ -495,6 +495,31 @@ def _run_reduce(args: ReduceArgs, config, key) -> torch.Tensor:
     return args.out
 
 
+def zero_uncovered_rows(out: torch.Tensor, *, offs: torch.Tensor | None = None,
+                        masked_m: torch.Tensor | None = None) -> torch.Tensor:
+    """Zeros into the rows of a grouped GEMM's output that no group covers (contiguous: past the
+    last end of ``offs``; masked: past each expert's count; batched: none), by the row rule of
+    the module doc, with the counts read on the device. The gradient of ``a`` needs zeros there;
+    only those rows are written. Returns ``out``."""
+    _tensor(out, "out")
+    layout = GroupLayout.CONTIGUOUS if offs is not None else GroupLayout.MASKED if masked_m is not None \
+        else GroupLayout.BATCHED
+    if layout == GroupLayout.BATCHED:
+        return out
+    counts = offs if masked_m is None else masked_m
+    if out.dim() != (2 if layout == GroupLayout.CONTIGUOUS else 3):
+        raise ValueError(f"out {tuple(out.shape)} must be 2-D with offs, 3-D (E, max_m, N) with masked_m")
+    e = counts.shape[0] if isinstance(counts, torch.Tensor) and counts.dim() == 1 else -1
+    if layout == GroupLayout.MASKED and out.shape[0] != e:
+        raise ValueError(f"out has {out.shape[0]} experts but masked_m has shape {tuple(counts.shape)}")
+    _counts(counts, "offs" if layout == GroupLayout.CONTIGUOUS else "masked_m", e, out.device)
+    if out.device.type != "meta":
+        from .triton.matmul_grouped import zero_uncovered_rows as launch
+
+        launch(out, counts, layout)
+    return out
+
+
 def cached_plans() -> list[Plan]:
     """The plans of the cached grouped call signatures (in the plan layer's one cache)."""
     return [call.plan for call in cached_calls() if isinstance(call, _Call)]

@@ -135,6 +135,17 @@ def _(a, b, offs=None, masked_m=None, out_dtype=None):
     return a.new_empty(_grouped_out_shape(a, b, offs), dtype=a.dtype if out_dtype is None else out_dtype)
 
 
+@torch.library.custom_op("tmagemm::grouped_zero_uncovered_rows", mutates_args=("out",))
+def grouped_zero_uncovered_rows_op(out: torch.Tensor, offs: torch.Tensor | None = None,
+                                   masked_m: torch.Tensor | None = None) -> None:
+    grouped.zero_uncovered_rows(out, offs=offs, masked_m=masked_m)
+
+
+@grouped_zero_uncovered_rows_op.register_fake
+def _(out, offs=None, masked_m=None):
+    return None
+
+
 @torch.library.custom_op("tmagemm::grouped_weight_grad", mutates_args=())
 def grouped_weight_grad_op(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor | None = None,
                            masked_m: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -236,7 +247,7 @@ def _grouped_mm_setup_context(ctx, inputs, output):
 
 def _grouped_mm_backward(ctx, grad):
     """d(grouped_mm) through grouped GEMMs (docs/grouped.md, "Autograd"). Gradient rows of a that
-    no group covers are zeros (grouped_mm_out leaves the zeros it is given there)."""
+    no group covers get zeros from grouped_zero_uncovered_rows, which writes those rows alone."""
     a, b, offs, masked_m = ctx.saved_tensors
     grad = grad.to(a.dtype).contiguous()  # e.g. the expanded gradient of a sum(): strides of 0
     grad_a = grad_b = None
@@ -244,16 +255,19 @@ def _grouped_mm_backward(ctx, grad):
         # out[g] = a[:, K_g] @ b[K_g]: the gradients' rows along K_total are the contiguous form,
         # d(a)^T[K_g] = b[K_g] @ grad[g]^T and d(b)[K_g] = a[:, K_g]^T @ grad[g].
         if ctx.needs_input_grad[0]:
-            grad_a = torch.zeros_like(a, memory_format=torch.contiguous_format)
+            grad_a = torch.empty_like(a, memory_format=torch.contiguous_format)
             b_rows = b if b.stride(-1) == 1 else b.contiguous()
             torch.ops.tmagemm.grouped_mm_out(b_rows, grad.transpose(1, 2), offs, None, grad_a.t())
+            torch.ops.tmagemm.grouped_zero_uncovered_rows(grad_a.t(), offs, None)
         if ctx.needs_input_grad[1]:
-            grad_b = torch.zeros_like(b, memory_format=torch.contiguous_format)
+            grad_b = torch.empty_like(b, memory_format=torch.contiguous_format)
             torch.ops.tmagemm.grouped_mm_out(a.t().contiguous(), grad, offs, None, grad_b)
+            torch.ops.tmagemm.grouped_zero_uncovered_rows(grad_b, offs, None)
         return grad_a, grad_b, None, None, None
     if ctx.needs_input_grad[0]:
-        grad_a = torch.zeros_like(a, memory_format=torch.contiguous_format)
+        grad_a = torch.empty_like(a, memory_format=torch.contiguous_format)
         torch.ops.tmagemm.grouped_mm_out(grad, b.transpose(1, 2), offs, masked_m, grad_a)
+        torch.ops.tmagemm.grouped_zero_uncovered_rows(grad_a, offs, masked_m)
     if ctx.needs_input_grad[1]:
         grad_b = torch.ops.tmagemm.grouped_weight_grad(a, grad, offs, masked_m, b.dtype)
     return grad_a, grad_b, None, None, None

@@ -227,6 +227,53 @@ def grouped_gemm_kernel(
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def zero_uncovered_rows_kernel(out_ptr, counts_ptr, E, M, N, stride_oe, stride_om, stride_on,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, E_BLOCK: tl.constexpr,
+                               LAYOUT: tl.constexpr, PDL: tl.constexpr):
+    """Zeros in the rows of ``out`` that no group covers (by :func:`group_rows`' rule): past the
+    last group's end (CONTIGUOUS, one program per BLOCK_M rows), past expert program_id(1)'s count
+    (MASKED). A program whose rows are all covered stores nothing."""
+    wait_for_previous_kernel(PDL)  # the counts, and the rows the GEMM before wrote
+    e = tl.program_id(1)
+    if LAYOUT == 0:
+        _, _, ends = group_rows(counts_ptr, E, M, E_BLOCK, 0)
+        first_free = tl.max(ends, 0)
+    else:
+        first_free = tl.minimum(tl.maximum(tl.load(counts_ptr + e), 0), M)
+    let_next_kernel_launch(PDL)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    if tl.program_id(0) * BLOCK_M + BLOCK_M > first_free:
+        free = (rows >= first_free) & (rows < M)
+        base = out_ptr + e.to(tl.int64) * stride_oe + rows[:, None].to(tl.int64) * stride_om
+        for n0 in range(0, N, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            tl.store(base + cols[None, :].to(tl.int64) * stride_on,
+                     tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty),
+                     mask=free[:, None] & (cols[None, :] < N))
+
+
+def zero_uncovered_rows(out: torch.Tensor, counts: torch.Tensor, layout: GroupLayout) -> None:
+    """Write zeros into the rows of a grouped GEMM's ``out`` ((M_total, N) CONTIGUOUS or (E, max_m,
+    N) MASKED) that no group covers, reading the counts on the device (no host sync): what a
+    gradient needs there, at the cost of those rows alone rather than of zero-filling ``out``."""
+    if out.numel() == 0 or layout == GroupLayout.BATCHED:
+        return
+    e = counts.shape[0]
+    m, n = out.shape[-2], out.shape[-1]
+    stride_oe, (stride_om, stride_on) = (0 if out.dim() == 2 else out.stride(0)), out.stride()[-2:]
+    block_m, block_n = 16, 128
+    grid = (triton.cdiv(m, block_m), e if layout == GroupLayout.MASKED else 1)
+    if grid[1] == 0:
+        return
+    use_pdl = pdl(out)
+    with device.on_device(out.device):
+        zero_uncovered_rows_kernel[grid](
+            out, counts, e, m, n, stride_oe, stride_om, stride_on, BLOCK_M=block_m, BLOCK_N=block_n,
+            E_BLOCK=triton.next_power_of_2(max(e, 1)), LAYOUT=int(layout), PDL=use_pdl,
+            num_warps=4, **({"launch_pdl": True} if use_pdl else {}))
+
+
 # ------------------------------------------------------------------------------------- configs
 
 
