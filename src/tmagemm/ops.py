@@ -269,7 +269,12 @@ def _grouped_mm_backward(ctx, grad):
         torch.ops.tmagemm.grouped_mm_out(grad, b.transpose(1, 2), offs, masked_m, grad_a)
         torch.ops.tmagemm.grouped_zero_uncovered_rows(grad_a, offs, masked_m)
     if ctx.needs_input_grad[1]:
-        grad_b = torch.ops.tmagemm.grouped_weight_grad(a, grad, offs, masked_m, b.dtype)
+        if b.stride(1) == 1 and b.shape[2] > 1:
+            # b = w.transpose(1, 2) of (E, N, K) weights: compute d w = grad_g^T @ a_g in w's own
+            # layout, so accumulating it into w.grad reads no transposed tensor.
+            grad_b = torch.ops.tmagemm.grouped_weight_grad(grad, a, offs, masked_m, b.dtype).transpose(1, 2)
+        else:
+            grad_b = torch.ops.tmagemm.grouped_weight_grad(a, grad, offs, masked_m, b.dtype)
     return grad_a, grad_b, None, None, None
 
 
