@@ -525,7 +525,7 @@ def test_groups_along_k(offs, a_k_major, b_n_major, seeded):
     b, groups starting and ending inside steps (and off 16 bytes), empty groups giving zeros,
     bad offsets clamped by the row rule. The rows no group covers hold Inf and NaN, which must
     not reach any result."""
-    m, k, n = 24, 96, 40
+    m, k, n = (17 if a_k_major else 24), 96, 40  # x.t() (a along M) needs M * 2 bytes on 16
     a = torch.randn(k, m, device=DEV).to(HALF).t() if not a_k_major else torch.randn(m, k, device=DEV).to(HALF)
     b = torch.randn(n, k, device=DEV).to(HALF).t() if not b_n_major else torch.randn(k, n, device=DEV).to(HALF)
     spans = bounds(offs, GroupLayout.CONTIGUOUS, k)
@@ -549,9 +549,11 @@ def test_groups_along_k(offs, a_k_major, b_n_major, seeded):
     check(got, want, REL_HALF_OUT, "public")
 
 
-def test_groups_along_k_zero_sizes(seeded):
+def test_groups_along_k_zero_sizes_and_one_row(seeded):
     a, b = torch.randn(8, 32, device=DEV).to(HALF), torch.randn(32, 16, device=DEV).to(HALF)
     offs = counts_tensor([10, 32])
+    one = grouped_mm(a[:1], b, offs=offs, out_dtype=torch.float32)  # M = 1
+    check(one, reduce_reference(a[:1], b, [10, 32]), 1e-5, "M = 1")
     assert not grouped_mm(a[:, :0], b[:0], offs=offs).any()  # K_total = 0: every group empty
     assert grouped_mm(a, b, offs=offs[:0]).shape == (0, 8, 16)
     assert grouped_mm(a[:0], b, offs=offs).shape == (2, 0, 16)
@@ -608,6 +610,21 @@ def test_autograd_matches_the_reference(layout, k_major, seeded):
         assert not a.grad[spans[-1][1]:].any()
     if layout == GroupLayout.MASKED:
         assert not b.grad[1].any() and not a.grad[0, 5:].any()
+
+
+def test_autograd_with_output_rows_off_16_bytes(seeded):
+    """N = 12 (24-byte rows): the forward takes it with a K-major b, and the backward pads the
+    output gradient's rows for its TMA reads instead of refusing it."""
+    e, k, n = 2, 32, 12
+    a = torch.randn(30, k, device=DEV).to(HALF).requires_grad_()
+    b = weights(e, k, n, HALF).detach().requires_grad_()
+    out = grouped_mm(a, b, offs=counts_tensor([11, 30]))
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ga, gb = _grads(a.detach(), b.detach(), grad, [11, 30], GroupLayout.CONTIGUOUS)
+    for got, want, name in ((a.grad, ga, "d a"), (b.grad, gb, "d b")):
+        err = (got.double().cpu() - want).norm() / want.norm()
+        assert err < (2e-3 if DEV == "cpu" else 8e-3), (name, err.item())
 
 
 def test_autograd_of_the_k_grouped_form(seeded):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import api, gate_up, grouped
+from . import api, gate_up, grouped, tma
 from .plan import call_key
 
 
@@ -245,11 +245,21 @@ def _grouped_mm_setup_context(ctx, inputs, output):
     ctx.save_for_backward(a, b, offs, masked_m)
 
 
+def _rows_for_tma(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (..., N) contiguous, its rows 16-byte aligned (padded past N where N * itemsize is not
+    a multiple of 16): the backward GEMMs read the output gradient by TMA, which the forward's
+    output (any strides; e.g. the expanded gradient of a sum(), strides of 0) need not allow."""
+    t = t.contiguous()
+    if (t.shape[-1] * t.element_size()) % 16 == 0:
+        return t
+    return tma.aligned_copy(t.reshape(-1, t.shape[-1]), 1).view(t.shape)
+
+
 def _grouped_mm_backward(ctx, grad):
     """d(grouped_mm) through grouped GEMMs (docs/grouped.md, "Autograd"). Gradient rows of a that
     no group covers get zeros from grouped_zero_uncovered_rows, which writes those rows alone."""
     a, b, offs, masked_m = ctx.saved_tensors
-    grad = grad.to(a.dtype).contiguous()  # e.g. the expanded gradient of a sum(): strides of 0
+    grad = _rows_for_tma(grad.to(a.dtype))
     grad_a = grad_b = None
     if b.dim() == 2:
         # out[g] = a[:, K_g] @ b[K_g]: the gradients' rows along K_total are the contiguous form,
