@@ -627,6 +627,24 @@ def test_autograd_with_output_rows_off_16_bytes(seeded):
         assert err < (2e-3 if DEV == "cpu" else 8e-3), (name, err.item())
 
 
+@pytest.mark.parametrize("layout", list(GroupLayout), ids=lambda x: x.name.lower())
+def test_weight_grad_is_planned_once_per_signature(layout, seeded):
+    """grouped.weight_grad (the backward's weight gradient) keeps its plan per call signature: a
+    second call with new values takes the cached plan and gives its own reference."""
+    e, k, n = 3, 32, 24
+    counts = [7, 7, 30] if layout == GroupLayout.CONTIGUOUS else [5, 0, 12] if layout == GroupLayout.MASKED else None
+    shape = (30,) if layout == GroupLayout.CONTIGUOUS else (e, 12)
+    kw = {} if counts is None else {"offs" if layout == GroupLayout.CONTIGUOUS else "masked_m": counts_tensor(counts)}
+    plan.clear_plans()
+    for _ in range(2):
+        a = torch.randn(*shape, k, device=DEV).to(HALF)
+        grad = torch.randn(*shape, n, device=DEV).to(HALF)
+        got = grouped.weight_grad(a, grad, out_dtype=torch.float32, **kw)
+        _, want = _grads(a, torch.zeros(e, k, n, dtype=HALF), grad, counts, layout)
+        check(got, want, 1e-5, layout.name)
+    assert [p.variant for p in grouped.cached_plans()] == ["triton.grouped_k"]
+
+
 def test_autograd_of_the_k_grouped_form(seeded):
     """The 2-D x 2-D form's gradients: d a[:, K_g] = grad[g] @ b[K_g]^T, d b[K_g] = a[:, K_g]^T @
     grad[g], zeros on the K rows no group covers."""
@@ -673,13 +691,14 @@ def test_zero_uncovered_rows_writes_those_rows_alone(layout, counts):
     """The zeros the input gradient needs: rows no group covers (by the row rule) become 0.0, the
     covered ones keep what they held (NaN here)."""
     shape = (40, 150) if layout == GroupLayout.CONTIGUOUS else (len(counts), 33, 150)
-    out = torch.full(shape, float("nan"), device=DEV, dtype=HALF)
     kw = {"offs" if layout == GroupLayout.CONTIGUOUS else "masked_m": counts_tensor(counts)}
-    assert grouped.zero_uncovered_rows(out, **kw) is out
     covered = ~torch.isnan(reference(torch.ones(*shape[:-1], 1, dtype=torch.float64),
                                      torch.ones(max(len(counts), 1), 1, 1, dtype=torch.float64), counts, layout))
-    got = out.cpu()
-    assert torch.isnan(got[covered.expand_as(got)]).all() and (got[~covered.expand_as(got)] == 0).all()
+    for _ in range(2):  # planned, then from the plan cache
+        out = torch.full(shape, float("nan"), device=DEV, dtype=HALF)
+        assert grouped.zero_uncovered_rows(out, **kw) is out
+        got = out.cpu()
+        assert torch.isnan(got[covered.expand_as(got)]).all() and (got[~covered.expand_as(got)] == 0).all()
     with pytest.raises(ValueError, match="must be 2-D with offs"):
         grouped.zero_uncovered_rows(out[None] if layout == GroupLayout.CONTIGUOUS else out[0], **kw)
 

@@ -305,6 +305,14 @@ def _reduce_operands(a, b, out, counts, layout: GroupLayout, e: int, rows: int, 
     return ReduceArgs(a, b, out, counts, layout, e, rows, a_k_major, b_n_major)
 
 
+def _offsets(offs, dev: torch.device) -> None:
+    """Checks of ``offs`` where its length sets E (the 2-D x 2-D form, the zero rows)."""
+    _tensor(offs, "offs")
+    if offs.dim() != 1:
+        raise ValueError(f"offs must be 1-D (E,), one cumulative end per group, got shape {tuple(offs.shape)}")
+    _counts(offs, "offs", offs.shape[0], dev)
+
+
 def reduce_args(a, b, offs, out_dtype=None, out=None, tracing=False) -> ReduceArgs:
     """Check ``grouped_mm``'s 2-D x 2-D form, ``out[g] = a[:, K_g] @ b[K_g, :]`` with ``offs``
     the cumulative ends of the groups along K_total, and return the problem (``out`` allocated;
@@ -316,10 +324,7 @@ def reduce_args(a, b, offs, out_dtype=None, out=None, tracing=False) -> ReduceAr
                          f"{tuple(a.shape)} and {tuple(b.shape)}")
     if offs is None:
         raise ValueError("offs is required for a 2-D b (K_total, N): the cumulative ends of the groups along K_total")
-    _tensor(offs, "offs")
-    if offs.dim() != 1:
-        raise ValueError(f"offs must be 1-D (E,), one cumulative end per group, got shape {tuple(offs.shape)}")
-    _counts(offs, "offs", offs.shape[0], a.device)
+    _offsets(offs, a.device)
     return _reduce_operands(a, b, out, offs, GroupLayout.CONTIGUOUS, offs.shape[0], 0,
                             a.dtype if out_dtype is None else out_dtype, tracing)
 
@@ -333,17 +338,25 @@ def weight_grad_args(a, grad, offs=None, masked_m=None, out_dtype=None, tracing=
     _tensor(grad, "grad")
     if grad.dim() != a.dim() or grad.shape[:-1] != a.shape[:-1]:
         raise ValueError(f"grad {tuple(grad.shape)} must have the rows of a {tuple(a.shape)}")
-    if a.dim() == 2:
-        return reduce_args(a.t(), grad, offs, out_dtype, tracing=tracing)
-    if a.dim() != 3:
+    if a.dim() not in (2, 3):
         raise ValueError(f"a must be 2-D (with offs) or 3-D (E, max_m, K), got shape {tuple(a.shape)}")
+    a_t, rows_of_grad = _weight_grad_operands(a, grad)
+    if a.dim() == 2:
+        return reduce_args(a_t, rows_of_grad, offs, out_dtype, tracing=tracing)
     e, rows = a.shape[0], a.shape[1]
     layout = GroupLayout.BATCHED if masked_m is None else GroupLayout.MASKED
     if masked_m is not None:
         _counts(masked_m, "masked_m", e, a.device)
-    return _reduce_operands(a.reshape(e * rows, a.shape[2]).t(), grad.reshape(e * rows, grad.shape[2]), None,
-                            masked_m, layout, e, rows, a.dtype if out_dtype is None else out_dtype, tracing,
-                            names=("a", "grad"))
+    return _reduce_operands(a_t, rows_of_grad, None, masked_m, layout, e, rows,
+                            a.dtype if out_dtype is None else out_dtype, tracing, names=("a", "grad"))
+
+
+def _weight_grad_operands(a: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reduction form's (a, b) of a weight gradient: ``a^T`` and ``grad`` over their rows (a
+    3-D operand's (E * max_m, .) rows)."""
+    if a.dim() == 3:
+        a, grad = a.reshape(-1, a.shape[2]), grad.reshape(-1, grad.shape[2])
+    return a.t(), grad
 
 
 def _scale_tensor(scale, name: str, dev: torch.device) -> None:
@@ -434,13 +447,13 @@ def scaled_mm_args(a, b, scale_a, scale_b, *, offs=None, masked_m=None, bias=Non
 
 
 class _Call:
-    """One cached call signature: its plan and the output it allocates."""
+    """One cached call signature: its plan and the output it allocates (shaped like ``out``)."""
 
     __slots__ = ("plan", "out_shape", "out_dtype", "device")
 
-    def __init__(self, plan: Plan, args: GroupedArgs):
+    def __init__(self, plan: Plan, out: torch.Tensor):
         self.plan = plan
-        self.out_shape, self.out_dtype, self.device = tuple(args.out.shape), args.out.dtype, args.out.device
+        self.out_shape, self.out_dtype, self.device = tuple(out.shape), out.dtype, out.device
 
     def __call__(self, a, b, out, scale_a, scale_b, bias, counts) -> torch.Tensor:
         if out is None:
@@ -474,7 +487,7 @@ def run(args: GroupedArgs, config=None, key=None, num_sms: int | None = None) ->
             plan = matmul_grouped.build(args, config, num_sms)
     plan.run(*args.operands)
     if key is not None and not (args.out.is_cuda and torch.cuda.is_current_stream_capturing()):
-        remember(key, _Call(plan, args))
+        remember(key, _Call(plan, args.out))
     return args.out
 
 
@@ -491,7 +504,7 @@ def _run_reduce(args: ReduceArgs, config, key) -> torch.Tensor:
         plan = matmul_grouped_k.build(args, config)
     plan.run(*args.operands)
     if key is not None and not (args.out.is_cuda and torch.cuda.is_current_stream_capturing()):
-        remember(key, _Call(plan, args))
+        remember(key, _Call(plan, args.out))
     return args.out
 
 
@@ -501,22 +514,33 @@ def zero_uncovered_rows(out: torch.Tensor, *, offs: torch.Tensor | None = None,
     last end of ``offs``; masked: past each expert's count; batched: none), by the row rule of
     the module doc, with the counts read on the device. The gradient of ``a`` needs zeros there;
     only those rows are written. Returns ``out``."""
-    _tensor(out, "out")
-    layout = GroupLayout.CONTIGUOUS if offs is not None else GroupLayout.MASKED if masked_m is not None \
-        else GroupLayout.BATCHED
-    if layout == GroupLayout.BATCHED:
-        return out
     counts = offs if masked_m is None else masked_m
+    try:
+        key = ("grouped_zero_rows", tensor_key(out), tensor_key(offs), tensor_key(masked_m))
+        known = cached(key)
+    except (AttributeError, TypeError):  # not tensors: the checks say why
+        key = known = None
+    if known is not None:
+        return known(None, None, out, None, None, None, counts)
+    _tensor(out, "out")
+    if counts is None:  # batched: every row is covered
+        return out
+    layout = GroupLayout.CONTIGUOUS if masked_m is None else GroupLayout.MASKED
     if out.dim() != (2 if layout == GroupLayout.CONTIGUOUS else 3):
         raise ValueError(f"out {tuple(out.shape)} must be 2-D with offs, 3-D (E, max_m, N) with masked_m")
-    e = counts.shape[0] if isinstance(counts, torch.Tensor) and counts.dim() == 1 else -1
-    if layout == GroupLayout.MASKED and out.shape[0] != e:
-        raise ValueError(f"out has {out.shape[0]} experts but masked_m has shape {tuple(counts.shape)}")
-    _counts(counts, "offs" if layout == GroupLayout.CONTIGUOUS else "masked_m", e, out.device)
-    if out.device.type != "meta":
-        from .triton.matmul_grouped import zero_uncovered_rows as launch
+    if layout == GroupLayout.CONTIGUOUS:
+        _offsets(offs, out.device)
+    else:
+        _counts(masked_m, "masked_m", out.shape[0], out.device)
+    if out.numel() == 0 or out.device.type == "meta":
+        return out
+    from .triton.matmul_grouped import zero_rows_plan
 
-        launch(out, counts, layout)
+    with on_device(out.device):
+        plan = zero_rows_plan(out, counts, layout)
+    plan.run(None, None, out, None, None, None, counts)
+    if key is not None and not (out.is_cuda and torch.cuda.is_current_stream_capturing()):
+        remember(key, _Call(plan, out))
     return out
 
 
@@ -579,7 +603,15 @@ def weight_grad(a: torch.Tensor, grad: torch.Tensor, *, offs: torch.Tensor | Non
     if torch.compiler.is_compiling():
         weight_grad_args(a, grad, offs, masked_m, out_dtype, tracing=True)
         return torch.ops.tmagemm.grouped_weight_grad(a, grad, offs, masked_m, out_dtype)
-    return run(weight_grad_args(a, grad, offs, masked_m, out_dtype))
+    try:
+        key = ("grouped_weight_grad", tensor_key(a), tensor_key(grad), tensor_key(offs), tensor_key(masked_m),
+               out_dtype)
+        known = cached(key)
+    except (AttributeError, TypeError):  # not tensors, or an unhashable option: the checks say why
+        key = known = None
+    if known is not None:
+        return known(*_weight_grad_operands(a, grad), None, None, None, None, offs if masked_m is None else masked_m)
+    return run(weight_grad_args(a, grad, offs, masked_m, out_dtype), key=key)
 
 
 def grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, *,

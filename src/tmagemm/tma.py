@@ -474,7 +474,7 @@ def aligned_empty(shape: Sequence[int], inner: int, dtype: torch.dtype, device) 
     multiple of 4): the persistent kernel loads them by TMA (``cuda.gemm.block_scale_maps``)."""
     if len(shape) != 2 or inner not in (0, 1):
         raise ValueError(f"aligned_empty takes a 2-D shape and inner 0 or 1, got shape {tuple(shape)}, inner {inner}")
-    per_16b = ALIGN // torch.empty((), dtype=dtype).element_size()
+    per_16b = ALIGN // dtype.itemsize
     lead = -(-shape[inner] // per_16b) * per_16b
     return torch.empty_strided(tuple(shape), (lead, 1) if inner == 1 else (1, lead), dtype=dtype, device=device)
 

@@ -36,6 +36,8 @@ recipe needs). Tensor-/row-wise scales multiply the finished accumulator in the 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
@@ -253,25 +255,33 @@ def zero_uncovered_rows_kernel(out_ptr, counts_ptr, E, M, N, stride_oe, stride_o
                      mask=free[:, None] & (cols[None, :] < N))
 
 
-def zero_uncovered_rows(out: torch.Tensor, counts: torch.Tensor, layout: GroupLayout) -> None:
-    """Write zeros into the rows of a grouped GEMM's ``out`` ((M_total, N) CONTIGUOUS or (E, max_m,
-    N) MASKED) that no group covers, reading the counts on the device (no host sync): what a
-    gradient needs there, at the cost of those rows alone rather than of zero-filling ``out``."""
-    if out.numel() == 0 or layout == GroupLayout.BATCHED:
-        return
+ZERO_ROWS_NAME = "triton.grouped_zero_rows"
+
+
+def zero_rows_plan(out: torch.Tensor, counts: torch.Tensor, layout: GroupLayout) -> Plan:
+    """A plan writing zeros into the rows of a grouped GEMM's ``out`` ((M_total, N) CONTIGUOUS
+    or (E, max_m, N) MASKED, not empty) that no group covers, reading the counts on the device
+    (no host sync): what a gradient needs there, at the cost of those rows alone rather than of
+    zero-filling ``out``. Its launch takes the grouped plans' seven operands: ``launch(None,
+    None, out, None, None, None, counts)``."""
     e = counts.shape[0]
     m, n = out.shape[-2], out.shape[-1]
     stride_oe, (stride_om, stride_on) = (0 if out.dim() == 2 else out.stride(0)), out.stride()[-2:]
-    block_m, block_n = 16, 128
+    block_m = 16
+    values = dict(out_ptr=out, counts_ptr=counts, E=e, M=m, N=n, stride_oe=stride_oe, stride_om=stride_om,
+                  stride_on=stride_on, BLOCK_M=block_m, BLOCK_N=128, E_BLOCK=triton.next_power_of_2(max(e, 1)),
+                  LAYOUT=int(layout), PDL=pdl(out))
     grid = (triton.cdiv(m, block_m), e if layout == GroupLayout.MASKED else 1)
-    if grid[1] == 0:
-        return
-    use_pdl = pdl(out)
-    with device.on_device(out.device):
-        zero_uncovered_rows_kernel[grid](
-            out, counts, e, m, n, stride_oe, stride_om, stride_on, BLOCK_M=block_m, BLOCK_N=block_n,
-            E_BLOCK=triton.next_power_of_2(max(e, 1)), LAYOUT=int(layout), PDL=use_pdl,
-            num_warps=4, **({"launch_pdl": True} if use_pdl else {}))
+    call = KernelCall(zero_uncovered_rows_kernel, grid, values, dict(num_warps=4),
+                      {"out_ptr": OUT, "counts_ptr": COUNTS})
+    fast = direct_launch(ZERO_ROWS_NAME, call)
+    if fast is not None:
+        return Plan(ZERO_ROWS_NAME, None, fast, fast.device_index, direct=True)
+
+    def launch(a, b, out_, scale_a, scale_b, bias, counts_) -> None:
+        replace(call, args={**call.args, "out_ptr": out_, "counts_ptr": counts_}).launch()
+
+    return Plan(ZERO_ROWS_NAME, None, launch, out.get_device())
 
 
 # ------------------------------------------------------------------------------------- configs

@@ -105,7 +105,7 @@ def grouped_k_kernel(
     wait_for_previous_kernel(PDL)
     idx = tl.arange(0, E_BLOCK)
     if LAYOUT == 0:
-        idx, starts, ends = group_rows(counts_ptr, E, K, E_BLOCK, 0)
+        _, starts, ends = group_rows(counts_ptr, E, K, E_BLOCK, 0)
     elif LAYOUT == 1:
         starts = idx * ROWS
         ends = starts + tl.minimum(tl.maximum(tl.load(counts_ptr + idx, mask=idx < E, other=0), 0), ROWS)
