@@ -22,6 +22,7 @@ from tmagemm.configs import TritonGemmConfig
 from tmagemm.cuda import gemm as native_gemm
 from tmagemm.cuda import grouped as native
 from tmagemm.grouped import GroupLayout, grouped_mm, grouped_scaled_mm
+from tmagemm.triton import matmul_grouped_k
 
 FP8 = torch.float8_e4m3fn
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -504,6 +505,9 @@ def test_k_zero_gives_bias_rows(seeded):
 
 
 CFG_K = TritonGemmConfig(16, 16, 16, 8, 2, 4)  # the reduction form: many steps per group
+# ... with a 16-bit output stored by TMA in column halves: several tiles per group, so each of the
+# interpreter's 4 persistent programs walks several rounds.
+CFG_K_HALVES = TritonGemmConfig(16, 32, 16, 8, 2, 4, epilogue_subtile=True)
 
 
 def reduce_reference(a, b, offs):
@@ -518,13 +522,17 @@ def reduce_reference(a, b, offs):
 
 @pytest.mark.parametrize("a_k_major", [True, False], ids=["a_k_major", "a_m_major"])
 @pytest.mark.parametrize("b_n_major", [True, False], ids=["b_n_major", "b_k_major"])
-@pytest.mark.parametrize("offs", [[13, 13, 50, 91], [0, 96, 96, 96], [40, 30, 200, 7]],
+# Five groups: the persistent programs' last round is partial (and odd for CFG_K).
+@pytest.mark.parametrize("offs", [[13, 13, 50, 77, 91], [0, 96, 96, 96, 96], [40, 30, 200, 7, 60]],
                          ids=["ragged_and_empty", "one_group_takes_all", "decreasing_and_past_end"])
-def test_groups_along_k(offs, a_k_major, b_n_major, seeded):
+@pytest.mark.parametrize("config, out_dtype", [(CFG_K, torch.float32), (CFG_K_HALVES, HALF)],
+                         ids=["fp32_pointer_stores", "half_tma_store_halves"])
+def test_groups_along_k(offs, a_k_major, b_n_major, config, out_dtype, seeded):
     """torch._grouped_mm's 2-D x 2-D form: out[g] = a[:, K_g] @ b[K_g] for every layout of a and
     b, groups starting and ending inside steps (and off 16 bytes), empty groups giving zeros,
     bad offsets clamped by the row rule. The rows no group covers hold Inf and NaN, which must
-    not reach any result."""
+    not reach any result. Both stores: masked pointer stores (fp32) and TMA's, clipped at each
+    group's block."""
     m, k, n = (17 if a_k_major else 24), 96, 40  # x.t() (a along M) needs M * 2 bytes on 16
     a = torch.randn(k, m, device=DEV).to(HALF).t() if not a_k_major else torch.randn(m, k, device=DEV).to(HALF)
     b = torch.randn(n, k, device=DEV).to(HALF).t() if not b_n_major else torch.randn(k, n, device=DEV).to(HALF)
@@ -533,20 +541,44 @@ def test_groups_along_k(offs, a_k_major, b_n_major, seeded):
     if uncovered < k:
         a[:, uncovered:] = float("nan")
         b[uncovered:] = float("inf")
-    out = poisoned((len(offs), m, n), torch.float32)
-    args = grouped.mm_args(a, b, offs=counts_tensor(offs), out_dtype=torch.float32, out=out)
+    out = poisoned((len(offs), m, n), out_dtype)
+    args = grouped.mm_args(a, b, offs=counts_tensor(offs), out_dtype=out_dtype, out=out)
     assert isinstance(args, grouped.ReduceArgs) and (args.a_k_major, args.b_n_major) == (a_k_major, b_n_major)
-    grouped.run(args, config=CFG_K)
+    assert matmul_grouped_k.tma_store(args) == (out_dtype == HALF)
+    grouped.run(args, config=config)
     want = reduce_reference(torch.nan_to_num(a.float(), 0.0, 0.0, 0.0), torch.nan_to_num(b.float(), 0.0, 0.0, 0.0), offs)
     assert torch.isfinite(out).all()
     for g, (s_, t) in enumerate(spans):
         if t == s_:
             assert not out[g].any(), f"empty group {g} is not zeros"
-    check(out, want, 1e-5, f"offs={offs}")
+    check(out, want, 1e-5 if out_dtype == torch.float32 else REL_HALF_OUT, f"offs={offs}")
     # The public function (heuristic config) and a 16-bit output.
     got = grouped_mm(a, b, offs=counts_tensor(offs))
     assert got.dtype == HALF and got.shape == (len(offs), m, n)
     check(got, want, REL_HALF_OUT, "public")
+
+
+@pytest.mark.parametrize("config, offs", [(CFG_K, [37, 37, 90, 96]), (None, [100, 170, 300, 300])],
+                         ids=["16_row_steps", "default_config"])
+def test_groups_along_k_keep_other_groups_values_out(config, offs, seeded):
+    """x.t() and dy (the weight gradient's layout): a group's leftover rows run on the box ending
+    at its last row, so only its own rows are read there. NaN and Inf in one group's rows of both
+    operands reach no other group's result."""
+    k = offs[-1]
+    a = torch.randn(k, 24, device=DEV).to(HALF).t()
+    b = torch.randn(k, 40, device=DEV).to(HALF)
+    want = reduce_reference(a, b, offs)
+    spans = bounds(offs, GroupLayout.CONTIGUOUS, k)
+    poisoned_group = 2 if config is CFG_K else 1
+    s_, t = spans[poisoned_group]
+    a[:, s_:t:3] = float("nan")
+    b[s_ + 1:t:3] = float("inf")
+    args = grouped.mm_args(a, b, offs=counts_tensor(offs), out=poisoned((len(offs), 24, 40), HALF))
+    grouped.run(args, config=config)
+    for g in range(len(offs)):
+        if g != poisoned_group:
+            check(args.out[g], want[g], REL_HALF_OUT, f"group {g}")
+            assert torch.isfinite(args.out[g]).all()
 
 
 def test_groups_along_k_zero_sizes_and_one_row(seeded):
@@ -1448,8 +1480,8 @@ def test_native_builds_for_sm90a(config, ab, out):
 
 
 def test_groups_along_k_compile_for_sm90a():
-    """The 2-D x 2-D (weight-gradient) kernel as the GPU runs it, compiled for sm_90a: TMA loads,
-    bf16 wgmma, no spills, PDL's wait before the first load and its trigger after the main loop,
+    """The 2-D x 2-D (weight-gradient) kernel as the GPU runs it, compiled for sm_90a: TMA loads
+    and stores, bf16 wgmma, no spills, PDL's wait before the first load and its trigger after the main loop,
     and a parameter list the direct launch can fill."""
     from tmagemm import inspection
     from tmagemm.triton import matmul_grouped_k as kernel
@@ -1458,7 +1490,7 @@ def test_groups_along_k_compile_for_sm90a():
 
     art = inspection.compile_triton(kernel.aot_spec())
     s = inspection.summarize(art)
-    assert s["sass UTMALDG"] > 0 and s["sass HGMMA"] > 0, s
+    assert s["sass UTMALDG"] > 0 and s["sass HGMMA"] > 0 and s["sass UTMASTG"] > 0, s
     assert art.spills == 0
     body = art.ptx[art.ptx.index(".entry"):]
     if HAS_GDC:
