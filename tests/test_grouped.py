@@ -520,6 +520,7 @@ def reduce_reference(a, b, offs):
     return out
 
 
+@pytest.mark.anydevice
 @pytest.mark.parametrize("a_k_major", [True, False], ids=["a_k_major", "a_m_major"])
 @pytest.mark.parametrize("b_n_major", [True, False], ids=["b_n_major", "b_k_major"])
 # Five groups: the persistent programs' last round is partial (and odd for CFG_K).
@@ -558,6 +559,7 @@ def test_groups_along_k(offs, a_k_major, b_n_major, config, out_dtype, seeded):
     check(got, want, REL_HALF_OUT, "public")
 
 
+@pytest.mark.anydevice
 @pytest.mark.parametrize("config, offs", [(CFG_K, [37, 37, 90, 96]), (None, [100, 170, 300, 300])],
                          ids=["16_row_steps", "default_config"])
 def test_groups_along_k_keep_other_groups_values_out(config, offs, seeded):
@@ -581,6 +583,7 @@ def test_groups_along_k_keep_other_groups_values_out(config, offs, seeded):
             assert torch.isfinite(args.out[g]).all()
 
 
+@pytest.mark.anydevice
 def test_groups_along_k_zero_sizes_and_one_row(seeded):
     a, b = torch.randn(8, 32, device=DEV).to(HALF), torch.randn(32, 16, device=DEV).to(HALF)
     offs = counts_tensor([10, 32])
@@ -606,6 +609,7 @@ def _grads(a, b, grad, counts, layout):
     return ga, gb
 
 
+@pytest.mark.anydevice
 @pytest.mark.parametrize("layout", list(GroupLayout), ids=lambda x: x.name.lower())
 @pytest.mark.parametrize("k_major", [True, False], ids=["b_k_major", "b_n_major"])
 def test_autograd_matches_the_reference(layout, k_major, seeded):
@@ -644,6 +648,7 @@ def test_autograd_matches_the_reference(layout, k_major, seeded):
         assert not b.grad[1].any() and not a.grad[0, 5:].any()
 
 
+@pytest.mark.anydevice
 def test_autograd_with_output_rows_off_16_bytes(seeded):
     """N = 12 (24-byte rows): the forward takes it with a K-major b, and the backward pads the
     output gradient's rows for its TMA reads instead of refusing it."""
@@ -659,6 +664,7 @@ def test_autograd_with_output_rows_off_16_bytes(seeded):
         assert err < (2e-3 if DEV == "cpu" else 8e-3), (name, err.item())
 
 
+@pytest.mark.anydevice
 @pytest.mark.parametrize("layout", list(GroupLayout), ids=lambda x: x.name.lower())
 def test_weight_grad_is_planned_once_per_signature(layout, seeded):
     """grouped.weight_grad (the backward's weight gradient) keeps its plan per call signature: a
@@ -677,6 +683,7 @@ def test_weight_grad_is_planned_once_per_signature(layout, seeded):
     assert [p.variant for p in grouped.cached_plans()] == ["triton.grouped_k"]
 
 
+@pytest.mark.anydevice
 def test_autograd_of_the_k_grouped_form(seeded):
     """The 2-D x 2-D form's gradients: d a[:, K_g] = grad[g] @ b[K_g]^T, d b[K_g] = a[:, K_g]^T @
     grad[g], zeros on the K rows no group covers."""
