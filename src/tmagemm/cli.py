@@ -3,6 +3,7 @@
     tmagemm bench [--preset sweep|llm|square|tma] [--m ..] [--n ..] [--k ..] [--dtype fp8|bf16|fp16]
     tmagemm bench --preset decode [--models llama3-8b,..] [--layers 8] [--m 1,16] [--dtype fp8|bf16]
     tmagemm bench --preset moe [--models deepseek-v3,..] [--m 1,64,256] [--dtype fp8|bf16] [--routing balanced,zipf]
+    tmagemm bench --preset moe-train [--models mixtral-8x7b,..] [--m 256,1024] [--routing balanced,zipf]
     tmagemm bench --preset model [--models llama3-8b,qwen3-8b] [--m 1,2,4,8,16] [--variants ..] [--compile-check]
     tmagemm report results/<run>/results.json
     tmagemm inspect triton.tma --dtype fp8 [--config block_m=128,block_n=256] | --cu FILE.cu [-D N=V]
@@ -59,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "(or with --check) run the Triton kernels under the Triton interpreter on small "
                            "shapes (fp16 and fp8 unless --dtype names one) and check them against float64; "
                            "no timing, so --preset, --graph and --budget-ms are refused there.")  # fmt: skip
-    bench.add_argument("--preset", choices=("sweep", "llm", "square", "block", "tma", "decode", "moe", "model"),
+    bench.add_argument("--preset", choices=("sweep", "llm", "square", "block", "tma", "decode", "moe", "moe-train",
+                                                 "model"),
                        default=None,
                        help="GPU only. sweep: M=1..8192 at N=K=4096 (default); llm: model projections; "
                             "square: 1024..16384; block: block-scaled FP8 checkpoint shapes (DeepSeek-V3, Qwen3; "
@@ -68,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "per-layer time vs cuBLAS, fp8 tensor/row/block and bf16, M=1..128; "
                             "moe: grouped expert GEMMs (DeepSeek-V3, Qwen3-MoE, Mixtral) vs torch's grouped ops "
                             "and a per-expert loop, contiguous and masked, one call per CUDA graph; "
+                            "moe-train: the same experts in training (bf16 forward, input and weight gradients, "
+                            "and a step through autograd) vs torch._grouped_mm, one step per CUDA graph; "
                             "model: decode tokens/s of a whole random 8B-shaped model (transformers Llama-3-8B "
                             "shape) in a CUDA graph, bf16 vs tmagemm.nn FP8 vs the same FP8 weights on torch's "
                             "fp8 GEMMs, batch 1-16, with logits and greedy-token checks")  # fmt: skip
@@ -96,10 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--models", type=lambda s: [p for p in s.split(",") if p],
                        help="--preset decode: comma-separated models (default all: llama3-8b, llama3-70b-tp4, "
                             "qwen2.5-7b, deepseek-v3); --preset moe: deepseek-v3, deepseek-v3-ep4, qwen3-235b-a22b, "
-                            "mixtral-8x7b (default all); --preset model: llama3-8b (default), qwen3-8b, "
+                            "mixtral-8x7b (default all); --preset moe-train: the same (default all but "
+                            "deepseek-v3, whose 256 experts need about 60 GB); --preset model: llama3-8b (default), qwen3-8b, "
                             "tiny")  # fmt: skip
     bench.add_argument("--routing", type=lambda s: [p for p in s.split(",") if p],
-                       help="--preset moe: comma-separated routings, balanced and/or zipf (default both)")
+                       help="--preset moe and moe-train: comma-separated routings, balanced and/or zipf "
+                            "(default both)")
     bench.add_argument("--layers", type=int, default=None,
                        help="--preset decode: layers per captured stack, each with its own weights (default 8); "
                             "--preset model: the model's depth (default its own, 32 for llama3-8b)")
@@ -228,6 +234,9 @@ def _check_mode_plan(args: argparse.Namespace):
     if args.preset and not (args.n or args.k):  # with --n/--k, _shapes names the conflict instead
         if args.preset == "tma":
             raise ValueError("--preset tma needs a GPU: it times TMA copies and NVRTC compiles")
+        if args.preset == "moe-train":
+            raise ValueError("--preset moe-train needs a GPU: it times CUDA-graph replay of the expert GEMMs of "
+                             "a training step (GBs of bf16 weights and gradients) against torch._grouped_mm")
         if args.preset == "moe":
             raise ValueError("--preset moe needs a GPU: it times CUDA-graph replay of grouped expert GEMMs "
                              "(up to 15 GB of expert weights per call) against torch's grouped ops")  # fmt: skip
@@ -339,14 +348,14 @@ def cmd_bench(args: argparse.Namespace, command: str) -> int:
     from .bench import envinfo
 
     _refuse_fp8_options_without_fp8(args)
-    if args.preset not in ("decode", "moe", "model") and (args.models or args.layers is not None):
+    if args.preset not in ("decode", "moe", "moe-train", "model") and (args.models or args.layers is not None):
         raise ValueError("--models and --layers apply to --preset decode only, and to --preset model (--models also to "
-                         "--preset moe)")
+                         "--preset moe and moe-train)")
     model_only = _given(args, "--variants", "--context", "--new-tokens", "--compile-check", "--init-std")
     if args.preset != "model" and model_only:
         raise ValueError(f"{', '.join(model_only)} apply to --preset model only")
-    if args.preset != "moe" and args.routing:
-        raise ValueError("--routing applies to --preset moe only")
+    if args.preset not in ("moe", "moe-train") and args.routing:
+        raise ValueError("--routing applies to --preset moe and moe-train only")
     if args.check or not torch.cuda.is_available():
         dtypes, checked, what = _check_mode_plan(args)
         out_dir = args.out or _default_out(what)
@@ -360,6 +369,8 @@ def cmd_bench(args: argparse.Namespace, command: str) -> int:
         return _bench_decode(args, command)
     if args.preset == "moe":
         return _bench_moe(args, command)
+    if args.preset == "moe-train":
+        return _bench_moe_train(args, command)
     if args.preset == "model":
         return _bench_model(args, command)
     if args.preset == "tma":
@@ -444,6 +455,28 @@ def _bench_moe(args: argparse.Namespace, command: str) -> int:
     )
     out_dir = args.out or _default_out(f"moe-{args.dtype or 'fp8+bf16'}")
     return _run_graphed(moe, config, out_dir)
+
+
+def _bench_moe_train(args: argparse.Namespace, command: str) -> int:
+    """``--preset moe-train`` (bench/moe_train.py): its own tables and records."""
+    from .bench import moe, moe_train
+
+    given = _given(args, "--n", "--k", "--providers", "--rowwise", "--exact-accum", "--graph", "--no-host-loop",
+                   "--layers", "--configs")
+    if args.dtype not in (None, "bf16"):
+        given.append(f"--dtype {args.dtype}")
+    if given:
+        raise ValueError(f"--preset moe-train times tmagemm vs torch._grouped_mm on bf16 expert GEMMs of a training "
+                         f"step, always as CUDA-graph replay; {', '.join(given)} do not apply (--models picks the "
+                         "models, --m the tokens per expert, --routing balanced,zipf)")  # fmt: skip
+    config = moe_train.MoETrainConfig(
+        models=moe_train.parse_models(args.models),
+        m_values=tuple(args.m or moe_train.DEFAULT_M),
+        routings=moe.parse_routings(args.routing),
+        command=command,
+        **({} if args.budget_ms is None else {"budget_ms": args.budget_ms}),
+    )
+    return _run_graphed(moe_train, config, args.out or _default_out("moe-train-bf16"))
 
 
 def _bench_model(args: argparse.Namespace, command: str) -> int:

@@ -433,7 +433,7 @@ def tables(records: list[dict[str, Any]]) -> dict[str, str]:
 # ------------------------------------------------------------------------------ GPU: operands
 
 
-def _randn(shape: tuple, dtype, device, gen, scale: float = 1.0):
+def randn(shape: tuple, dtype, device, gen, scale: float = 1.0):
     """randn in ``dtype``, made in float32 chunks along dim 0 of at most 2^28 elements."""
     import torch
 
@@ -464,8 +464,8 @@ def _weights(e: int, n: int, k: int, dtype: str, device) -> _Weights:
 
     gen = torch.Generator(device=device).manual_seed(SEED + n * 31 + k)
     if dtype == "bf16":  # unit-variance outputs
-        return _Weights(_randn((e, n, k), torch.bfloat16, device, gen, 1 / math.sqrt(k)))
-    w = _randn((e, n, k), torch.float8_e4m3fn, device, gen)
+        return _Weights(randn((e, n, k), torch.bfloat16, device, gen, 1 / math.sqrt(k)))
+    w = randn((e, n, k), torch.float8_e4m3fn, device, gen)
     return _Weights(w, (torch.rand(e, n, device=device, generator=gen) + 0.5) / math.sqrt(k))
 
 
@@ -483,7 +483,7 @@ def _inputs(case: Case, device) -> _Inputs:
     gen = torch.Generator(device=device).manual_seed(SEED + case.m)
     dt = torch.float8_e4m3fn if case.dtype == "fp8" else torch.bfloat16
     shape = (case.rows, case.k) if case.layout == "contiguous" else (case.e, case.max_m, case.k)
-    a = _randn(shape, dt, device, gen)
+    a = randn(shape, dt, device, gen)
     sa = torch.rand(shape[:-1], device=device, generator=gen) + 0.5 if case.dtype == "fp8" else None
     starts, acc = [], 0
     for c in case.counts:

@@ -182,40 +182,32 @@ def grouped_k_kernel(
         end = tl.sum(tl.where(idx == g, ends, 0), 0)
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if ALIGN_K == 1 and end - start >= BLOCK_K:
-            # Whole steps from the group's first row, then, if rows are left, one step on the box
-            # that ends at the group's last row: it lies inside the group, so only a's rows that
-            # the steps before counted are zeroed (in registers; b's box goes to the tensor cores
-            # as TMA loaded it).
-            full_steps = (end - start) // BLOCK_K
-            for i in range(full_steps):
-                kk = start + i * BLOCK_K
-                acc = tl.dot(_load_a(a_desc, off_m, kk, A_K_MAJOR), _load_b(b_desc, kk, off_n, B_N_MAJOR), acc)
-            done = start + full_steps * BLOCK_K
-            if done < end:
+        k = start
+        if ALIGN_K > 1:
+            # An operand contiguous along K_total: a box must start on 16 bytes there, so the first
+            # step starts at the aligned row below the group and masks the previous group's rows.
+            head = start - start % ALIGN_K
+            if head < start:
+                acc = _masked_step(acc, a_desc, b_desc, off_m, off_n, head, start, end, BLOCK_K, A_K_MAJOR,
+                                   B_N_MAJOR)
+                k = tl.minimum(head + BLOCK_K, end)
+        full_steps = (end - k) // BLOCK_K
+        for i in range(full_steps):
+            kk = k + i * BLOCK_K
+            acc = tl.dot(_load_a(a_desc, off_m, kk, A_K_MAJOR), _load_b(b_desc, kk, off_n, B_N_MAJOR), acc)
+        done = k + full_steps * BLOCK_K
+        if done < end:
+            if ALIGN_K == 1 and end - start >= BLOCK_K:
+                # The leftover rows on the box that ends at the group's last row: it lies inside
+                # the group, so only a's rows the steps before counted are zeroed (in registers;
+                # b's box goes to the tensor cores as TMA loaded it).
                 kk = end - BLOCK_K
                 a = _load_a(a_desc, off_m, kk, A_K_MAJOR)
                 a = tl.where((kk + tl.arange(0, BLOCK_K))[None, :] >= done, a, tl.zeros_like(a))
                 acc = tl.dot(a, _load_b(b_desc, kk, off_n, B_N_MAJOR), acc)
-        else:
-            # Fewer rows than a step, or an operand contiguous along K_total, where a box must
-            # start on 16 bytes: the first step starts at the aligned row at or below the group
-            # (masking the previous group's rows off), whole steps follow, and the last, partial
-            # step masks the rows at and past the group's end in both operands.
-            k = start
-            if ALIGN_K > 1:
-                head = start - start % ALIGN_K
-                if head < start:
-                    acc = _masked_step(acc, a_desc, b_desc, off_m, off_n, head, start, end, BLOCK_K, A_K_MAJOR,
-                                       B_N_MAJOR)
-                    k = tl.minimum(head + BLOCK_K, end)
-            full_steps = (end - k) // BLOCK_K
-            for i in range(full_steps):
-                kk = k + i * BLOCK_K
-                acc = tl.dot(_load_a(a_desc, off_m, kk, A_K_MAJOR), _load_b(b_desc, kk, off_n, B_N_MAJOR), acc)
-            k += full_steps * BLOCK_K
-            if k < end:
-                acc = _masked_step(acc, a_desc, b_desc, off_m, off_n, k, k, end, BLOCK_K, A_K_MAJOR, B_N_MAJOR)
+            else:  # a box from `done` reaches past the group's end: both operands masked
+                acc = _masked_step(acc, a_desc, b_desc, off_m, off_n, done, done, end, BLOCK_K, A_K_MAJOR,
+                                   B_N_MAJOR)
         if r == my_rounds - 1:  # what is left is this program's last store
             let_next_kernel_launch(PDL)
         _store(acc, out_desc, out_ptr, g, off_m, off_n, M, N, stride_oe, stride_om, stride_on, BLOCK_M, BLOCK_N,
