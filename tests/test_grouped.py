@@ -1483,6 +1483,141 @@ def test_native_builds_for_sm90a(config, ab, out):
     assert hinted == (config.cluster_m == 1)
 
 
+# ----------------------------------------------------------- the native weight gradient
+
+
+def _native_k_case(layout, counts, m, n, rows, dtype=torch.bfloat16, poison_group=None):
+    """x.t() and dy of the weight gradient, and the float64 reference (E, M, N). ``counts``:
+    contiguous offsets or masked counts; rows: K_total (contiguous) or rows per expert. NaN and
+    Inf go into the rows no group covers and, with ``poison_group``, into that group's rows."""
+    e = len(counts)
+    k_total = rows if layout == GroupLayout.CONTIGUOUS else e * rows
+    x = torch.randn(k_total, m, device="cuda").to(dtype)
+    dy = torch.randn(k_total, n, device="cuda").to(dtype)
+    spans = bounds(counts, layout, rows)
+    if layout != GroupLayout.CONTIGUOUS:
+        spans = [(g * rows + s_, g * rows + t) for g, (s_, t) in enumerate(spans)]
+    covered = torch.zeros(k_total, dtype=torch.bool)
+    for s_, t in spans:
+        covered[s_:t] = True
+    want = torch.zeros(e, m, n, dtype=torch.float64)
+    for g, (s_, t) in enumerate(spans):
+        want[g] = x[s_:t].double().cpu().t() @ dy[s_:t].double().cpu()
+    x[~covered.cuda()] = float("nan")
+    dy[~covered.cuda()] = float("inf")
+    if poison_group is not None:
+        s_, t = spans[poison_group]
+        x[s_:t:5] = float("nan")
+        dy[s_ + 1:t:5] = float("inf")
+    return x, dy, want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16_out", "fp32_out"])
+@pytest.mark.parametrize("ctas", [3, 0], ids=["3_ctas", "one_per_sm"])
+@pytest.mark.parametrize("layout, counts, m, n, rows", [
+    (GroupLayout.CONTIGUOUS, [13, 13, 200, 330, 330, 900], 200, 264, 1000),  # empty, short, leftover rows, past the end
+    (GroupLayout.CONTIGUOUS, [0, 640, 640], 128, 256, 640),  # one group takes all, whole k-blocks
+    (GroupLayout.CONTIGUOUS, [500, 300, 2000, 1500], 136, 520, 1700),  # decreasing and past-the-end offsets
+    (GroupLayout.MASKED, [5, 0, 130, 64, 200], 72, 264, 200),
+    (GroupLayout.BATCHED, None, 64, 256, 100),
+], ids=["ragged", "one_group", "bad_offsets", "masked", "batched"])
+def test_gpu_native_weight_grad_matches_float64(layout, counts, m, n, rows, ctas, out_dtype, seeded):
+    """The native weight gradient against float64 in every layout: empty groups give zeros,
+    short groups (< 64 rows) and leftover rows take the edge rules, M and N off the tile, NaN and
+    Inf in rows no group covers reach nothing; with 3 CTAs every CTA walks many items."""
+    from tmagemm.cuda import grouped_k as native_k
+
+    e = 3 if counts is None else len(counts)
+    x, dy, want = _native_k_case(layout, counts if counts is not None else [rows] * e, m, n, rows)
+    if layout == GroupLayout.CONTIGUOUS:
+        args = grouped.reduce_args(x.t(), dy, counts_tensor(counts), out_dtype, out=poisoned((e, m, n), out_dtype))
+    else:
+        args = grouped.weight_grad_args(x.reshape(e, rows, m), dy.reshape(e, rows, n),
+                                        masked_m=None if counts is None else counts_tensor(counts), out_dtype=out_dtype)
+        args = args._replace(out=poisoned((e, m, n), out_dtype))
+    assert native_k.unsupported_reason(args) is None
+    grouped.run(args, config=native_k.GroupedKConfig(ctas=ctas))
+    assert [p.variant for p in grouped.cached_plans()][-1:] != ["triton.grouped_k"]
+    check(args.out, want, 1e-5 if out_dtype == torch.float32 else REL_HALF_OUT, f"{layout.name} ctas={ctas}")
+
+
+@pytest.mark.gpu
+def test_gpu_native_weight_grad_keeps_other_groups_values_out(seeded):
+    """NaN and Inf in one group's rows of x and dy reach no other group's gradient: a short
+    group's box past its end and a long group's box ending at its last row."""
+    from tmagemm.cuda import grouped_k as native_k
+
+    offs = [40, 300, 330, 700]  # 40 rows (short), 260 (leftover 4), 30 (short), 370 (leftover 50)
+    for poisoned_group in range(len(offs)):
+        x, dy, want = _native_k_case(GroupLayout.CONTIGUOUS, offs, 128, 256, 700, poison_group=poisoned_group)
+        args = grouped.reduce_args(x.t(), dy, counts_tensor(offs), torch.float32, out=poisoned((4, 128, 256)))
+        grouped.run(args, config=native_k.GroupedKConfig(ctas=2))
+        for g in range(len(offs)):
+            if g != poisoned_group:
+                check(args.out[g], want[g], 1e-5, f"group {g}, poison in {poisoned_group}")
+
+
+@pytest.mark.gpu
+def test_gpu_weight_grad_dispatch_takes_the_native_kernel(seeded):
+    """grouped_mm(x.t(), dy, offs=...) and the autograd weight gradient run natively on Hopper;
+    operands contiguous along K_total keep the Triton kernel."""
+    x = torch.randn(304, 128, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(304, 256, device="cuda", dtype=torch.bfloat16)
+    offs = counts_tensor([100, 304])
+    plan.clear_plans()
+    grouped_mm(x.t(), dy, offs=offs)
+    assert [p.variant for p in grouped.cached_plans()] == ["cuda.grouped_k"]
+    plan.clear_plans()
+    grouped_mm(x.t().contiguous(), dy, offs=offs)
+    assert [p.variant for p in grouped.cached_plans()] == ["triton.grouped_k"]
+
+
+def test_native_weight_grad_refusals_name_the_reason(monkeypatch):
+    from tmagemm.cuda import grouped_k as native_k
+
+    x, dy = torch.empty(304, 128, dtype=torch.bfloat16), torch.empty(304, 256, dtype=torch.bfloat16)
+    offs = torch.tensor([100, 304], dtype=torch.int32)
+    args = grouped.reduce_args(x.t(), dy, offs)
+    assert "Hopper" in native_k.unsupported_reason(args)
+    monkeypatch.setattr(native_k._device, "is_hopper", lambda device: True)
+    assert native_k.unsupported_reason(args) is None
+    assert "contiguous along M" in native_k.unsupported_reason(grouped.reduce_args(x.t().contiguous(), dy, offs))
+    many = torch.arange(1, 1026, dtype=torch.int32)
+    assert "at most 1024" in native_k.unsupported_reason(grouped.reduce_args(x.t(), dy, many))
+    strided = torch.empty(4, 128, 256, dtype=torch.bfloat16)[::2]
+    assert "stacked" in native_k.unsupported_reason(args._replace(out=strided)) or \
+        "must be (E, M, N)" in native_k.unsupported_reason(args._replace(out=strided))
+    assert "zero-size" in native_k.unsupported_reason(grouped.reduce_args(x[:0].t(), dy[:0], offs))
+    with pytest.raises(ValueError, match="cuda.grouped_k: a must be contiguous along M"):
+        native_k.build(grouped.reduce_args(x.t().contiguous(), dy, offs))
+    # Shared memory: four stages fit up to ~128 groups with 16-bit output; more groups take fewer.
+    assert native_k.DEFAULT.fitted(64, 2).stages == 4 and native_k.DEFAULT.fitted(1024, 4).stages == 3
+    assert all(native_k.DEFAULT.fitted(e, size).is_valid(e, size) for e in (1, 256, 1024) for size in (2, 4))
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("ab, out", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)],
+                         ids=["bf16", "fp16_fp32_out"])
+def test_native_weight_grad_builds_for_sm90a(ab, out):
+    """The native weight gradient compiled for sm_90a: wgmma reading both operands transposed
+    (MN-major), not serialized, no spills, TMA loads and both stores (TMA inside a group's
+    block, 16-byte stores where a fragment reaches the next expert's rows), PDL's wait before the
+    first load."""
+    from tmagemm import jit
+    from tmagemm.cuda import grouped_k as native_k
+
+    module = native_k.compile_module(ab, out, native_k.DEFAULT.fitted(256, out.itemsize))
+    sass = jit.sass(module.cubin)
+    assert "LDL" not in sass and "STL" not in sass, "local memory (spills) in the kernel"
+    assert "are serialized" not in module.log
+    assert "HGMMA" in sass and "UTMALDG" in sass and "UTMASTG" in sass and "STG.E.128" in sass
+    body = module.ptx[module.ptx.index(".entry"):]
+    assert ", p, 1, 1, 1, 1;" in body  # wgmma's imm-trans-a and imm-trans-b
+    assert body.index("griddepcontrol.wait") < body.index("cp.async.bulk.tensor")
+    assert body.index("cp.async.bulk.tensor") < body.index("griddepcontrol.launch_dependents")
+
+
 # ------------------------------------------------------------------------ sm_90a, ahead of time
 
 

@@ -492,16 +492,21 @@ def run(args: GroupedArgs, config=None, key=None, num_sms: int | None = None) ->
 
 
 def _run_reduce(args: ReduceArgs, config, key) -> torch.Tensor:
-    """:func:`run` for the reduction form: the Triton kernel of ``triton/matmul_grouped_k.py``.
-    An empty K_total makes every group empty: zeros, without a kernel."""
+    """:func:`run` for the reduction form: the native kernel (``cuda/grouped_k.py``) where it is
+    preferred, else the Triton kernel of ``triton/matmul_grouped_k.py``. An empty K_total makes
+    every group empty: zeros, without a kernel."""
     if args.e == 0 or args.m == 0 or args.n == 0 or args.a.device.type == "meta":
         return args.out
     if args.k == 0:
         return args.out.zero_()
+    from .cuda import grouped_k as native_k
     from .triton import matmul_grouped_k
 
     with on_device(args.out.device):
-        plan = matmul_grouped_k.build(args, config)
+        if isinstance(config, native_k.GroupedKConfig) or (config is None and native_k.preferred(args)):
+            plan = native_k.build(args, config)
+        else:
+            plan = matmul_grouped_k.build(args, config)
     plan.run(*args.operands)
     if key is not None and not (args.out.is_cuda and torch.cuda.is_current_stream_capturing()):
         remember(key, _Call(plan, args.out))

@@ -81,8 +81,9 @@ __device__ __forceinline__ void fence_operand(float (&acc)[kRegs]) {
 
 // ---------------------------------------------------------------------------------------------
 // mma_async wrappers: D(64 x N, fp32, registers) += A(64 x K, smem) * B(K x N, smem).
-// Mma<N, type>::run(acc, desc_a, desc_b): 16-bit types take K = 16 per instruction and a
-// transpose bit for B (1 = B is MN-major); e4m3 takes K = 32 and K-major B only.
+// Mma<N, type>::run(acc, desc_a, desc_b): 16-bit types take K = 16 per instruction and transpose
+// bits for B and A (1 = the operand is MN-major: A for the weight gradient's x.t()); e4m3 takes
+// K = 32 and K-major operands only.
 // ---------------------------------------------------------------------------------------------
 #define TMAGEMM_WGMMA_D64 \
     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
@@ -111,18 +112,18 @@ struct Mma;
 // scale-d is a predicate from `accumulate`: 1 (the default) adds to D, which the fast path
 // zero-fills before the first k-block (so K = 0 still yields zeros); 0 overwrites D with A*B,
 // which the promoting mainloop uses to start each k-block's scratch sum.
-#define TMAGEMM_DEFINE_MMA_16BIT(N, NREG, TYPE_ID, PTX_TYPE, DA, DB, SD, TB)                         \
+#define TMAGEMM_DEFINE_MMA_16BIT(N, NREG, TYPE_ID, PTX_TYPE, DA, DB, SD, TB, TA)                     \
   template <>                                                                                       \
   struct Mma<N, TYPE_ID> {                                                                          \
     static constexpr int kRegs = NREG;                                                              \
-    template <int kTransB>                                                                          \
+    template <int kTransB, int kTransA = 0>                                                         \
     __device__ __forceinline__ static void run(float (&d)[NREG], u64 desc_a, u64 desc_b,          \
                                                int accumulate = 1) {                                \
       asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SD ", 0;\n"                                  \
                    "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE " {"     \
-                   TMAGEMM_WGMMA_D##NREG "}, " DA ", " DB ", p, 1, 1, 0, " TB ";\n}\n"              \
+                   TMAGEMM_WGMMA_D##NREG "}, " DA ", " DB ", p, 1, 1, " TA ", " TB ";\n}\n"         \
                    : TMAGEMM_F##NREG(d, 0)                                                          \
-                   : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransB));                      \
+                   : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransB), "n"(kTransA));        \
     }                                                                                               \
   };
 
@@ -142,10 +143,10 @@ struct Mma;
     }                                                                                               \
   };
 
-TMAGEMM_DEFINE_MMA_16BIT(128, 64, kF16, "f16", "%64", "%65", "%66", "%67")
-TMAGEMM_DEFINE_MMA_16BIT(128, 64, kBF16, "bf16", "%64", "%65", "%66", "%67")
-TMAGEMM_DEFINE_MMA_16BIT(256, 128, kF16, "f16", "%128", "%129", "%130", "%131")
-TMAGEMM_DEFINE_MMA_16BIT(256, 128, kBF16, "bf16", "%128", "%129", "%130", "%131")
+TMAGEMM_DEFINE_MMA_16BIT(128, 64, kF16, "f16", "%64", "%65", "%66", "%67", "%68")
+TMAGEMM_DEFINE_MMA_16BIT(128, 64, kBF16, "bf16", "%64", "%65", "%66", "%67", "%68")
+TMAGEMM_DEFINE_MMA_16BIT(256, 128, kF16, "f16", "%128", "%129", "%130", "%131", "%132")
+TMAGEMM_DEFINE_MMA_16BIT(256, 128, kBF16, "bf16", "%128", "%129", "%130", "%131", "%132")
 TMAGEMM_DEFINE_MMA_FP8(128, 64, "%64", "%65", "%66")
 TMAGEMM_DEFINE_MMA_FP8(256, 128, "%128", "%129", "%130")
 
