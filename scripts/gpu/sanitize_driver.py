@@ -1,6 +1,6 @@
 """Small ragged GEMMs through the public API, one launch each, for compute-sanitizer.
 
-    compute-sanitizer --tool racecheck python scripts/gpu/sanitize_driver.py
+    compute-sanitizer --tool racecheck python scripts/gpu/sanitize_driver.py [substring of case names]
 
 Run by scripts/gpu/check.sh (memcheck, racecheck, synccheck) with TMAGEMM_AUTOTUNE=0, so each
 case launches only the kernel its heuristic picks. The cases reach every kernel family the
@@ -12,7 +12,8 @@ both B layouts; the fused gate/up projection (split and unsplit) feeding a block
 kernel is launched with programmatic dependent launch (the default). Shapes are off the tile sizes; the larger ones have more tiles than SMs, so
 persistent CTAs walk several tiles. (The ping-pong schedule needs fp8 M >= 4096 with N, K >= 8192,
 too large for the sanitizer; the grouped kernel's ping-pong tiles run here.) Grouped GEMMs run
-both grouped kernels, the native one on each of its schedules, with counts that need clamping.
+both grouped kernels, the native one on each of its schedules, with counts that need clamping,
+and the native weight gradient (groups along K) over short groups, leftover rows and bad offsets.
 Each output is checked against float64; exits 1 if any case fails or is off.
 """
 
@@ -71,6 +72,13 @@ GROUPED_CASES = [
     ("block", "masked", 4, 200, 264, 576, [200, 0, 500, -3]),  # native, masked
     ("row", "contiguous", 4, 64, 264, 208, [10, 20, 20, 64]),  # Triton kernel (16 rows per group)
     ("row", "masked", 4, 32, 264, 208, [32, 1, 0, 40]),  # Triton, decode tiles
+]
+# Weight gradients (grouped GEMMs over K_total, the native kernel): (layout, E, rows (K_total or
+# max_m), M, N, counts): short groups (one box past their end), leftover rows (the box ending at
+# a group's last row), empty, decreasing and past-the-end offsets, counts past max_m.
+WEIGHT_GRAD_CASES = [
+    ("contiguous", 5, 1000, 136, 264, [40, 300, 250, 900, 1200]),
+    ("masked", 3, 200, 72, 264, [130, 0, 500]),
 ]
 # The fused gate/up projection (gate_up_silu_quant): (M, H, I); M = 3 splits K, M = 70 does not.
 GATE_UP_CASES = [(3, 1000, 256), (70, 576, 384)]
@@ -156,6 +164,29 @@ def grouped_case(scaling, layout, e, rows, n, k, counts):
     return torch.cat(got), torch.cat(ref)
 
 
+def weight_grad_case(layout, e, rows, m, n, counts):
+    """The weight gradient x_g^T @ dy_g of each group (grouped_mm's 2-D x 2-D form, or a masked
+    layout's through weight_grad), stacked, against float64."""
+    from tmagemm import grouped
+
+    contiguous = layout == "contiguous"
+    x = torch.randn(rows if contiguous else e * rows, m, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(x.shape[0], n, device="cuda", dtype=torch.bfloat16)
+    counts_t = torch.tensor(counts, dtype=torch.int32, device="cuda")
+    if contiguous:
+        out = tmagemm.grouped_mm(x.t(), dy, offs=counts_t)
+    else:
+        out = grouped.weight_grad(x.reshape(e, rows, m), dy.reshape(e, rows, n), masked_m=counts_t)
+    ref, end = [], 0
+    for g, c in enumerate(counts):  # the documented row rule
+        if contiguous:
+            start, end = end, max(end, min(max(c, 0), rows))
+        else:
+            start, end = g * rows, g * rows + min(max(c, 0), rows)
+        ref.append(x[start:end].double().t() @ dy[start:end].double())
+    return out.reshape(-1, n), torch.cat(ref)
+
+
 def gate_up_case(m, h, i):
     """Fused gate/up + SiLU*mul + 1x128 quantization, then a chained block GEMM on its output
     (PDL launches back to back); returns the dequantized h against float64."""
@@ -182,7 +213,11 @@ def main() -> int:
     cases += [(f"scaled_mm block {c[0]} {c[1]}x{c[2]}x{c[3]}", block_case, c) for c in BLOCK_CASES]
     cases += [(f"grouped {c[0]} {c[1]} E={c[2]} rows={c[3]} {c[4]}x{c[5]} counts={c[6]}", grouped_case, c)
               for c in GROUPED_CASES]
+    cases += [(f"weight_grad {c[0]} E={c[1]} rows={c[2]} {c[3]}x{c[4]} counts={c[5]}", weight_grad_case, c)
+              for c in WEIGHT_GRAD_CASES]
     cases += [(f"gate_up_silu_quant {c[0]}x{c[1]} I={c[2]}", gate_up_case, c) for c in GATE_UP_CASES]
+    if len(sys.argv) > 1:  # a substring of the case names: only those
+        cases = [c for c in cases if sys.argv[1] in c[0]]
     failed = 0
     for name, make, params in cases:
         try:
