@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Callable, TextIO
 
 from . import graphed, mlp_fusion
@@ -524,11 +524,8 @@ def _run_case(model: Model, recipe: str, m: int, ops: _Operands, config: DecodeC
     if graphs:
         times = graphed.time_graphs(graphs, config.budget_ms)
         for provider, ms in times.items():
-            ms.sort()
-            q = lambda f: ms[min(len(ms) - 1, int(f * len(ms)))]  # noqa: E731
-            rec = records[provider]
-            rec.update(layer_us=1e3 * q(0.5) / config.layers, layer_p20_us=1e3 * q(0.2) / config.layers,
-                       layer_p80_us=1e3 * q(0.8) / config.layers, replays=len(ms))  # fmt: skip
+            median, p20, p80 = graphed.replay_quantiles(ms, config.layers)
+            records[provider].update(layer_us=median, layer_p20_us=p20, layer_p80_us=p80, replays=len(ms))
     finals = {}
     for provider, stack in stacks.items():
         graphs[provider].replay()  # the check reads the outputs of a replay of this provider's own graph
@@ -553,15 +550,9 @@ def run(config: DecodeConfig, stream: TextIO | None = None) -> tuple[BenchResult
     """Time every (model, recipe, M) of ``config`` for both providers on the current GPU."""
     import torch
 
-    from . import envinfo
     from .runner import Progress
 
-    if not torch.cuda.is_available():
-        raise RuntimeError("--preset decode needs a CUDA GPU: it times CUDA-graph replay of model layer stacks")
-    device = torch.device("cuda", torch.cuda.current_device())
-    meta = envinfo.metadata(config.command)
-    meta["preset"] = NAME
-    meta["config"] = asdict(config)
+    device, meta = graphed.start_run(NAME, config, "it times CUDA-graph replay of model layer stacks")
     meta["models"] = {name: {"tp": MODELS[name].tp, "layer": [f"{p.name} {p.n}x{p.k} ({p.parallel})"
                                                                for p in MODELS[name].layer()]}
                       for name in config.models}  # fmt: skip

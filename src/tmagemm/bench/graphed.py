@@ -12,6 +12,24 @@ from typing import Any, Callable, Sequence
 from .results import OK, SCHEMA, BenchResult, error_text
 
 
+def start_run(preset: str, config, why: str):
+    """(device, metadata) a graph-timed preset's run starts from: the current GPU, and the
+    environment with the preset's name and config. Without a GPU: RuntimeError, "--preset
+    {preset} needs a CUDA GPU: {why}"."""
+    import dataclasses
+
+    import torch
+
+    from . import envinfo
+
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"--preset {preset} needs a CUDA GPU: {why}")
+    meta = envinfo.metadata(config.command)
+    meta["preset"] = preset
+    meta["config"] = dataclasses.asdict(config)
+    return torch.device("cuda", torch.cuda.current_device()), meta
+
+
 def copy_ceilings(device) -> dict[str, Any]:
     """A graph-timed preset's ``ceilings``: the measured device-to-device copy rate (1 GiB, bytes
     read + written), or why it could not be measured."""
@@ -137,6 +155,14 @@ def time_graphs(graphs: dict[str, Any], budget_ms: float, flush=None, rounds: in
             torch.cuda.synchronize()
             times[name] += [s.elapsed_time(e) for s, e in events]
     return times
+
+
+def replay_quantiles(ms: list[float], per: int = 1) -> tuple[float, float, float]:
+    """Median, 20th and 80th percentile of replay times ``ms`` (milliseconds), in microseconds per
+    ``per`` (e.g. per layer of a captured stack)."""
+    ordered = sorted(ms)
+    at = lambda f: 1e3 * ordered[min(len(ordered) - 1, int(f * len(ordered)))] / per  # noqa: E731
+    return at(0.5), at(0.2), at(0.8)
 
 
 def time_calls(calls: dict[str, Callable[[], Any]], budget_ms: float, rounds: int = 4) -> dict[str, list[float]]:

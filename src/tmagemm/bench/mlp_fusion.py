@@ -197,10 +197,8 @@ def run_case(model, m: int, weights: list[list[Any]], w_scales: list[dict], laye
             torch.cuda.synchronize()
     if graphs:
         for provider, ms in graphed.time_graphs(graphs, budget_ms).items():
-            ms.sort()
-            q = lambda f: ms[min(len(ms) - 1, int(f * len(ms)))]  # noqa: E731
-            records[provider].update(layer_us=1e3 * q(0.5) / layers, layer_p20_us=1e3 * q(0.2) / layers,
-                                     layer_p80_us=1e3 * q(0.8) / layers, replays=len(ms))
+            median, p20, p80 = graphed.replay_quantiles(ms, layers)
+            records[provider].update(layer_us=median, layer_p20_us=p20, layer_p80_us=p80, replays=len(ms))
     ref = reference(x, gate_up[-1], down[-1], s_gate_up, s_down) if chains else None
     for provider, chain in chains.items():
         graphs[provider].replay()  # the check reads a replay of this chain's own graph

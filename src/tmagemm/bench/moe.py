@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Callable, TextIO
 
 from . import graphed
@@ -184,6 +184,14 @@ class Case:
     def max_m(self) -> int | None:
         """Rows per expert of the masked A buffer (the busiest expert's count), None if contiguous."""
         return max(self.counts) if self.layout == "masked" else None
+
+
+def models_metadata(names: tuple[str, ...]) -> dict[str, dict]:
+    """What a run's metadata says of each model: experts on the GPU, top-k, expert parallelism,
+    projection shapes."""
+    return {name: {"experts": MODELS[name].experts, "top_k": MODELS[name].top_k, "ep": MODELS[name].ep,
+                   "projections": [f"{p.name} {p.n}x{p.k}" for p in MODELS[name].projections()]}
+            for name in names}
 
 
 def layouts_for(e: int, m: int) -> tuple[str, ...]:
@@ -630,9 +638,8 @@ def _run_case(case: Case, ws: _Weights, config: MoEConfig, device, flush) -> lis
     if graphs:
         times = graphed.time_graphs(graphs, config.budget_ms, flush if flushed else None)
         for provider, ms in times.items():
-            ms.sort()
-            q = lambda f: 1e3 * ms[min(len(ms) - 1, int(f * len(ms)))]  # noqa: E731
-            records[provider].update(us=q(0.5), p20_us=q(0.2), p80_us=q(0.8), replays=len(ms), l2_flushed=flushed)
+            median, p20, p80 = graphed.replay_quantiles(ms)
+            records[provider].update(us=median, p20_us=p20, p80_us=p80, replays=len(ms), l2_flushed=flushed)
     refs = _references(case, ws, x)
     checked = f"{len(refs)} of {sum(1 for c in case.counts if c)} experts, <= {CHECK_ROWS} rows each"
     for provider, graph in graphs.items():
@@ -651,19 +658,11 @@ def run(config: MoEConfig, stream: TextIO | None = None) -> tuple[BenchResult, l
     """Time every case of ``config`` for every provider on the current GPU."""
     import torch
 
-    from . import envinfo
     from .runner import Progress
     from .timing import FLUSH_BYTES
 
-    if not torch.cuda.is_available():
-        raise RuntimeError("--preset moe needs a CUDA GPU: it times CUDA-graph replay of grouped expert GEMMs")
-    device = torch.device("cuda", torch.cuda.current_device())
-    meta = envinfo.metadata(config.command)
-    meta["preset"] = NAME
-    meta["config"] = asdict(config)
-    meta["models"] = {name: {"experts": MODELS[name].experts, "top_k": MODELS[name].top_k, "ep": MODELS[name].ep,
-                             "projections": [f"{p.name} {p.n}x{p.k}" for p in MODELS[name].projections()]}
-                      for name in config.models}  # fmt: skip
+    device, meta = graphed.start_run(NAME, config, "it times CUDA-graph replay of grouped expert GEMMs")
+    meta["models"] = models_metadata(config.models)
     meta["routing"] = {"zipf_s": ZIPF_S, "seed": SEED, "max_rows": MAX_ROWS, "masked_max_m": MASKED_MAX_M}
     meta["ceilings"] = ceilings = graphed.copy_ceilings(device)
     flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device=device)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Callable, TextIO
 
 from . import graphed, moe
@@ -324,9 +324,8 @@ def _run_step(case: Case, step: str, ops: _Operands, config: MoETrainConfig, flu
     if graphs:
         times = graphed.time_graphs(graphs, config.budget_ms, flush if flushed else None)
         for provider, ms in times.items():
-            ms.sort()
-            q = lambda f: 1e3 * ms[min(len(ms) - 1, int(f * len(ms)))]  # noqa: E731
-            records[provider].update(us=q(0.5), p20_us=q(0.2), p80_us=q(0.8), replays=len(ms), l2_flushed=flushed)
+            median, p20, p80 = graphed.replay_quantiles(ms)
+            records[provider].update(us=median, p20_us=p20, p80_us=p80, replays=len(ms), l2_flushed=flushed)
     checked = f"{len(moe.check_experts(case.counts))} of {sum(1 for c in case.counts if c)} experts"
     for provider, graph in graphs.items():
         if step == "step":
@@ -346,20 +345,11 @@ def run(config: MoETrainConfig, stream: TextIO | None = None) -> tuple[BenchResu
     """Time every case and step of ``config`` for both providers on the current GPU."""
     import torch
 
-    from . import envinfo
     from .runner import Progress
     from .timing import FLUSH_BYTES
 
-    if not torch.cuda.is_available():
-        raise RuntimeError("--preset moe-train needs a CUDA GPU: it times CUDA-graph replay of grouped expert GEMMs")
-    device = torch.device("cuda", torch.cuda.current_device())
-    meta = envinfo.metadata(config.command)
-    meta["preset"] = NAME
-    meta["config"] = asdict(config)
-    meta["models"] = {name: {"experts": moe.MODELS[name].experts, "top_k": moe.MODELS[name].top_k,
-                             "ep": moe.MODELS[name].ep,
-                             "projections": [f"{p.name} {p.n}x{p.k}" for p in moe.MODELS[name].projections()]}
-                      for name in config.models}  # fmt: skip
+    device, meta = graphed.start_run(NAME, config, "it times CUDA-graph replay of grouped expert GEMMs")
+    meta["models"] = moe.models_metadata(config.models)
     meta["routing"] = {"zipf_s": moe.ZIPF_S, "seed": moe.SEED, "max_rows": moe.MAX_ROWS}
     flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device=device)
     cases = config.cases()
