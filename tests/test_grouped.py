@@ -680,7 +680,8 @@ def test_weight_grad_is_planned_once_per_signature(layout, seeded):
         got = grouped.weight_grad(a, grad, out_dtype=torch.float32, **kw)
         _, want = _grads(a, torch.zeros(e, k, n, dtype=HALF), grad, counts, layout)
         check(got, want, 1e-5, layout.name)
-    assert [p.variant for p in grouped.cached_plans()] == ["triton.grouped_k"]
+    # x.t() and grad contiguous along N: the native kernel on a Hopper GPU, the Triton one on the CPU
+    assert [p.variant for p in grouped.cached_plans()] == ["cuda.grouped_k" if DEV == "cuda" else "triton.grouped_k"]
 
 
 @pytest.mark.anydevice
