@@ -79,17 +79,6 @@ class GroupedKConfig:
 DEFAULT = GroupedKConfig()
 
 
-def _out_rows(out: torch.Tensor) -> torch.Tensor | None:
-    """out (E, M, N) as the (E x M, N) rows the kernel's output map and clipped stores address,
-    or None when its experts are not stacked at one stride."""
-    e, m, n = out.shape
-    if n > 1 and out.stride(2) != 1:
-        return None
-    if e > 1 and m > 0 and out.stride(0) != m * out.stride(1):
-        return None
-    return out.as_strided((e * m, n), (out.stride(1), 1))
-
-
 def unsupported_reason(args: ReduceArgs, config: GroupedKConfig | None = None) -> str | None:
     """None when the native kernel computes ``args`` (with ``config``), else why not."""
     if not _device.is_hopper(args.out.device):
@@ -103,9 +92,11 @@ def unsupported_reason(args: ReduceArgs, config: GroupedKConfig | None = None) -
         return f"{args.e} groups: the native kernel's table holds at most {MAX_GROUPS}"
     if args.out.dtype not in _OUT_TYPES:
         return f"out dtype {args.out.dtype} is not fp16, bf16 or fp32"
-    rows = _out_rows(args.out)
+    if args.n > 1 and args.out.stride(2) != 1:
+        return f"out (stride {tuple(args.out.stride())}) must be contiguous along N (the Triton kernel stores any strides)"
+    rows = tma.stacked_rows(args.out)  # the output map's and clipped stores' (E x M, N) rows
     if rows is None:
-        return f"out {tuple(args.out.shape)} (stride {tuple(args.out.stride())}) must be (E, M, N) rows contiguous along N"
+        return f"out {tuple(args.out.shape)} (stride {tuple(args.out.stride())}): its experts are not stacked at one stride"
     reason = tma.store_reason(rows)
     if reason:
         return reason
@@ -147,7 +138,7 @@ class _Launch:
         # Both operands as stored: x (K_total, M) and b (K_total, N), boxes of 64 rows x 64 columns.
         self._maps = (MapsByAddress(params_for_tensor(args.a.t(), (64, 64))),
                       MapsByAddress(params_for_tensor(args.b, (64, 64))),
-                      MapsByAddress(params_for_tensor(_out_rows(args.out), (64, _ROW_BYTES // out_size))))
+                      MapsByAddress(params_for_tensor(tma.stacked_rows(args.out), (64, _ROW_BYTES // out_size))))
         params = self.params = _Params()
         params.m, params.n, params.k, params.group_m = args.m, args.n, args.k, config.group_m
         params.alpha = 1.0
