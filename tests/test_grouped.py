@@ -684,6 +684,90 @@ def test_weight_grad_is_planned_once_per_signature(layout, seeded):
     assert [p.variant for p in grouped.cached_plans()] == ["cuda.grouped_k" if DEV == "cuda" else "triton.grouped_k"]
 
 
+def columns_reference(a, b, offs):
+    """float64 (M, N_total): out[:, N_g] = a[g] @ b[:, N_g] over the documented groups; NaN in the
+    columns no group covers."""
+    a, b = a.double().cpu(), b.double().cpu()
+    out = torch.full((a.shape[1], b.shape[1]), float("nan"), dtype=torch.float64)
+    for g, (s_, t) in enumerate(bounds(offs, GroupLayout.CONTIGUOUS, b.shape[1])):
+        out[:, s_:t] = a[g] @ b[:, s_:t]
+    return out
+
+
+@pytest.mark.anydevice
+@pytest.mark.parametrize("b_n_major", [True, False], ids=["b_row_major", "b_column_major"])
+@pytest.mark.parametrize("m, offs", [(17, [30, 30, 90]), (1, [0, 64, 64]), (24, [50, 20, 200])],
+                         ids=["ragged_and_empty", "m1_one_group", "decreasing_and_past_end"])
+def test_groups_along_n(m, offs, b_n_major, seeded):
+    """torch._grouped_mm's 3-D x 2-D form: out[:, N_g] = a[g] @ b[:, N_g] with b row- or
+    column-major, empty groups, bad offsets clamped by the row rule; the columns no group covers
+    keep out's values (NaN poison here), and b is not modified."""
+    g, k, n_total = len(offs), 32, 96
+    a = torch.randn(g, m, k, device=DEV).to(HALF)
+    b = torch.randn(k, n_total, device=DEV).to(HALF) if b_n_major else torch.randn(n_total, k, device=DEV).to(HALF).t()
+    b_before = b.clone()
+    out = poisoned((m, n_total), torch.float32)
+    got = grouped_mm(a, b, offs=counts_tensor(offs), out_dtype=torch.float32, out=out)
+    assert got.data_ptr() == out.data_ptr() and got.shape == (m, n_total)
+    check(out, columns_reference(a, b, offs), 1e-5, f"offs={offs}")
+    assert torch.equal(b, b_before)
+    fresh = grouped_mm(a, b, offs=counts_tensor(offs))  # a new (M, N_total) output, a's dtype
+    assert fresh.shape == (m, n_total) and fresh.dtype == HALF and fresh.stride() == (n_total, 1)
+    want = columns_reference(a, b, offs)
+    covered = ~torch.isnan(want)
+    err = (fresh.double().cpu()[covered] - want[covered]).norm() / want[covered].norm()
+    assert err < REL_HALF_OUT, err.item()
+
+
+@pytest.mark.anydevice
+def test_autograd_of_the_n_grouped_form(seeded):
+    """The 3-D x 2-D form's gradients: d a[g] = grad[:, N_g] @ b[:, N_g]^T (zeros for an empty
+    group), d b[:, N_g] = a[g]^T @ grad[:, N_g], zeros on the columns no group covers; and
+    torch.compile (AOTAutograd) traces both directions with the same gradients."""
+    g, m, k, n_total = 3, 24, 32, 80
+    offs = [30, 30, 70]
+    a = torch.randn(g, m, k, device=DEV).to(HALF)
+    b = torch.randn(k, n_total, device=DEV).to(HALF)
+    grad = torch.randn(m, n_total, device=DEV).to(HALF)
+    ga, gb = torch.zeros(g, m, k, dtype=torch.float64), torch.zeros(k, n_total, dtype=torch.float64)
+    a64, b64, g64 = a.double().cpu(), b.double().cpu(), grad.double().cpu()
+    for i, (s_, t) in enumerate(bounds(offs, GroupLayout.CONTIGUOUS, n_total)):
+        ga[i] = g64[:, s_:t] @ b64[:, s_:t].t()
+        gb[:, s_:t] = a64[i].t() @ g64[:, s_:t]
+
+    offs_t, grad_f = counts_tensor(offs), grad.float()
+
+    def loss(a_, b_):  # d loss / d out = grad
+        return (grouped_mm(a_, b_, offs=offs_t).float() * grad_f).sum()
+
+    torch._dynamo.reset()
+    for fn in (loss, torch.compile(loss, fullgraph=True, backend="aot_eager")):
+        a_, b_ = a.clone().requires_grad_(), b.clone().requires_grad_()
+        fn(a_, b_).backward()
+        for got, want, name in ((a_.grad, ga, "d a"), (b_.grad, gb, "d b")):
+            err = (got.double().cpu() - want).norm() / want.norm()
+            assert err < (2e-3 if DEV == "cpu" else 8e-3), (name, err.item())
+        assert not a_.grad[1].any() and not b_.grad[:, 70:].any()
+    torch._dynamo.reset()
+
+
+def test_groups_along_n_errors():
+    a, b = torch.randn(2, 8, 32).to(HALF), torch.randn(32, 40).to(HALF)
+    offs = counts_tensor([10, 40])
+    with pytest.raises(ValueError, match="offs is required for a 3-D a"):
+        grouped_mm(a, b)
+    with pytest.raises(ValueError, match="masked_m takes a 3-D a and b"):
+        grouped_mm(a, b, masked_m=offs)
+    with pytest.raises(ValueError, match="offs has 3 groups but a has 2"):
+        grouped_mm(a, b, offs=counts_tensor([10, 20, 40]))
+    with pytest.raises(ValueError, match=r"a.shape\[2\] \(32\) must equal b.shape\[0\] \(16\)"):
+        grouped_mm(a, b[:16], offs=offs)
+    with pytest.raises(ValueError, match=r"out has shape \(40, 8\) but the result is \(8, 40\)"):
+        grouped_mm(a, b, offs=offs, out=torch.empty(40, 8, dtype=HALF))
+    with pytest.raises(TypeError, match="offs must be int32"):
+        grouped_mm(a, b, offs=offs.long())
+
+
 @pytest.mark.anydevice
 def test_autograd_of_the_k_grouped_form(seeded):
     """The 2-D x 2-D form's gradients: d a[:, K_g] = grad[g] @ b[K_g]^T, d b[K_g] = a[:, K_g]^T @
@@ -780,7 +864,8 @@ def _ops16(e=2, m=8, k=32, n=16):
     (lambda a, b, o: grouped_mm(a, b[0], masked_m=o), ValueError, "masked_m takes a 3-D a and b"),
     (lambda a, b, o: grouped_mm(a, b[0]), ValueError, "offs is required for a 2-D b"),
     (lambda a, b, o: grouped_mm(a, b[0, :16], offs=o), ValueError, "must share their grouped dimension K_total"),
-    (lambda a, b, o: grouped_mm(a[None], b[0], offs=o), ValueError, "the 2-D x 2-D form takes a"),
+    (lambda a, b, o: grouped_mm(a[None], b[0], offs=o), ValueError, "offs has 2 groups but a has 1"),
+    (lambda a, b, o: grouped_mm(a[None, None], b[0], offs=o), ValueError, "the 2-D x 2-D form takes a"),
     (lambda a, b, o: grouped_mm(a, b[0], offs=o[None]), ValueError, r"offs must be 1-D \(E,\)"),
     (lambda a, b, o: grouped_mm(a, torch.randn(16, 64, device=DEV).to(HALF)[:, ::2].t(), offs=o), ValueError,
      r"b \(32, 16\) must be contiguous along N or K_total"),

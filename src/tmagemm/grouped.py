@@ -261,6 +261,9 @@ def mm_args(a, b, *, offs=None, masked_m=None, out_dtype=None, out=None, tracing
         raise TypeError(f"a and b must both be bfloat16 or both float16, got a {a.dtype} and b {b.dtype}"
                         + ("; use grouped_scaled_mm for fp8" if a.element_size() == 1 else ""))
     out_dtype = a.dtype if out_dtype is None else out_dtype
+    if b.dim() == 2 and a.dim() == 3:
+        rows, weights, out_rows = columns_form(a, b, offs, masked_m, out_dtype, out, tracing)
+        return mm_args(rows, weights, offs=offs, out_dtype=out_dtype, out=out_rows, tracing=tracing)
     if b.dim() == 2:
         if masked_m is not None:
             raise ValueError("masked_m takes a 3-D a and b; a 2-D b (K_total, N) takes offs, its groups along K_total")
@@ -268,6 +271,32 @@ def mm_args(a, b, *, offs=None, masked_m=None, out_dtype=None, out=None, tracing
     layout, b_k_major, counts = _layout(a, b, offs, masked_m, fp8=False, tracing=tracing)
     out = _out(out, _out_shape(a, b), out_dtype, a.device, allocate=not tracing)
     return GroupedArgs(a, b, out, counts, None, None, None, layout, b_k_major)
+
+
+def columns_form(a, b, offs, masked_m, out_dtype, out, tracing=False):
+    """torch's 3-D x 2-D form, ``out[:, N_g] = a[g] @ b[:, N_g]`` with a (G, M, K), b (K, N_total)
+    and ``offs`` the cumulative ends of the groups along N_total (the row rule of the other forms),
+    checked and turned into the contiguous 2-D x 3-D form of its transpose, ``out^T[N_g] =
+    b^T[N_g] @ a[g]^T``: (rows, weights, out rows) = (b^T contiguous along K (a copy unless b is
+    column-major), a.transpose(1, 2), out.t() of the (M, N_total) output, allocated unless
+    tracing)."""
+    if masked_m is not None:
+        raise ValueError("masked_m takes a 3-D a and b; a 3-D a with a 2-D b (K, N_total) takes offs, its groups "
+                         "along N_total")
+    if offs is None:
+        raise ValueError("offs is required for a 3-D a (G, M, K) with a 2-D b (K, N_total): the cumulative ends of the "
+                         "groups along N_total")
+    _offsets(offs, a.device)
+    g, m, k = a.shape
+    if offs.shape[0] != g:
+        raise ValueError(f"offs has {offs.shape[0]} groups but a has {g} (shape {tuple(a.shape)})")
+    if b.shape[0] != k:
+        raise ValueError(f"inner dimensions differ: a is {tuple(a.shape)} (G, M, K) but b is {tuple(b.shape)} (K, "
+                         f"N_total); a.shape[2] ({k}) must equal b.shape[0] ({b.shape[0]})")
+    _same_device(b, "b", a.device)
+    out = _out(out, (m, b.shape[1]), out_dtype, a.device, allocate=not tracing)
+    rows = b.t() if b.shape[1] <= 1 or b.shape[0] <= 1 or b.stride(0) == 1 else b.t().contiguous()
+    return rows, a.transpose(1, 2), None if out is None else out.t()
 
 
 def _major(t: torch.Tensor, name: str, dims: tuple[str, str]) -> bool:
@@ -560,8 +589,8 @@ def cached_plans() -> list[Plan]:
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, *, offs: torch.Tensor | None = None,
                masked_m: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
-    """Grouped BF16/FP16 GEMM with fp32 accumulation (``torch._grouped_mm``'s 2-D x 3-D, 3-D x 3-D
-    and 2-D x 2-D forms, plus the masked layout). Differentiable, except with ``out=``.
+    """Grouped BF16/FP16 GEMM with fp32 accumulation (``torch._grouped_mm``'s 2-D x 3-D, 3-D x 3-D,
+    2-D x 2-D and 3-D x 2-D forms, plus the masked layout). Differentiable, except with ``out=``.
 
     a: (M_total, K) with ``offs``, or (E, max_m, K) with ``masked_m`` (or neither: batched);
     K contiguous. b: (E, K, N), K-major (``w.transpose(1, 2)`` of (E, N, K) weights) or N-major.
@@ -570,6 +599,9 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, *, offs: torch.Tensor | None = 
     ``offs`` the cumulative ends of the groups along K_total (the same rule): out (E, M, N),
     ``out[g] = a[:, K_g] @ b[K_g, :]``, zeros for an empty group (the weight gradient of an MoE
     layer: ``grouped_mm(x.t(), dy, offs=offs)``).
+    3-D x 2-D: a (G, M, K) and b (K, N_total) with ``offs`` the cumulative ends of the groups
+    along N_total: out (M, N_total), ``out[:, N_g] = a[g] @ b[:, N_g]``, run as the 2-D x 3-D form
+    of its transpose (b is copied once to be contiguous along K unless it is column-major).
     out_dtype: defaults to a.dtype; bfloat16, float16 or float32. out: preallocated result;
     rows no group covers keep their values (with out=None they are uninitialised).
     Strides: every non-innermost stride of a and b a multiple of 16 bytes (TMA), as torch requires.
@@ -587,6 +619,10 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, *, offs: torch.Tensor | None = 
             raise ValueError("grouped_mm: out= is not differentiable; call without out= (or under torch.no_grad())")
         torch.ops.tmagemm.grouped_mm_out(a, b, offs, masked_m, out)
         return out
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == 3 and b.dim() == 2:
+        rows, weights, out_rows = columns_form(a, b, offs, masked_m, a.dtype if out_dtype is None else out_dtype, out)
+        grouped_mm(rows, weights, offs=offs, out_dtype=out_rows.dtype, out=out_rows)
+        return out_rows.t()
     counts = offs if masked_m is None else masked_m
     try:
         key = ("grouped_mm", tensor_key(a), tensor_key(b), tensor_key(offs), tensor_key(masked_m), tensor_key(out),

@@ -125,6 +125,8 @@ def grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = 
 
 
 def _grouped_out_shape(a, b, offs) -> tuple:
+    if b.dim() == 2 and a.dim() == 3:  # 3-D x 2-D: (M, N_total), groups along N_total
+        return (a.shape[1], b.shape[1])
     if b.dim() == 2:  # 2-D x 2-D: one (M, N) block per group along K_total
         return (offs.shape[0], a.shape[0], b.shape[1])
     return (*a.shape[:-1], b.shape[2])
@@ -261,6 +263,17 @@ def _grouped_mm_backward(ctx, grad):
     a, b, offs, masked_m = ctx.saved_tensors
     grad = _rows_for_tma(grad.to(a.dtype))
     grad_a = grad_b = None
+    if b.dim() == 2 and a.dim() == 3:
+        # out[:, N_g] = a[g] @ b[:, N_g]: d(a)[g] = grad[:, N_g] @ b[:, N_g]^T is the 2-D x 2-D form
+        # (groups along N_total; an empty group's gradient is zeros), and d(b)^T[N_g] =
+        # grad[:, N_g]^T @ a[g] the contiguous form, zeros on the columns of b no group covers.
+        if ctx.needs_input_grad[0]:
+            grad_a = torch.ops.tmagemm.grouped_mm(grad, b.t(), offs, None, a.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_b = torch.empty_like(b, memory_format=torch.contiguous_format)
+            torch.ops.tmagemm.grouped_mm_out(grad.t().contiguous(), a, offs, None, grad_b.t())
+            torch.ops.tmagemm.grouped_zero_uncovered_rows(grad_b.t(), offs, None)
+        return grad_a, grad_b, None, None, None
     if b.dim() == 2:
         # out[g] = a[:, K_g] @ b[K_g]: the gradients' rows along K_total are the contiguous form,
         # d(a)^T[K_g] = b[K_g] @ grad[g]^T and d(b)[K_g] = a[:, K_g]^T @ grad[g].
