@@ -700,8 +700,9 @@ def columns_reference(a, b, offs):
                          ids=["ragged_and_empty", "m1_one_group", "decreasing_and_past_end"])
 def test_groups_along_n(m, offs, b_n_major, seeded):
     """torch._grouped_mm's 3-D x 2-D form: out[:, N_g] = a[g] @ b[:, N_g] with b row- or
-    column-major, empty groups, bad offsets clamped by the row rule; the columns no group covers
-    keep out's values (NaN poison here), and b is not modified."""
+    column-major, empty groups, bad offsets clamped by the row rule, into a row-major out= (its
+    rows copied in), a column-major one and a new one; the columns no group covers keep out's
+    values (NaN poison here), and b is not modified."""
     g, k, n_total = len(offs), 32, 96
     a = torch.randn(g, m, k, device=DEV).to(HALF)
     b = torch.randn(k, n_total, device=DEV).to(HALF) if b_n_major else torch.randn(n_total, k, device=DEV).to(HALF).t()
@@ -711,12 +712,17 @@ def test_groups_along_n(m, offs, b_n_major, seeded):
     assert got.data_ptr() == out.data_ptr() and got.shape == (m, n_total)
     check(out, columns_reference(a, b, offs), 1e-5, f"offs={offs}")
     assert torch.equal(b, b_before)
-    fresh = grouped_mm(a, b, offs=counts_tensor(offs))  # a new (M, N_total) output, a's dtype
-    assert fresh.shape == (m, n_total) and fresh.dtype == HALF and fresh.stride() == (n_total, 1)
     want = columns_reference(a, b, offs)
     covered = ~torch.isnan(want)
+    # A new output (a's dtype): column-major, the transpose's rows written in place.
+    fresh = grouped_mm(a, b, offs=counts_tensor(offs))
+    assert fresh.shape == (m, n_total) and fresh.dtype == HALF and (m == 1 or fresh.stride() == (1, m))
     err = (fresh.double().cpu()[covered] - want[covered]).norm() / want[covered].norm()
     assert err < REL_HALF_OUT, err.item()
+    # A column-major out= is written in place as well; the uncovered columns keep its values.
+    out_cm = poisoned((n_total, m), torch.float32).t()
+    assert grouped_mm(a, b, offs=counts_tensor(offs), out_dtype=torch.float32, out=out_cm).data_ptr() == out_cm.data_ptr()
+    check(out_cm, want, 1e-5, f"column-major out, offs={offs}")
 
 
 @pytest.mark.anydevice
@@ -736,6 +742,10 @@ def test_autograd_of_the_n_grouped_form(seeded):
         gb[:, s_:t] = a64[i].t() @ g64[:, s_:t]
 
     offs_t, grad_f = counts_tensor(offs), grad.float()
+    # The op's fake output has the real one's strides (column-major), as torch.compile assumes.
+    real = grouped_mm(a, b, offs=offs_t)
+    fake = torch.ops.tmagemm.grouped_mm(a.to("meta"), b.to("meta"), offs_t.to("meta"))
+    assert fake.shape == real.shape and fake.stride() == real.stride() == (1, m)
 
     def loss(a_, b_):  # d loss / d out = grad
         return (grouped_mm(a_, b_, offs=offs_t).float() * grad_f).sum()

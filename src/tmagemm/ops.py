@@ -124,17 +124,14 @@ def grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = 
         return grouped.grouped_mm(a, b, offs=offs, masked_m=masked_m, out_dtype=out_dtype)
 
 
-def _grouped_out_shape(a, b, offs) -> tuple:
-    if b.dim() == 2 and a.dim() == 3:  # 3-D x 2-D: (M, N_total), groups along N_total
-        return (a.shape[1], b.shape[1])
-    if b.dim() == 2:  # 2-D x 2-D: one (M, N) block per group along K_total
-        return (offs.shape[0], a.shape[0], b.shape[1])
-    return (*a.shape[:-1], b.shape[2])
-
-
 @grouped_mm_op.register_fake
 def _(a, b, offs=None, masked_m=None, out_dtype=None):
-    return a.new_empty(_grouped_out_shape(a, b, offs), dtype=a.dtype if out_dtype is None else out_dtype)
+    dtype = a.dtype if out_dtype is None else out_dtype
+    if b.dim() == 2 and a.dim() == 3:  # 3-D x 2-D: (M, N_total) column-major, the transpose's rows
+        return a.new_empty((b.shape[1], a.shape[1]), dtype=dtype).t()
+    if b.dim() == 2:  # 2-D x 2-D: one (M, N) block per group along K_total
+        return a.new_empty((offs.shape[0], a.shape[0], b.shape[1]), dtype=dtype)
+    return a.new_empty((*a.shape[:-1], b.shape[2]), dtype=dtype)
 
 
 @torch.library.custom_op("tmagemm::grouped_zero_uncovered_rows", mutates_args=("out",))
