@@ -12,8 +12,9 @@
 // items (group, 128 x BLOCK_N output tile) in that order, in rounds of gridDim.x items, CTA c
 // taking item c of even rounds and gridDim.x - 1 - c of odd ones (the items of a round shrink
 // along it, so each CTA's sum of K loops stays even). One producer thread streams every item's
-// k-blocks while the two consumer warpgroups (64 rows each) multiply the current one and store
-// the one before: a short group's tile (a few k-blocks and a 64 KB store) costs no pipeline fill.
+// k-blocks, running ahead into the next item while the two consumer warpgroups (64 rows each)
+// finish the current one's wgmmas and store it: a short group's tile (a few k-blocks and a 64 KB
+// store) costs no pipeline fill.
 //
 // Group edges: no value of another group may reach a result, not even an Inf or NaN through a
 // zero of the other operand. A group of at least 64 rows runs whole k-blocks from its first row
