@@ -277,8 +277,8 @@ def columns_form(a, b, offs, masked_m, out_dtype, out, tracing=False):
     """torch's 3-D x 2-D form, ``out[:, N_g] = a[g] @ b[:, N_g]`` with a (G, M, K), b (K, N_total)
     and ``offs`` the cumulative ends of the groups along N_total (the row rule of the other forms),
     checked and turned into the contiguous 2-D x 3-D form of its transpose, ``out^T[N_g] =
-    b^T[N_g] @ a[g]^T``: (rows, weights, out rows) = (b^T contiguous along K (a copy unless b is
-    column-major), a.transpose(1, 2), the (N_total, M) rows the result is written to: ``out.t()``
+    b^T[N_g] @ a[g]^T``: (rows, weights, out rows) = (b^T contiguous along K (a transposing copy
+    unless b is column-major), a.transpose(1, 2), the (N_total, M) rows the result is written to: ``out.t()``
     where that is row-major (out column-major, as this function allocates it), else None (the
     caller computes into new rows and copies them into out); allocated unless tracing)."""
     if masked_m is not None:
@@ -296,7 +296,14 @@ def columns_form(a, b, offs, masked_m, out_dtype, out, tracing=False):
                          f"N_total); a.shape[2] ({k}) must equal b.shape[0] ({b.shape[0]})")
     _same_device(b, "b", a.device)
     _out(out, (m, b.shape[1]), out_dtype, a.device, allocate=False)
-    rows = b.t() if b.shape[1] <= 1 or b.shape[0] <= 1 or b.stride(0) == 1 else b.t().contiguous()
+    if b.shape[1] <= 1 or b.shape[0] <= 1 or b.stride(0) == 1:
+        rows = b.t()
+    elif tracing:
+        rows = b.t().contiguous()
+    else:  # TMA's transposing copy where it applies (torch's strided copy moved ~0.5 TB/s)
+        from .triton.transpose import transposed
+
+        rows = transposed(b)
     if out is None:
         out_rows = None if tracing else torch.empty((b.shape[1], m), dtype=out_dtype, device=a.device)
     else:

@@ -1,0 +1,60 @@
+"""Transposing copy through TMA: ``transposed(t)`` = ``t.t().contiguous()`` for a row-major 2-D
+16- or 32-bit tensor, where the grouped GEMMs need an operand contiguous along its other
+dimension (torch's 3-D x 2-D form with a row-major b).
+
+One program per 64 x 64 tile: a TMA box in, transposed in registers, a TMA box out (TMA clips
+the ragged edges). torch's strided copy of a transpose moved about 0.5 TB/s on an H100
+(BENCHMARKS.md, "torch's 3-D x 2-D grouped form").
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .. import device, envs, tma
+from .common import let_next_kernel_launch, wait_for_previous_kernel
+from .launch import KernelCall, pdl
+
+BLOCK = 64
+
+
+@triton.jit
+def transpose_kernel(src_desc, dst_desc, M, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    tiles_n = tl.cdiv(N, BLOCK)
+    m0 = tl.program_id(0) // tiles_n * BLOCK
+    n0 = tl.program_id(0) % tiles_n * BLOCK
+    wait_for_previous_kernel(PDL)  # PDL: the source may come from the kernel before
+    tile = src_desc.load([m0, n0])
+    let_next_kernel_launch(PDL)  # what is left is the store
+    dst_desc.store([n0, m0], tl.trans(tile))
+
+
+def reason(t: torch.Tensor) -> str | None:
+    """None when the kernel copies ``t``, else why not (the caller then takes torch's copy)."""
+    if t.dim() != 2 or t.element_size() not in (2, 4):
+        return "a 2-D tensor of 16- or 32-bit elements"
+    if not (t.is_cuda or envs.interpret()):
+        return "a CUDA tensor (or the Triton interpreter)"
+    if min(t.shape) == 0:
+        return "no element"
+    out_rows = t.shape[0] * t.element_size()
+    return tma.map_reason(t, "t", (0, 1)) or (None if out_rows % tma.ALIGN == 0 else
+                                              f"result rows of {out_rows} bytes are not a multiple of {tma.ALIGN}")
+
+
+def transposed(t: torch.Tensor) -> torch.Tensor:
+    """``t.t().contiguous()``: by the TMA kernel where :func:`reason` allows, else torch's copy."""
+    if reason(t) is not None:
+        return t.t().contiguous()
+    m, n = t.shape
+    out = torch.empty((n, m), dtype=t.dtype, device=t.device)
+    src = TensorDescriptor(t, [m, n], [t.stride(0), 1], [BLOCK, BLOCK])
+    dst = TensorDescriptor(out, [n, m], [m, 1], [BLOCK, BLOCK])
+    grid = (triton.cdiv(m, BLOCK) * triton.cdiv(n, BLOCK),)
+    values = dict(src_desc=src, dst_desc=dst, M=m, N=n, BLOCK=BLOCK, PDL=pdl(out))
+    with device.on_device(t.device):
+        KernelCall(transpose_kernel, grid, values, dict(num_warps=4, num_stages=1)).launch()
+    return out
