@@ -779,13 +779,17 @@ def test_groups_along_n_errors():
 
 
 @pytest.mark.anydevice
-def test_autograd_of_the_k_grouped_form(seeded):
+@pytest.mark.parametrize("a_k_major, b_n_major", [(False, True), (True, False)],
+                         ids=["x_t_and_dy", "both_transposed"])
+def test_autograd_of_the_k_grouped_form(a_k_major, b_n_major, seeded):
     """The 2-D x 2-D form's gradients: d a[:, K_g] = grad[g] @ b[K_g]^T, d b[K_g] = a[:, K_g]^T @
-    grad[g], zeros on the K rows no group covers."""
+    grad[g], zeros on the K rows no group covers; with a and b stored either way (the backward
+    copies the transposed ones by TMA)."""
     m, k, n = 24, 80, 32
     offs = [30, 30, 70]
-    a = torch.randn(k, m, device=DEV).to(HALF).t().detach().requires_grad_()  # x.t(): contiguous along M
-    b = torch.randn(k, n, device=DEV).to(HALF).requires_grad_()
+    a = (torch.randn(m, k, device=DEV) if a_k_major else torch.randn(k, m, device=DEV).t()).to(HALF)
+    b = (torch.randn(k, n, device=DEV) if b_n_major else torch.randn(n, k, device=DEV).t()).to(HALF)
+    a, b = a.detach().requires_grad_(), b.detach().requires_grad_()
     out = grouped_mm(a, b, offs=counts_tensor(offs))
     grad = torch.randn_like(out)
     out.backward(grad)

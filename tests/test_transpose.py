@@ -4,6 +4,7 @@ leaves to torch's copy, and its sm_90a build."""
 import pytest
 import torch
 
+import tmagemm.ops  # noqa: F401  (registers torch.ops.tmagemm.transposed)
 from tmagemm.triton import transpose
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -44,6 +45,16 @@ def test_transposed_leaves_the_rest_to_torch():
         assert words in transpose.reason(t), (words, transpose.reason(t))
     t = cases["result rows of 34 bytes"]
     assert torch.equal(transpose.transposed(t), t.t())
+
+
+def test_the_op_and_its_fake():
+    """torch.ops.tmagemm.transposed (the backward's copies): the same values, and a fake with the
+    real output's shape and strides."""
+    t = torch.randn(72, 136).to(torch.float16)
+    out = torch.ops.tmagemm.transposed(t)
+    assert torch.equal(out, t.t())
+    fake = torch.ops.tmagemm.transposed(t.to("meta"))
+    assert fake.shape == out.shape and fake.stride() == out.stride()
 
 
 def test_transpose_builds_for_sm90a():

@@ -134,6 +134,20 @@ def _(a, b, offs=None, masked_m=None, out_dtype=None):
     return a.new_empty((*a.shape[:-1], b.shape[2]), dtype=dtype)
 
 
+@torch.library.custom_op("tmagemm::transposed", mutates_args=())
+def transposed_op(t: torch.Tensor) -> torch.Tensor:
+    """``t.t().contiguous()`` by TMA where it applies (triton/transpose.py); the backward GEMMs'
+    operands that must be read along their other dimension."""
+    from .triton.transpose import transposed
+
+    return transposed(t)
+
+
+@transposed_op.register_fake
+def _(t):
+    return t.new_empty((t.shape[1], t.shape[0]))
+
+
 @torch.library.custom_op("tmagemm::grouped_zero_uncovered_rows", mutates_args=("out",))
 def grouped_zero_uncovered_rows_op(out: torch.Tensor, offs: torch.Tensor | None = None,
                                    masked_m: torch.Tensor | None = None) -> None:
@@ -268,7 +282,7 @@ def _grouped_mm_backward(ctx, grad):
             grad_a = torch.ops.tmagemm.grouped_mm(grad, b.t(), offs, None, a.dtype)
         if ctx.needs_input_grad[1]:
             grad_b = torch.empty_like(b, memory_format=torch.contiguous_format)
-            torch.ops.tmagemm.grouped_mm_out(grad.t().contiguous(), a, offs, None, grad_b.t())
+            torch.ops.tmagemm.grouped_mm_out(torch.ops.tmagemm.transposed(grad), a, offs, None, grad_b.t())
             torch.ops.tmagemm.grouped_zero_uncovered_rows(grad_b.t(), offs, None)
         return grad_a, grad_b, None, None, None
     if b.dim() == 2:
@@ -276,12 +290,13 @@ def _grouped_mm_backward(ctx, grad):
         # d(a)^T[K_g] = b[K_g] @ grad[g]^T and d(b)[K_g] = a[:, K_g]^T @ grad[g].
         if ctx.needs_input_grad[0]:
             grad_a = torch.empty_like(a, memory_format=torch.contiguous_format)
-            b_rows = b if b.stride(-1) == 1 else b.contiguous()
+            b_rows = b if b.stride(-1) == 1 else torch.ops.tmagemm.transposed(b.t())  # b contiguous along N
             torch.ops.tmagemm.grouped_mm_out(b_rows, grad.transpose(1, 2), offs, None, grad_a.t())
             torch.ops.tmagemm.grouped_zero_uncovered_rows(grad_a.t(), offs, None)
         if ctx.needs_input_grad[1]:
             grad_b = torch.empty_like(b, memory_format=torch.contiguous_format)
-            torch.ops.tmagemm.grouped_mm_out(a.t().contiguous(), grad, offs, None, grad_b)
+            a_rows = a.t() if a.t().is_contiguous() else torch.ops.tmagemm.transposed(a)
+            torch.ops.tmagemm.grouped_mm_out(a_rows, grad, offs, None, grad_b)
             torch.ops.tmagemm.grouped_zero_uncovered_rows(grad_b, offs, None)
         return grad_a, grad_b, None, None, None
     if ctx.needs_input_grad[0]:
