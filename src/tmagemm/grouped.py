@@ -613,9 +613,9 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, *, offs: torch.Tensor | None = 
     layer: ``grouped_mm(x.t(), dy, offs=offs)``).
     3-D x 2-D: a (G, M, K) and b (K, N_total) with ``offs`` the cumulative ends of the groups
     along N_total: out (M, N_total), ``out[:, N_g] = a[g] @ b[:, N_g]``, run as the 2-D x 3-D form
-    of its transpose (b is copied once to be contiguous along K unless it is column-major). The
-    result is column-major (the transpose's rows) unless a row-major ``out`` is given, which the
-    rows are then copied into.
+    of its transpose (b is copied once, by TMA, to be contiguous along K unless it is
+    column-major). The result is column-major (the transpose's rows) unless a row-major ``out``
+    is given, which the rows are then copied into.
     out_dtype: defaults to a.dtype; bfloat16, float16 or float32. out: preallocated result;
     rows no group covers keep their values (with out=None they are uninitialised).
     Strides: every non-innermost stride of a and b a multiple of 16 bytes (TMA), as torch requires.
