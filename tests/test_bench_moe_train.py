@@ -41,8 +41,8 @@ def _records(torch_status="ok"):
     model = moe.MODELS["mixtral-8x7b"]
     p = model.projections()[0]
     for routing, torch_us in (("balanced", 120.0), ("zipf", 90.0)):
-        case = moe_train.Case("mixtral-8x7b", p.name, p.n, p.k, model.experts, routing, 64,
-                              tuple(moe.counts_for(model, 64, routing)))  # fmt: skip
+        case = moe.Case("mixtral-8x7b", p.name, p.n, p.k, model.experts, "bf16", "contiguous", routing, 64,
+                        tuple(moe.counts_for(model, 64, routing)))  # fmt: skip
         for step in moe_train.STEPS:
             for provider, us in (("tmagemm", 100.0), ("torch", torch_us)):
                 rec = moe_train.new_record(case, step, provider)

@@ -307,11 +307,8 @@ def tables(records: list[dict[str, Any]]) -> dict[str, str]:
     fusion = mlp_fusion.table_text(records)
     if fusion:
         out["mlp fusion"] = fusion
-    issues = graphed.issues_table(records, lambda r: f"{r['model']} {r['recipe']} M={r['m']}")
-    if issues:
-        out["decode not run / not correct"] = issues
-    out["decode notes"] = NOTES + (" " + mlp_fusion.NOTES if fusion else "")
-    return out
+    return graphed.finish_tables("decode", out, records, lambda r: f"{r['model']} {r['recipe']} M={r['m']}",
+                                 NOTES + (" " + mlp_fusion.NOTES if fusion else ""))
 
 
 # ------------------------------------------------------------------------------- GPU: stacks

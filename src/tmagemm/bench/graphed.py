@@ -65,6 +65,17 @@ def issues_table(records: list[dict[str, Any]], where: Callable[[dict[str, Any]]
     return table(["provider", "status", "where", "reason"], rows) if rows else ""
 
 
+def finish_tables(preset: str, blocks: dict[str, str], records: list[dict[str, Any]],
+                  where: Callable[[dict[str, Any]], str], notes: str, shown: int = 3) -> dict[str, str]:
+    """A preset's printed report: its own ``blocks``, then the records that did not run or were
+    not correct (:func:`issues_table`, when there are any), then its notes."""
+    issues = issues_table(records, where, shown)
+    if issues:
+        blocks[f"{preset} not run / not correct"] = issues
+    blocks[f"{preset} notes"] = notes
+    return blocks
+
+
 def render(result: BenchResult) -> str:
     """The metadata header and the preset's named tables."""
     from .report import header

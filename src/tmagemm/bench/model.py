@@ -317,12 +317,8 @@ def tables(records: list[dict[str, Any]], setups: Sequence[dict[str, Any]] = (),
         out["model setup"] = setup_lines(setups) + "\n" + setup_table(setups)
     if compiles:
         out["model compile check"] = compile_table(compiles)
-    issues = graphed.issues_table(
-        [{**r, "provider": r["variant"]} for r in records], lambda r: f"{r['model']} B={r['batch']}")
-    if issues:
-        out["model not run / not correct"] = issues
-    out["model notes"] = NOTES
-    return out
+    return graphed.finish_tables("model", out, [{**r, "provider": r["variant"]} for r in records],
+                                 lambda r: f"{r['model']} B={r['batch']}", NOTES)
 
 
 # ------------------------------------------------------------------------------------ run

@@ -430,12 +430,9 @@ NOTES = (
 def tables(records: list[dict[str, Any]]) -> dict[str, str]:
     """The printed report as named text blocks (also in results.json's extras: ``tmagemm report``)."""
     out = {"moe cases": case_table(records), "moe geomeans (tmagemm)": geomean_table(records)}
-    issues = graphed.issues_table(
-        records, lambda r: f"{r['model']} {r['projection']} {r['dtype']} {r['layout']} {r['routing']} m={r['m']}", 2)
-    if issues:
-        out["moe not run / not correct"] = issues
-    out["moe notes"] = NOTES
-    return out
+    return graphed.finish_tables(
+        "moe", out, records,
+        lambda r: f"{r['model']} {r['projection']} {r['dtype']} {r['layout']} {r['routing']} m={r['m']}", NOTES, 2)
 
 
 # ------------------------------------------------------------------------------ GPU: operands

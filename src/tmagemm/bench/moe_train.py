@@ -55,24 +55,9 @@ def parse_models(names: list[str] | None) -> tuple[str, ...]:
     return DEFAULT_MODELS if not names else moe.parse_models(names)
 
 
-@dataclass(frozen=True)
-class Case:
-    model: str
-    projection: str
-    n: int
-    k: int
-    e: int
-    routing: str
-    m: int  # nominal rows per expert; the counts sum to e * m
-    counts: tuple[int, ...]
-
-    @property
-    def rows(self) -> int:
-        return sum(self.counts)
-
-
-def grid(models: tuple[str, ...], m_values: tuple[int, ...], routings: tuple[str, ...]) -> list[Case]:
-    """Every case of a run, in run order (model, projection: one weight set at a time)."""
+def grid(models: tuple[str, ...], m_values: tuple[int, ...], routings: tuple[str, ...]) -> list[moe.Case]:
+    """Every case of a run (``moe.Case``, bf16, contiguous), in run order (model, projection: one
+    weight set at a time)."""
     cases = []
     for name in models:
         model = moe.MODELS[name]
@@ -82,7 +67,7 @@ def grid(models: tuple[str, ...], m_values: tuple[int, ...], routings: tuple[str
                     continue
                 for r in routings:
                     counts = tuple(moe.counts_for(model, m, r))
-                    cases.append(Case(name, p.name, p.n, p.k, model.experts, r, m, counts))
+                    cases.append(moe.Case(name, p.name, p.n, p.k, model.experts, "bf16", "contiguous", r, m, counts))
     return cases
 
 
@@ -108,11 +93,11 @@ class MoETrainConfig:
             raise ValueError(f"--m {','.join(map(str, self.m_values))} gives no case: E x m must be <= "
                              f"{moe.MAX_ROWS} ({', '.join(f'{n}: E = {moe.MODELS[n].experts}' for n in self.models)})")
 
-    def cases(self) -> list[Case]:
+    def cases(self) -> list[moe.Case]:
         return grid(self.models, self.m_values, self.routings)
 
 
-def new_record(case: Case, step: str, provider: str) -> dict[str, Any]:
+def new_record(case: moe.Case, step: str, provider: str) -> dict[str, Any]:
     rec: dict[str, Any] = {f: None for f in FIELDS}
     flops = 2 * case.rows * case.n * case.k * (3 if step == "step" else 1)
     rec.update(model=case.model, projection=case.projection, e=case.e, n=case.n, k=case.k, routing=case.routing,
@@ -201,12 +186,9 @@ NOTES = (
 def tables(records: list[dict[str, Any]]) -> dict[str, str]:
     """The printed report as named text blocks (also in results.json's extras: ``tmagemm report``)."""
     out = {"moe-train cases": case_table(records), "moe-train geomeans (tmagemm vs torch)": geomean_table(records)}
-    issues = graphed.issues_table(
-        records, lambda r: f"{r['model']} {r['projection']} {r['routing']} m={r['m']} {r['step']}", 2)
-    if issues:
-        out["moe-train not run / not correct"] = issues
-    out["moe-train notes"] = NOTES
-    return out
+    return graphed.finish_tables(
+        "moe-train", out, records, lambda r: f"{r['model']} {r['projection']} {r['routing']} m={r['m']} {r['step']}",
+        NOTES, 2)
 
 
 # ------------------------------------------------------------------------------- GPU: steps
@@ -221,7 +203,7 @@ class _Operands:
     starts: list[int]
 
 
-def _operands(case: Case, device) -> _Operands:
+def _operands(case: moe.Case, device) -> _Operands:
     import torch
 
     gen = torch.Generator(device=device).manual_seed(moe.SEED + case.m * 7 + case.n + case.k)
@@ -269,7 +251,7 @@ def _build(provider: str, step: str, ops: _Operands) -> tuple[Callable[[], None]
     return call, lambda: held["out"]
 
 
-def _check(case: Case, step: str, result, ops: _Operands) -> tuple[float, str]:
+def _check(case: moe.Case, step: str, result, ops: _Operands) -> tuple[float, str]:
     """Max relative error of ``result`` against float64 on the checked experts, and where."""
     import torch
 
@@ -302,7 +284,7 @@ def _zero_grads(result) -> None:
         t.zero_()
 
 
-def _run_step(case: Case, step: str, ops: _Operands, config: MoETrainConfig, flush) -> list[dict[str, Any]]:
+def _run_step(case: moe.Case, step: str, ops: _Operands, config: MoETrainConfig, flush) -> list[dict[str, Any]]:
     """Both providers at one step of one case: build, first call, capture, time, check."""
     import torch
 
