@@ -53,19 +53,23 @@ class GroupedKConfig:
     def label(self) -> str:
         return f"coop128x256s{self.stages}e{self.epi_passes}b{self.epi_buffers}" + (f"n{self.ctas}" if self.ctas else "")
 
+    def epilogue_bytes(self, out_itemsize: int) -> int:
+        """Both consumers' output staging."""
+        return 2 * 64 * BLOCK_N * out_itemsize // self.epi_passes * self.epi_buffers
+
     def smem_bytes(self, groups: int, out_itemsize: int) -> int:
+        """Dynamic shared memory: the ring, the epilogue staging, the group table."""
         ring = self.stages * (BLOCK_M + BLOCK_N) * _ROW_BYTES
-        epilogue = 2 * 64 * BLOCK_N * out_itemsize // self.epi_passes * self.epi_buffers
-        return ring + epilogue + 12 * groups + 1024  # + alignment slack
+        return ring + self.epilogue_bytes(out_itemsize) + 12 * groups + 1024  # + alignment slack
 
     def is_valid(self, groups: int, out_itemsize: int) -> bool:
         chunks = BLOCK_N * out_itemsize // _ROW_BYTES  # 128-byte chunks of a fragment row
-        epilogue = 2 * 64 * BLOCK_N * out_itemsize // self.epi_passes * self.epi_buffers
         return (self.stages >= 2 and self.group_m >= 1 and self.ctas >= 0 and self.epi_passes in (1, 2, 4)
                 and chunks % self.epi_passes == 0 and self.epi_buffers in (1, 2)
                 and (self.epi_buffers == 1 or self.epi_passes >= 2)
-                and epilogue >= 8 * groups  # the table's scratch while it is built
-                and self.smem_bytes(groups, out_itemsize) <= _device.SM90_SMEM_PER_BLOCK)
+                and self.epilogue_bytes(out_itemsize) >= 8 * groups  # the table's scratch while it is built
+                # + the ring's barriers in static shared memory
+                and self.smem_bytes(groups, out_itemsize) + 256 <= _device.SM90_SMEM_PER_BLOCK)
 
     def fitted(self, groups: int, out_itemsize: int) -> "GroupedKConfig":
         """The same config with ``stages`` lowered until shared memory fits (many groups, fp32
