@@ -505,9 +505,9 @@ def test_k_zero_gives_bias_rows(seeded):
 
 
 CFG_K = TritonGemmConfig(16, 16, 16, 8, 2, 4)  # the reduction form: many steps per group
-# ... with a 16-bit output stored by TMA in column halves: several tiles per group, so each of the
-# interpreter's 4 persistent programs walks several rounds.
-CFG_K_HALVES = TritonGemmConfig(16, 32, 16, 8, 2, 4, epilogue_subtile=True)
+# ... with a 16-bit output stored by TMA: several tiles per group, so each of the interpreter's 4
+# persistent programs walks several rounds.
+CFG_K_TMA_STORE = TritonGemmConfig(16, 32, 16, 8, 2, 4)
 
 
 def reduce_reference(a, b, offs):
@@ -526,8 +526,8 @@ def reduce_reference(a, b, offs):
 # Five groups: the persistent programs' last round is partial (and odd for CFG_K).
 @pytest.mark.parametrize("offs", [[13, 13, 50, 77, 91], [0, 96, 96, 96, 96], [40, 30, 200, 7, 60]],
                          ids=["ragged_and_empty", "one_group_takes_all", "decreasing_and_past_end"])
-@pytest.mark.parametrize("config, out_dtype", [(CFG_K, torch.float32), (CFG_K_HALVES, HALF)],
-                         ids=["fp32_pointer_stores", "half_tma_store_halves"])
+@pytest.mark.parametrize("config, out_dtype", [(CFG_K, torch.float32), (CFG_K_TMA_STORE, HALF)],
+                         ids=["fp32_pointer_stores", "half_tma_store"])
 def test_groups_along_k(offs, a_k_major, b_n_major, config, out_dtype, seeded):
     """torch._grouped_mm's 2-D x 2-D form: out[g] = a[:, K_g] @ b[K_g] for every layout of a and
     b, groups starting and ending inside steps (and off 16 bytes), empty groups giving zeros,
@@ -581,6 +581,17 @@ def test_groups_along_k_keep_other_groups_values_out(config, offs, seeded):
         if g != poisoned_group:
             check(args.out[g], want[g], REL_HALF_OUT, f"group {g}")
             assert torch.isfinite(args.out[g]).all()
+
+
+def test_groups_along_k_kernel_refuses_configs_it_does_not_run():
+    """The Triton reduction kernel stores whole tiles: a subtiled epilogue, tiles off powers of
+    two, and stages past shared memory are refused by name."""
+    x, dy = torch.empty(64, 32, dtype=torch.float16), torch.empty(64, 48, dtype=torch.float16)
+    args = grouped.reduce_args(x.t(), dy, counts_tensor([20, 64]))
+    for config in (TritonGemmConfig(16, 32, 16, 8, 2, 4, epilogue_subtile=True), TritonGemmConfig(16, 48, 16, 8, 2, 4),
+                   TritonGemmConfig(128, 256, 128, 8, 4, 8)):
+        with pytest.raises(ValueError, match="no epilogue subtiling"):
+            matmul_grouped_k.build(args, config)
 
 
 @pytest.mark.anydevice

@@ -24,6 +24,19 @@ def test_transposed_copies_exactly(shape, dtype, seeded):
 
 
 @pytest.mark.anydevice
+def test_transposed_is_planned_once_per_signature(seeded):
+    """A second tensor of the same signature takes the cached plan and gets its own values."""
+    from tmagemm import plan
+
+    plan.clear_plans()
+    for _ in range(2):
+        t = torch.randn(72, 136, device=DEV).to(HALF)
+        assert torch.equal(transpose.transposed(t), t.t())
+    plans = [c.plan.variant for c in plan.cached_calls() if isinstance(c, transpose._Call)]
+    assert plans == ["triton.transpose"]
+
+
+@pytest.mark.anydevice
 def test_transposed_of_a_row_slice(seeded):
     """A view with a row stride past its width (rows of a wider tensor) reads only its columns."""
     wide = torch.randn(96, 200, device=DEV).to(HALF)
@@ -58,7 +71,8 @@ def test_the_op_and_its_fake():
 
 
 def test_transpose_builds_for_sm90a():
-    """The kernel as the GPU runs it: a TMA load and a TMA store, no spills."""
+    """The kernel as the GPU runs it: a TMA load and a TMA store, no spills, and a parameter list
+    the direct launch can fill."""
     from tmagemm import inspection
     from tmagemm.inspection import KernelSpec
 
@@ -70,3 +84,14 @@ def test_transpose_builds_for_sm90a():
     s = inspection.summarize(art)
     assert s["sass UTMALDG"] > 0 and s["sass UTMASTG"] > 0, s
     assert art.spills == 0
+    # The parameter list the direct launch fills (two tensor maps, M and N).
+    from tmagemm.triton.launch import A, OUT, KernelCall, parameter_plan
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    t, out = torch.empty(72, 136, dtype=torch.bfloat16), torch.empty(136, 72, dtype=torch.bfloat16)
+    call = KernelCall(transpose.transpose_kernel, (6,),
+                      dict(src_desc=TensorDescriptor(t, [72, 136], [136, 1], [64, 64]),
+                           dst_desc=TensorDescriptor(out, [136, 72], [72, 1], [64, 64]), M=72, N=136, BLOCK=64,
+                           PDL=False), {}, {"src_desc": A, "dst_desc": OUT})
+    laid_out = parameter_plan(art.ptx, art.launch_metadata, call.positional, call.operand_slots, call.unspecialized)
+    assert not isinstance(laid_out, str), laid_out

@@ -278,9 +278,8 @@ def columns_form(a, b, offs, masked_m, out_dtype, out, tracing=False):
     and ``offs`` the cumulative ends of the groups along N_total (the row rule of the other forms),
     checked and turned into the contiguous 2-D x 3-D form of its transpose, ``out^T[N_g] =
     b^T[N_g] @ a[g]^T``: (rows, weights, out rows) = (b^T contiguous along K (a transposing copy
-    unless b is column-major), a.transpose(1, 2), the (N_total, M) rows the result is written to: ``out.t()``
-    where that is row-major (out column-major, as this function allocates it), else None (the
-    caller computes into new rows and copies them into out); allocated unless tracing)."""
+    unless b is column-major), a.transpose(1, 2), the (N_total, M) rows the result is written to:
+    ``out.t()``, or new row-major rows (a column-major result) unless tracing)."""
     if masked_m is not None:
         raise ValueError("masked_m takes a 3-D a and b; a 3-D a with a 2-D b (K, N_total) takes offs, its groups "
                          "along N_total")
@@ -307,7 +306,7 @@ def columns_form(a, b, offs, masked_m, out_dtype, out, tracing=False):
     if out is None:
         out_rows = None if tracing else torch.empty((b.shape[1], m), dtype=out_dtype, device=a.device)
     else:
-        out_rows = out.t() if m <= 1 or out.stride(0) == 1 else None
+        out_rows = out.t()
     return rows, a.transpose(1, 2), out_rows
 
 
@@ -614,8 +613,8 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, *, offs: torch.Tensor | None = 
     3-D x 2-D: a (G, M, K) and b (K, N_total) with ``offs`` the cumulative ends of the groups
     along N_total: out (M, N_total), ``out[:, N_g] = a[g] @ b[:, N_g]``, run as the 2-D x 3-D form
     of its transpose (b is copied once, by TMA, to be contiguous along K unless it is
-    column-major). The result is column-major (the transpose's rows) unless a row-major ``out``
-    is given, which the rows are then copied into.
+    column-major). The result is column-major (the transpose's rows); a row-major ``out`` is
+    written through its transpose (stores across its rows: slower).
     out_dtype: defaults to a.dtype; bfloat16, float16 or float32. out: preallocated result;
     rows no group covers keep their values (with out=None they are uninitialised).
     Strides: every non-innermost stride of a and b a multiple of 16 bytes (TMA), as torch requires.
@@ -636,16 +635,8 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, *, offs: torch.Tensor | None = 
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == 3 and b.dim() == 2:
         out_dtype = a.dtype if out_dtype is None else out_dtype
         rows, weights, out_rows = columns_form(a, b, offs, masked_m, out_dtype, out)
-        if out_rows is not None:  # a new output, or a column-major out: written in place
-            grouped_mm(rows, weights, offs=offs, out_dtype=out_dtype, out=out_rows)
-            return out_rows.t()
-        # A row-major out: the transpose's rows are written row-major, then copied in (only the
-        # columns a group covers, so the others keep out's values).
-        result = grouped_mm(rows, weights, offs=offs, out_dtype=out_dtype)
-        ends = torch.cummax(offs.clamp(0, b.shape[1]), 0).values
-        covered = torch.arange(b.shape[1], device=offs.device) < ends[-1:]
-        out.copy_(torch.where(covered, result.t(), out))
-        return out
+        grouped_mm(rows, weights, offs=offs, out_dtype=out_dtype, out=out_rows)
+        return out_rows.t()
     counts = offs if masked_m is None else masked_m
     try:
         key = ("grouped_mm", tensor_key(a), tensor_key(b), tensor_key(offs), tensor_key(masked_m), tensor_key(out),

@@ -33,6 +33,7 @@ bytes / time as a percentage of the measured device-to-device copy rate (read + 
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 import time
@@ -212,6 +213,11 @@ def grid(models: tuple[str, ...], dtypes: tuple[str, ...], m_values: tuple[int, 
                         for r in routings:
                             cases.append(Case(name, p.name, p.n, p.k, model.experts, dtype, layout, r, m, counts[m, r]))
     return cases
+
+
+def group_starts(counts) -> list[int]:
+    """First row of each expert's rows in the contiguous layout."""
+    return [0, *itertools.accumulate(counts)][: len(counts)]
 
 
 def check_experts(counts: tuple[int, ...] | list[int], how_many: int = CHECK_EXPERTS, seed: int = SEED) -> list[int]:
@@ -490,10 +496,7 @@ def _inputs(case: Case, device) -> _Inputs:
     shape = (case.rows, case.k) if case.layout == "contiguous" else (case.e, case.max_m, case.k)
     a = randn(shape, dt, device, gen)
     sa = torch.rand(shape[:-1], device=device, generator=gen) + 0.5 if case.dtype == "fp8" else None
-    starts, acc = [], 0
-    for c in case.counts:
-        starts.append(acc)
-        acc += c
+    starts = group_starts(case.counts)
     values = [s + c for s, c in zip(starts, case.counts)] if case.layout == "contiguous" else list(case.counts)
     return _Inputs(a, sa, torch.tensor(values, dtype=torch.int32, device=device), starts)
 

@@ -211,10 +211,7 @@ def _operands(case: moe.Case, device) -> _Operands:
     x = moe.randn((case.rows, case.k), bf16, device, gen)
     w = moe.randn((case.e, case.n, case.k), bf16, device, gen, 1 / math.sqrt(case.k))
     dy = moe.randn((case.rows, case.n), bf16, device, gen)
-    starts, end = [], 0
-    for c in case.counts:
-        starts.append(end)
-        end += c
+    starts = moe.group_starts(case.counts)
     offs = torch.tensor([s + c for s, c in zip(starts, case.counts)], dtype=torch.int32, device=device)
     return _Operands(x, w, dy, offs, starts)
 

@@ -97,10 +97,11 @@ def _masked_step(acc, a_desc, b_desc, off_m, off_n, k, lo, hi, BLOCK_K: tl.const
 
 
 @triton.jit
-def _store_part(acc, out_desc, out_ptr, g, off_m, off_n, M, N, stride_oe, stride_om, stride_on,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA_STORE: tl.constexpr):
+def _store(acc, out_desc, out_ptr, g, off_m, off_n, M, N, stride_oe, stride_om, stride_on,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA_STORE: tl.constexpr):
     """out[g, off_m:, off_n:] = acc, clipped at M and N: by TMA (a 3-D map over (E, M, N), so a
-    tile never spills into the next group's block) or by masked pointer stores."""
+    tile never spills into the next group's block; the store is asynchronous and drains while
+    the program's next tile loads) or by masked pointer stores."""
     if TMA_STORE:
         out_desc.store([g, off_m, off_n], tl.reshape(acc.to(out_desc.dtype), (1, BLOCK_M, BLOCK_N)))
     else:
@@ -111,24 +112,6 @@ def _store_part(acc, out_desc, out_ptr, g, off_m, off_n, M, N, stride_oe, stride
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
-@triton.jit
-def _store(acc, out_desc, out_ptr, g, off_m, off_n, M, N, stride_oe, stride_om, stride_on, BLOCK_M: tl.constexpr,
-           BLOCK_N: tl.constexpr, TMA_STORE: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr):
-    """The tile's store, in two column halves with EPILOGUE_SUBTILE (half the staging buffer in
-    shared memory, which then fits beside four 48 KB stages). A TMA store is asynchronous: it
-    drains while the program's next tile loads and multiplies."""
-    if EPILOGUE_SUBTILE:
-        halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
-        acc0, acc1 = tl.split(halves)
-        _store_part(acc0, out_desc, out_ptr, g, off_m, off_n, M, N, stride_oe, stride_om, stride_on, BLOCK_M,
-                    BLOCK_N // 2, TMA_STORE)
-        _store_part(acc1, out_desc, out_ptr, g, off_m, off_n + BLOCK_N // 2, M, N, stride_oe, stride_om, stride_on,
-                    BLOCK_M, BLOCK_N // 2, TMA_STORE)
-    else:
-        _store_part(acc, out_desc, out_ptr, g, off_m, off_n, M, N, stride_oe, stride_om, stride_on, BLOCK_M, BLOCK_N,
-                    TMA_STORE)
-
-
 # K_total changes with every batch: one binary per config.
 @triton.jit(do_not_specialize=["K", "ROWS"])
 def grouped_k_kernel(
@@ -137,8 +120,7 @@ def grouped_k_kernel(
     stride_oe, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     E_BLOCK: tl.constexpr, NUM_PROGRAMS: tl.constexpr, LAYOUT: tl.constexpr, A_K_MAJOR: tl.constexpr,
-    B_N_MAJOR: tl.constexpr, ALIGN_K: tl.constexpr, TMA_STORE: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr,
-    PDL: tl.constexpr,
+    B_N_MAJOR: tl.constexpr, ALIGN_K: tl.constexpr, TMA_STORE: tl.constexpr, PDL: tl.constexpr,
 ):
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -211,7 +193,7 @@ def grouped_k_kernel(
         if r == my_rounds - 1:  # what is left is this program's last store
             let_next_kernel_launch(PDL)
         _store(acc, out_desc, out_ptr, g, off_m, off_n, M, N, stride_oe, stride_om, stride_on, BLOCK_M, BLOCK_N,
-               TMA_STORE, EPILOGUE_SUBTILE)
+               TMA_STORE)
 
 
 # ------------------------------------------------------------------------------------- configs
@@ -224,18 +206,15 @@ def tma_store(args: ReduceArgs) -> bool:
     return args.out.element_size() == 2 and tma.map_reason(args.out, "out", (0, 1, 2)) is None
 
 
-def _store_cols(config: TritonGemmConfig) -> int:
-    return config.block_n // 2 if config.epilogue_subtile else config.block_n
-
-
 def is_valid(config: TritonGemmConfig, args: ReduceArgs) -> bool:
     """Powers of two, boxes within TMA's 256 per dimension, the stages and the store's staging
-    tile within shared memory."""
+    tile within shared memory; the tile is stored whole (no epilogue subtiling)."""
     dims = (config.block_m, config.block_n, config.block_k)
     pow2 = all(d >= 16 and d & (d - 1) == 0 and d <= 256 for d in dims)
     stage = (config.block_m + config.block_n) * config.block_k * args.a.element_size()
-    staging = config.block_m * _store_cols(config) * args.out.element_size() if tma_store(args) else 0
-    return pow2 and config.num_stages >= 1 and stage * config.num_stages + staging <= 224 * 1024
+    staging = config.block_m * config.block_n * args.out.element_size() if tma_store(args) else 0
+    return (pow2 and config.num_stages >= 1 and not config.epilogue_subtile
+            and stage * config.num_stages + staging <= 224 * 1024)
 
 
 # One persistent program per SM, 128 x 256 output tiles, 64-deep 16-bit steps, 3 stages, two
@@ -259,7 +238,7 @@ def descriptors(args: ReduceArgs, config: TritonGemmConfig):
     dims_b, box_b = ((0, 1), [bk, bn]) if args.b_n_major else ((1, 0), [bn, bk])
     out_desc = None
     if tma_store(args):
-        out_desc = TensorDescriptor(args.out, *tma.map_layout(args.out, (0, 1, 2)), [1, bm, _store_cols(config)])
+        out_desc = TensorDescriptor(args.out, *tma.map_layout(args.out, (0, 1, 2)), [1, bm, bn])
     return (TensorDescriptor(args.a, *tma.map_layout(args.a, dims_a), box_a),
             TensorDescriptor(args.b, *tma.map_layout(args.b, dims_b), box_b), out_desc)
 
@@ -279,7 +258,7 @@ def kernel_call(args: ReduceArgs, config: TritonGemmConfig, num_sms: int | None 
         E_BLOCK=triton.next_power_of_2(max(args.e, 1)), NUM_PROGRAMS=programs, LAYOUT=int(args.layout),
         A_K_MAJOR=args.a_k_major, B_N_MAJOR=args.b_n_major,
         ALIGN_K=16 // args.a.element_size() if args.a_k_major or not args.b_n_major else 1,
-        TMA_STORE=out_desc is not None, EPILOGUE_SUBTILE=config.epilogue_subtile, PDL=pdl(args.out),
+        TMA_STORE=out_desc is not None, PDL=pdl(args.out),
     )
     return KernelCall(grouped_k_kernel, (programs,), values,
                       dict(num_warps=config.num_warps, num_stages=config.num_stages), _OPERANDS)
@@ -292,7 +271,8 @@ def build(args: ReduceArgs, config: TritonGemmConfig | None = None) -> Plan:
     if config is None:
         config = heuristic(args)
     if not is_valid(config, args):
-        raise ValueError(f"{NAME}: {config} is not valid (powers of two in 16..256, stages within shared memory)")
+        raise ValueError(f"{NAME}: {config} is not valid (powers of two in 16..256, stages within shared memory, "
+                         "no epilogue subtiling)")
     fast = direct_launch(NAME, kernel_call(args, config))
     if fast is not None:
         return Plan(NAME, config, fast, fast.device_index, direct=True)
