@@ -1648,9 +1648,26 @@ def test_gpu_native_weight_grad_matches_float64(layout, counts, m, n, rows, ctas
                                         masked_m=None if counts is None else counts_tensor(counts), out_dtype=out_dtype)
         args = args._replace(out=poisoned((e, m, n), out_dtype))
     assert native_k.unsupported_reason(args) is None
-    grouped.run(args, config=native_k.GroupedKConfig(ctas=ctas))
-    assert [p.variant for p in grouped.cached_plans()][-1:] != ["triton.grouped_k"]
+    grouped.run(args, config=native_k.GroupedKConfig(ctas=ctas))  # a GroupedKConfig picks the native kernel
     check(args.out, want, 1e-5 if out_dtype == torch.float32 else REL_HALF_OUT, f"{layout.name} ctas={ctas}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("e, out_dtype", [(165, torch.bfloat16), (1024, torch.float32)], ids=["165_bf16", "1024_fp32"])
+def test_gpu_native_weight_grad_with_many_groups(e, out_dtype, seeded):
+    """Group tables large enough that the ring gives up a stage (165 groups with bf16 out, 1024
+    with fp32 out: 3 stages), groups of 0-40 rows in random order."""
+    from tmagemm.cuda import grouped_k as native_k
+
+    counts = torch.randint(0, 41, (e,), generator=torch.Generator().manual_seed(e)).tolist()
+    offs = list(itertools.accumulate(counts))
+    x, dy, want = _native_k_case(GroupLayout.CONTIGUOUS, offs, 72, 264, offs[-1] + 3)
+    config = native_k.DEFAULT.fitted(e, out_dtype.itemsize)
+    assert config.stages == 3
+    args = grouped.reduce_args(x.t(), dy, counts_tensor(offs), out_dtype, out=poisoned((e, 72, 264), out_dtype))
+    assert native_k.preferred(args)  # what the dispatcher runs
+    grouped.run(args)
+    check(args.out, want, 1e-5 if out_dtype == torch.float32 else REL_HALF_OUT, f"{e} groups")
 
 
 @pytest.mark.gpu
