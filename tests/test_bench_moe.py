@@ -244,7 +244,7 @@ def test_options_parse_and_config_checks():
             moe.dtypes_for(bad)
     assert moe.parse_models(None) == tuple(moe.MODELS)
     assert moe.parse_models(["mixtral-8x7b", "mixtral-8x7b"]) == ("mixtral-8x7b",)
-    with pytest.raises(ValueError, match="unknown model llama3-8b for --preset moe"):
+    with pytest.raises(ValueError, match="unknown model llama3-8b for the moe presets"):
         moe.parse_models(["llama3-8b"])
     assert moe.parse_routings(None) == ("balanced", "zipf") and moe.parse_routings(["zipf"]) == ("zipf",)
     with pytest.raises(ValueError, match="unknown routing uniform"):

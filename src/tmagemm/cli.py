@@ -4,6 +4,7 @@
     tmagemm bench --preset decode [--models llama3-8b,..] [--layers 8] [--m 1,16] [--dtype fp8|bf16]
     tmagemm bench --preset moe [--models deepseek-v3,..] [--m 1,64,256] [--dtype fp8|bf16] [--routing balanced,zipf]
     tmagemm bench --preset moe-train [--models mixtral-8x7b,..] [--m 256,1024] [--routing balanced,zipf]
+    tmagemm bench --preset moe-layer [--models qwen3-235b-a22b,..] [--m 1,16,4096]
     tmagemm bench --preset model [--models llama3-8b,qwen3-8b] [--m 1,2,4,8,16] [--variants ..] [--compile-check]
     tmagemm report results/<run>/results.json
     tmagemm inspect triton.tma --dtype fp8 [--config block_m=128,block_n=256] | --cu FILE.cu [-D N=V]
@@ -61,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "shapes (fp16 and fp8 unless --dtype names one) and check them against float64; "
                            "no timing, so --preset, --graph and --budget-ms are refused there.")  # fmt: skip
     bench.add_argument("--preset", choices=("sweep", "llm", "square", "block", "tma", "decode", "moe", "moe-train",
-                                                 "model"),
+                                                 "moe-layer", "model"),
                        default=None,
                        help="GPU only. sweep: M=1..8192 at N=K=4096 (default); llm: model projections; "
                             "square: 1024..16384; block: block-scaled FP8 checkpoint shapes (DeepSeek-V3, Qwen3; "
@@ -72,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "and a per-expert loop, contiguous and masked, one call per CUDA graph; "
                             "moe-train: the same experts in training (bf16 forward, input and weight gradients, "
                             "and a step through autograd) vs torch._grouped_mm, one step per CUDA graph; "
+                            "moe-layer: a whole MoE layer's experts (routing to the per-token sum), tmagemm.nn."
+                            "FP8Experts (block and row) vs the same steps on torch._grouped_mm (bf16) and "
+                            "torch._scaled_grouped_mm (fp8 row), --m tokens, one forward per CUDA graph; "
                             "model: decode tokens/s of a whole random 8B-shaped model (transformers Llama-3-8B "
                             "shape) in a CUDA graph, bf16 vs tmagemm.nn FP8 vs the same FP8 weights on torch's "
                             "fp8 GEMMs, batch 1-16, with logits and greedy-token checks")  # fmt: skip
@@ -100,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--models", type=lambda s: [p for p in s.split(",") if p],
                        help="--preset decode: comma-separated models (default all: llama3-8b, llama3-70b-tp4, "
                             "qwen2.5-7b, deepseek-v3); --preset moe: deepseek-v3, deepseek-v3-ep4, qwen3-235b-a22b, "
-                            "mixtral-8x7b (default all); --preset moe-train: the same (default all but "
+                            "mixtral-8x7b (default all); --preset moe-train and moe-layer: the same (default all but "
                             "deepseek-v3, whose 256 experts need about 60 GB); --preset model: llama3-8b (default), qwen3-8b, "
                             "tiny")  # fmt: skip
     bench.add_argument("--routing", type=lambda s: [p for p in s.split(",") if p],
@@ -237,6 +241,9 @@ def _check_mode_plan(args: argparse.Namespace):
         if args.preset == "moe-train":
             raise ValueError("--preset moe-train needs a GPU: it times CUDA-graph replay of the expert GEMMs of "
                              "a training step (GBs of bf16 weights and gradients) against torch._grouped_mm")
+        if args.preset == "moe-layer":
+            raise ValueError("--preset moe-layer needs a GPU: it times CUDA-graph replay of MoE layers' experts "
+                             "(GBs of expert weights) against torch's grouped ops")
         if args.preset == "moe":
             raise ValueError("--preset moe needs a GPU: it times CUDA-graph replay of grouped expert GEMMs "
                              "(up to 15 GB of expert weights per call) against torch's grouped ops")  # fmt: skip
@@ -348,9 +355,10 @@ def cmd_bench(args: argparse.Namespace, command: str) -> int:
     from .bench import envinfo
 
     _refuse_fp8_options_without_fp8(args)
-    if args.preset not in ("decode", "moe", "moe-train", "model") and (args.models or args.layers is not None):
+    if args.preset not in ("decode", "moe", "moe-train", "moe-layer", "model") and (args.models or
+                                                                                 args.layers is not None):
         raise ValueError("--models and --layers apply to --preset decode only, and to --preset model (--models also to "
-                         "--preset moe and moe-train)")
+                         "--preset moe, moe-train and moe-layer)")
     model_only = _given(args, "--variants", "--context", "--new-tokens", "--compile-check", "--init-std")
     if args.preset != "model" and model_only:
         raise ValueError(f"{', '.join(model_only)} apply to --preset model only")
@@ -371,6 +379,8 @@ def cmd_bench(args: argparse.Namespace, command: str) -> int:
         return _bench_moe(args, command)
     if args.preset == "moe-train":
         return _bench_moe_train(args, command)
+    if args.preset == "moe-layer":
+        return _bench_moe_layer(args, command)
     if args.preset == "model":
         return _bench_model(args, command)
     if args.preset == "tma":
@@ -477,6 +487,25 @@ def _bench_moe_train(args: argparse.Namespace, command: str) -> int:
         **({} if args.budget_ms is None else {"budget_ms": args.budget_ms}),
     )
     return _run_graphed(moe_train, config, args.out or _default_out("moe-train-bf16"))
+
+
+def _bench_moe_layer(args: argparse.Namespace, command: str) -> int:
+    """``--preset moe-layer`` (bench/moe_layer.py): its own tables and records."""
+    from .bench import moe, moe_layer
+
+    given = _given(args, "--n", "--k", "--providers", "--dtype", "--rowwise", "--exact-accum", "--graph",
+                   "--no-host-loop", "--layers", "--configs")
+    if given:
+        raise ValueError(f"--preset moe-layer times tmagemm.nn.FP8Experts vs torch's grouped ops on whole MoE "
+                         f"layers' experts, always as CUDA-graph replay; {', '.join(given)} do not apply (--models "
+                         "picks the models, --m the tokens)")  # fmt: skip
+    config = moe_layer.MoELayerConfig(
+        models=moe_layer.DEFAULT_MODELS if not args.models else moe.parse_models(args.models),
+        tokens=tuple(args.m or moe_layer.DEFAULT_TOKENS),
+        command=command,
+        **({} if args.budget_ms is None else {"budget_ms": args.budget_ms}),
+    )
+    return _run_graphed(moe_layer, config, args.out or _default_out("moe-layer"))
 
 
 def _bench_model(args: argparse.Namespace, command: str) -> int:

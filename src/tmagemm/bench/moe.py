@@ -105,7 +105,7 @@ def parse_models(names: list[str] | None) -> tuple[str, ...]:
         return tuple(MODELS)
     unknown = [n for n in names if n not in MODELS]
     if unknown:
-        raise ValueError(f"unknown model {', '.join(unknown)} for --preset moe; choose from {', '.join(MODELS)}")
+        raise ValueError(f"unknown model {', '.join(unknown)} for the moe presets; choose from {', '.join(MODELS)}")
     return tuple(dict.fromkeys(names))
 
 

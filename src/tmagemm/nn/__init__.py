@@ -1,6 +1,7 @@
 """FP8 linear layers for real models: ``FP8Linear`` (quantized weight, activations quantized on
 the fly, ``tmagemm.scaled_mm``), ``FP8GatedMLP`` (a gated SiLU MLP with its gate/up projection,
-SiLU-and-multiply and quantization fused), ``FP8StackedLinear`` (an attention's q/k/v
+SiLU-and-multiply and quantization fused), ``FP8Experts`` (a Mixture-of-Experts layer's experts
+on grouped GEMMs), ``FP8StackedLinear`` (an attention's q/k/v
 projections as one GEMM), ``FP8RMSNorm`` (an RMSNorm that quantizes its output for the FP8 layers
 it feeds), ``convert`` (swap a model's nn.Linear layers and, optionally, fuse its MLPs, attention
 projections and norms), FP8 checkpoints in the Hugging Face layout, tensor-parallel shards, and
@@ -14,6 +15,7 @@ from .checkpoint import (
     save_fp8_checkpoint,
 )
 from .convert import convert
+from .experts import FP8Experts
 from .linear import FP8Linear
 from .mlp import FP8GatedMLP
 from .norm import FP8RMSNorm
@@ -23,6 +25,7 @@ from .warmup import warmup
 
 __all__ = [
     "ColumnParallelFP8Linear",
+    "FP8Experts",
     "FP8GatedMLP",
     "FP8Linear",
     "FP8RMSNorm",

@@ -6,7 +6,9 @@ reads too). Each FP8 linear layer ``name`` stores ``name.weight`` (float8_e4m3fn
 ``name.weight_scale_inv`` (fp32 dequantization scales: (ceil(N/128), ceil(K/128)) for 128x128
 blocks, which is what HF's ``quant_method: "fp8"`` / ``weight_block_size: [128, 128]``
 checkpoints hold (DeepSeek-V3, Qwen3-FP8); (N, 1) per channel and (1,) per tensor for tmagemm's
-"row" and "tensor" recipes), plus ``name.bias`` if it has one. Every other tensor is stored as
+"row" and "tensor" recipes), plus ``name.bias`` if it has one. A Mixture-of-Experts layer's experts (:class:`~tmagemm.nn.FP8Experts`)
+are stored expert by expert in that layout, ``<experts>.<e>.gate_proj``, ``up_proj`` and
+``down_proj``, as FP8 MoE checkpoints on the hub hold them. Every other tensor is stored as
 the model holds it. A layer's recipe is read from its scale's shape (unambiguous, since N >= 16).
 """
 
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 
 from .convert import high_precision_linears
+from .experts import FP8Experts, expert_checkpoint_names, experts_reason
 from .linear import FP8Linear
 from .mlp import fuse_gated_mlps
 from .norm import fuse_norms as fuse_rms_norms
@@ -47,11 +50,11 @@ def _safetensors():
 
 
 def quantization_config(model: nn.Module) -> dict:
-    """The ``quantization_config`` that describes ``model``'s FP8Linear layers (HF's FP8 keys,
+    """The ``quantization_config`` that describes ``model``'s FP8Linear and FP8Experts layers (HF's FP8 keys,
     plus ``tmagemm_recipe``: "block", "row", "tensor" or "mixed")."""
-    layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    layers = [m for m in model.modules() if isinstance(m, (FP8Linear, FP8Experts))]
     if not layers:
-        raise ValueError("the model has no FP8Linear layer; convert it first (tmagemm.nn.convert)")
+        raise ValueError("the model has no FP8Linear or FP8Experts layer; convert it first (tmagemm.nn.convert)")
     recipes = {layer.recipe for layer in layers}
     recipe = recipes.pop() if len(recipes) == 1 else "mixed"
     return {
@@ -191,7 +194,9 @@ def load_fp8_checkpoint(model_or_config, path, *, device=None, dtype=None, stric
     """Load the FP8 checkpoint directory ``path`` into a model and return it.
 
     model_or_config: a model (its nn.Linear layers that the checkpoint stores in fp8 become
-    FP8Linear shells on the layer's device, then everything is loaded), or a transformers config
+    FP8Linear shells on the layer's device, and its experts modules whose experts it stores in
+    fp8, ``<experts>.<e>.gate_proj`` / ``up_proj`` / ``down_proj``, FP8Experts shells; then
+    everything is loaded), or a transformers config
     (a causal LM is built from it with ``AutoModelForCausalLM.from_config`` on ``device`` in
     ``dtype``, default the config's, then loaded). fp8 weights and scales are copied bit for
     bit (never dequantized); other tensors are cast to the model's dtypes. strict: ValueError
@@ -223,6 +228,8 @@ def load_fp8_checkpoint(model_or_config, path, *, device=None, dtype=None, stric
         recipes[name] = _layer_recipe(name, shape[name + ".weight"], shape[name + SCALE_SUFFIX])
 
     model = model_or_config if isinstance(model_or_config, nn.Module) else _build_model(model_or_config, device, dtype)
+    for name in _install_experts_shells(model, recipes, shape):
+        del recipes[name]
     for name, recipe in recipes.items():
         _install_shell(model, name, recipe, shape[name + ".weight"], name + ".bias" in where)
     if fuse_gate_up:
@@ -233,6 +240,44 @@ def load_fp8_checkpoint(model_or_config, path, *, device=None, dtype=None, stric
         model = fuse_rms_norms(model)
     _copy_tensors(model, where, path, strict)
     return model
+
+
+def _install_experts_shells(model: nn.Module, recipes: dict, shape: dict) -> list[str]:
+    """Make every experts module of ``model`` whose experts the checkpoint stores in fp8
+    (``<module>.<e>.gate_proj`` / ``up_proj`` / ``down_proj``, the hub's layout) an FP8Experts of
+    their recipe; return those layer names (the rest are linear layers). Per-expert layers whose
+    module is not an experts module (a ModuleList of MLPs) are left to the linear layers' path."""
+    taken = []
+    for prefix, experts in sorted(expert_checkpoint_names(recipes).items()):
+        try:
+            module = model.get_submodule(prefix)
+        except AttributeError:
+            continue
+        if not isinstance(module, FP8Experts) and experts_reason(module) is not None:
+            continue
+        names = [f"{prefix}.{g}.{p}" for g in sorted(experts) for p in ("gate_proj", "up_proj", "down_proj")]
+        layer_recipes = {recipes.get(n) for n in names}
+        if len(layer_recipes) != 1 or None in layer_recipes:
+            raise ValueError(f"{prefix}: the checkpoint's experts have mixed recipes or lack projections "
+                             f"({sorted(map(str, layer_recipes))})")
+        recipe = layer_recipes.pop()
+        i, h = shape[f"{prefix}.{min(experts)}.gate_proj.weight"]
+        if isinstance(module, FP8Experts):
+            if (module.recipe, module.hidden_size, module.intermediate_size) != (recipe, h, i):
+                raise ValueError(f"{prefix}: the model's FP8Experts has recipe {module.recipe!r}, H = "
+                                 f"{module.hidden_size}, I = {module.intermediate_size}; the checkpoint {recipe!r}, "
+                                 f"H = {h}, I = {i}")
+        else:
+            e, two_i, model_h = module.gate_up_proj.shape
+            if (two_i // 2, model_h) != (i, h):
+                raise ValueError(f"{prefix}: the model's experts have H = {model_h}, I = {two_i // 2}; the "
+                                 f"checkpoint's H = {h}, I = {i}")
+            device = module.gate_up_proj.device
+            shell = FP8Experts(e, h, i, recipe, device=None if device.type == "meta" else device)
+            parent_name, _, child = prefix.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, shell)
+        taken += [n for n in names if n in recipes]
+    return taken
 
 
 def _install_shell(model: nn.Module, name: str, recipe: str, weight_shape, has_bias: bool) -> None:
@@ -263,7 +308,7 @@ def _install_shell(model: nn.Module, name: str, recipe: str, weight_shape, has_b
 @torch.no_grad()
 def _copy_tensors(model: nn.Module, where: dict, path: Path, strict: bool) -> None:
     targets = model.state_dict(keep_vars=True)
-    fp8_weights = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, FP8Linear)}
+    fp8_weights = {key for key, target in targets.items() if target.dtype == FP8}
     loaded, unexpected, mismatched = set(), [], []
     for key, handle in where.items():
         target = targets.get(key)

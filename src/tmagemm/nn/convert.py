@@ -1,4 +1,5 @@
-"""``convert``: swap a model's nn.Linear layers for FP8Linear in place, quantizing their weights (and,
+"""``convert``: swap a model's nn.Linear layers for FP8Linear in place, quantizing their weights, and
+its Mixture-of-Experts experts modules for FP8Experts (and,
 with ``fuse_gate_up``, its gated SiLU MLPs for FP8GatedMLP; with ``fuse_qkv``, its attention
 projections for one stacked GEMM; with ``fuse_norms``, the RMSNorms feeding them for FP8RMSNorm,
 which quantizes their input)."""
@@ -14,6 +15,8 @@ from .linear import ALIGN, FP8Linear
 from .quantize import check_recipe
 
 DEFAULT_SKIP = ("lm_head",)
+# Recipes under which a Mixture-of-Experts layer's experts module becomes an FP8Experts.
+EXPERT_RECIPES = ("block", "row")
 
 
 def matches(name: str, patterns: Iterable[str]) -> bool:
@@ -43,6 +46,12 @@ def convert(model: nn.Module, recipe: str = "block", skip: Iterable[str] = DEFAU
     vocabulary is often not a multiple of 16). Layers whose in_features or out_features is not a
     multiple of 16 stay in high precision too (the fp8 kernels need 16-byte aligned rows).
     A model that is itself an nn.Linear is returned converted (it cannot be replaced in place).
+    Mixture-of-Experts layers' experts modules (transformers' 3-D gate/up and down weights,
+    ``Qwen3MoeExperts``, ``MixtralExperts``, ``DeepseekV3Experts``, ...: see
+    :func:`tmagemm.nn.experts.experts_reason`) become :class:`~tmagemm.nn.FP8Experts` under the
+    "block" and "row" recipes (grouped GEMMs over every expert; ``skip`` may name them too); the
+    "tensor" recipe keeps them in high precision (one activation scale would span every
+    expert's tokens).
     Subclasses of nn.Linear (LoRA wrappers, other quantized layers) are left alone; layers
     already FP8Linear are kept. The names of the converted layers are
     ``[n for n, m in model.named_modules() if isinstance(m, FP8Linear)]``.
@@ -88,6 +97,10 @@ def convert(model: nn.Module, recipe: str = "block", skip: Iterable[str] = DEFAU
         from .stacked import fuse_stacked_projections
 
         model = fuse_stacked_projections(model, skip, recipe=recipe)
+    if recipe in EXPERT_RECIPES:
+        from .experts import convert_experts
+
+        model = convert_experts(model, recipe, skip)
     if type(model) is nn.Linear:
         return FP8Linear.from_linear(model, recipe) if aligned(model) else model
     # remove_duplicate=False: a layer reachable under two names is replaced under both (by one

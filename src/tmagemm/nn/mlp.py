@@ -63,7 +63,7 @@ def has_gated_forward(cls: type) -> bool:
     return False
 
 
-def _is_silu(act) -> bool:
+def is_silu(act) -> bool:
     # torch's nn.SiLU, or transformers' SiLUActivation (ACT2FN["silu"]), which calls F.silu.
     return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
@@ -86,7 +86,7 @@ def gated_mlp_reason(mlp: nn.Module) -> str | None:
     layers = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
     if any(not isinstance(layer, nn.Module) for layer in layers) or not hasattr(mlp, "act_fn"):
         return f"{type(mlp).__name__} lacks gate_proj, up_proj, down_proj or act_fn"
-    if not _is_silu(mlp.act_fn):
+    if not is_silu(mlp.act_fn):
         return f"act_fn is {type(mlp.act_fn).__name__}, not SiLU"
     if not has_gated_forward(type(mlp)):
         return f"{type(mlp).__name__}.forward is not down_proj(act_fn(gate_proj(x)) * up_proj(x))"

@@ -29,6 +29,7 @@ from ..quant import quantize_fp8
 from ..tma import aligned_empty
 from ..triton.norm_quantize import rms_norm_quantize
 from ..triton.quantize import SCALE_BLOCK, quantize_128x128
+from ..triton.silu_mul_quantize import silu_mul_quantize
 
 RECIPES = ("block", "row", "tensor")
 FP8 = torch.float8_e4m3fn
@@ -116,6 +117,23 @@ def _(x, weight, eps, recipe):
     m, k = x.shape
     return (x.new_empty((m, k), dtype=torch.promote_types(weight.dtype, x.dtype)), x.new_empty((m, k), dtype=FP8),
             _empty_scale(x, recipe, m, k))
+
+
+@torch.library.custom_op("tmagemm_nn::silu_mul_quantize_activation", mutates_args=())
+def silu_mul_quantize_activation(h: torch.Tensor, recipe: str,
+                                 row_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(act_fp8, scale)``: transformers' ``silu(gate) * up`` of a gate/up output h (S, 2I)
+    (contiguous last dimension, I % 16 == 0) quantized per ``recipe`` ("block" or "row"), each
+    row's scales times ``row_scale`` if given (:func:`tmagemm.triton.silu_mul_quantize.silu_mul_quantize`).
+    Block scales stay row-major: the grouped kernels read them per row (docs/native-gemm.md)."""
+    _check_device(h, "FP8Experts")
+    return silu_mul_quantize(h, "1x128" if recipe == "block" else recipe, row_scale)
+
+
+@silu_mul_quantize_activation.register_fake
+def _(h, recipe, row_scale=None):
+    m, k = h.shape[0], h.shape[1] // 2
+    return h.new_empty((m, k), dtype=FP8), h.new_empty(activation_scale_shape(recipe, m, k), dtype=torch.float32)
 
 
 # ----------------------------------------------------------------------------------- weights

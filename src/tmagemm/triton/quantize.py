@@ -61,7 +61,7 @@ def _round_to_fp8_grid(q, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
 
 
 @triton.jit
-def _magnitude(x):
+def magnitude(x):
     """|x| with NaN counted as +Inf: max.f32 (on the GPU and in the interpreter) returns the
     non-NaN operand, which would hide a NaN; an infinite amax makes an infinite scale, which the
     host reports."""
@@ -69,7 +69,7 @@ def _magnitude(x):
 
 
 @triton.jit
-def _scale_of(amax, FP8_MAX: tl.constexpr, F32_TINY: tl.constexpr, POW2: tl.constexpr):
+def scale_of(amax, FP8_MAX: tl.constexpr, F32_TINY: tl.constexpr, POW2: tl.constexpr):
     """amax / fp8_max correctly rounded (div_rn: Triton's "/" is approximate on the GPU), so it
     matches torch bit for bit; never below the smallest normal (a zero group quantizes to zeros).
     POW2: rounded up to a power of two exactly (any mantissa bit carries into the exponent, the
@@ -83,7 +83,7 @@ def _scale_of(amax, FP8_MAX: tl.constexpr, F32_TINY: tl.constexpr, POW2: tl.cons
 
 
 @triton.jit
-def _fp8_values(x, scale, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+def fp8_values(x, scale, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
     """x / scale (``scale`` broadcast by the caller), clamped to +-FP8_MAX (guarding the rounding
     at amax) and rounded to nearest even on the fp8 grid: the cast that follows is exact."""
     q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
@@ -95,12 +95,12 @@ def quantize_row_groups(x, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_E
                         F32_TINY: tl.constexpr, POW2: tl.constexpr):
     """Quantize an fp32 tile whose rows are each one whole 1x128 group: returns ``(q, scale)``, q
     fp32 on the fp8 grid (the cast to fp8 that follows is exact) and one dequantization scale
-    per row, by the quantizers' own steps (:func:`_magnitude`, :func:`_scale_of`,
-    :func:`_fp8_values`). For kernels that produce an activation and quantize it in their
+    per row, by the quantizers' own steps (:func:`magnitude`, :func:`scale_of`,
+    :func:`fp8_values`). For kernels that produce an activation and quantize it in their
     epilogue (``triton/gate_up.py``); a row of zeros (padding past M, say) gets zeros and the
     smallest normal scale."""
-    scale = _scale_of(tl.max(_magnitude(x), axis=1), FP8_MAX, F32_TINY, POW2)
-    return _fp8_values(x, scale[:, None], FP8_MAX, MANT_BITS, MIN_EXP), scale
+    scale = scale_of(tl.max(magnitude(x), axis=1), FP8_MAX, F32_TINY, POW2)
+    return fp8_values(x, scale[:, None], FP8_MAX, MANT_BITS, MIN_EXP), scale
 
 
 def fp8_grid(dtype: torch.dtype = torch.float8_e4m3fn) -> dict:
@@ -139,8 +139,8 @@ def _block_quantize_kernel(
     if PER_ROW:
         q, scale = quantize_row_groups(x, FP8_MAX, MANT_BITS, MIN_EXP, F32_TINY, POW2)
     else:
-        scale = _scale_of(tl.max(tl.max(_magnitude(x), axis=1), axis=0), FP8_MAX, F32_TINY, POW2)
-        q = _fp8_values(x, scale, FP8_MAX, MANT_BITS, MIN_EXP)
+        scale = scale_of(tl.max(tl.max(magnitude(x), axis=1), axis=0), FP8_MAX, F32_TINY, POW2)
+        q = fp8_values(x, scale, FP8_MAX, MANT_BITS, MIN_EXP)
     tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
     if PER_ROW:
         tl.store(s_ptr + rows * stride_s + kb * stride_sk, scale, mask=rows < R)
@@ -169,9 +169,9 @@ def _row_quantize_kernel(
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + cols[None, :], mask=row_ok[:, None] & (cols[None, :] < K), other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(_magnitude(x), axis=1))
+        amax = tl.maximum(amax, tl.max(magnitude(x), axis=1))
     let_next_kernel_launch(PDL)  # what is left reads x from L2 and writes q
-    scale = _scale_of(amax, FP8_MAX, F32_TINY, False)
+    scale = scale_of(amax, FP8_MAX, F32_TINY, False)
 
     # ---- quantize
     q_rows = q_ptr + rows[:, None].to(tl.int64) * stride_q
@@ -179,7 +179,7 @@ def _row_quantize_kernel(
         cols = k0 + tl.arange(0, BLOCK_K)
         mask = row_ok[:, None] & (cols[None, :] < K)
         x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        q = _fp8_values(x, scale[:, None], FP8_MAX, MANT_BITS, MIN_EXP)
+        q = fp8_values(x, scale[:, None], FP8_MAX, MANT_BITS, MIN_EXP)
         tl.store(q_rows + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + rows, scale, mask=row_ok)
 
