@@ -20,6 +20,7 @@ import tmagemm.nn as tnn
 from tmagemm.nn.experts import FP8Experts, convert_experts, experts_reason
 from tmagemm.nn.quantize import FP8
 from tmagemm.quant import quantize_fp8
+from tmagemm.triton.moe_permute import combine_pairs, quantize_pairs
 from tmagemm.triton.silu_mul_quantize import silu_mul_quantize
 
 CUDA = torch.cuda.is_available()
@@ -117,6 +118,78 @@ def test_silu_mul_quantize_matches_torch(dtype, recipe, rows, inner, with_row_sc
     else:
         assert bool(same.all()), f"{int((~same).sum())} of {same.numel()} fp8 values differ"
         torch.testing.assert_close(scale, want_scale, rtol=2**-22, atol=0)
+
+
+@pytest.mark.anydevice
+def test_silu_mul_quantize_gathers_the_row_scale(seeded):
+    """row_scale_index: row r's scales times row_scale[index[r]] (an MoE pair's routing weight)."""
+    h = torch.randn(9, 512, device=DEVICE).to(HALF)
+    weights = torch.rand(12, device=DEVICE).to(HALF)
+    index = torch.randperm(12, device=DEVICE)[:9]
+    q, scale = silu_mul_quantize(h, "1x128", weights, index)
+    q0, scale0 = silu_mul_quantize(h, "1x128")
+    assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8))
+    torch.testing.assert_close(scale, scale0 * weights[index].float()[:, None], rtol=2**-22, atol=0)
+    with pytest.raises(ValueError, match="row_scale_index needs a row_scale"):
+        silu_mul_quantize(h, "1x128", None, index)
+    with pytest.raises(ValueError, match="row_scale_index"):
+        silu_mul_quantize(h, "1x128", weights, index[:4])
+
+
+@pytest.mark.anydevice
+@pytest.mark.parametrize("recipe", ["1x128", "row"])
+@pytest.mark.parametrize("tokens, top_k, k", [(1, 2, 128), (17, 3, 272), (0, 2, 128)])
+def test_quantize_pairs_is_the_quantizer_in_expert_order(recipe, tokens, top_k, k, seeded):
+    """Row r is token order[r] // top_k quantized bit for bit as quantize_fp8 does; pos is the
+    inverse of order."""
+    x = (torch.randn(tokens, k, device=DEVICE) * 4).to(HALF)
+    order = torch.randperm(tokens * top_k, device=DEVICE)
+    q, scale, pos = quantize_pairs(x, order, top_k, recipe)
+    want_q, want_scale = quantize_fp8(x, recipe)
+    rows = order // top_k
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)[rows])
+    assert torch.equal(scale, want_scale[rows])
+    assert pos.dtype == torch.int32 and torch.equal(order[pos.long()], torch.arange(tokens * top_k, device=DEVICE))
+
+
+@pytest.mark.anydevice
+@pytest.mark.parametrize("dtype", [HALF, torch.float32], ids=["half", "fp32"])
+def test_combine_pairs_sums_each_tokens_pairs(dtype, seeded):
+    """out[t] = sum_j y[pos[t*k + j]] in fp32, pairs at rows >= valid_rows left out (their rows
+    hold NaN here: never read); N off the block width."""
+    tokens, top_k, n = 13, 3, 1100
+    y = torch.randn(tokens * top_k, n, device=DEVICE).to(dtype)
+    pos = torch.randperm(tokens * top_k, device=DEVICE).to(torch.int32)
+    valid = torch.tensor([30], dtype=torch.int32, device=DEVICE)
+    y[30:] = float("nan")
+    got = combine_pairs(y, pos, valid, top_k)
+    rows = y.double()[pos.long()].view(tokens, top_k, n)
+    keep = (pos.long() < 30).view(tokens, top_k, 1)
+    want = torch.where(keep, rows, 0.0).sum(dim=1)
+    assert got.dtype == dtype and bool(torch.isfinite(got).all())
+    torch.testing.assert_close(got.double(), want, rtol=2**-7 if dtype != torch.float32 else 1e-6, atol=1e-6)
+    assert combine_pairs(y[:0], pos[:0], valid, top_k).shape == (0, n)
+
+
+def test_permute_refusals():
+    x = torch.randn(4, 128, dtype=torch.float16)
+    order = torch.arange(8)
+    with pytest.raises(ValueError, match="order has 7 pairs"):
+        quantize_pairs(x, order[:7], 2)
+    with pytest.raises(TypeError, match="order must be a 1-D int32/int64"):
+        quantize_pairs(x, order.float(), 2)
+    with pytest.raises(ValueError, match="top_k must be a positive int"):
+        quantize_pairs(x, order, 0)
+    with pytest.raises(ValueError, match="recipe"):
+        quantize_pairs(x, order, 2, "tensor")
+    y = torch.randn(8, 128, dtype=torch.float16)
+    valid = torch.tensor([8], dtype=torch.int32)
+    with pytest.raises(TypeError, match="pos must be an int32"):
+        combine_pairs(y, order, valid, 2)
+    with pytest.raises(ValueError, match="a multiple of top_k 3"):
+        combine_pairs(y, order.int(), valid, 3)
+    with pytest.raises(TypeError, match="y must be a 2-D"):
+        combine_pairs(y.int(), order.int(), valid, 2)
 
 
 def test_silu_mul_quantize_refusals():

@@ -9,16 +9,16 @@ with e4m3 weights and activations quantized on the fly:
 1. the (token, expert) pairs are sorted by expert on the device (``torch.sort``), and each
    expert's cumulative end found by ``torch.searchsorted``: no host sync, so the layer captures
    into CUDA graphs with routing that changes between replays;
-2. the tokens are quantized once (``quantize_activation``) and their fp8 rows and scales
-   gathered in expert order;
+2. the tokens are quantized straight into that order, one fp8 row per pair
+   (:mod:`tmagemm.triton.moe_permute`);
 3. gate/up: one grouped block- or row-scaled GEMM (``tmagemm.grouped_scaled_mm``, contiguous
    layout) over every expert;
 4. SiLU-and-multiply and the down projection's input quantization in one kernel
-   (:mod:`tmagemm.triton.silu_mul_quantize`), which multiplies each row's scales by its routing
-   weight, so the down projection's output comes out weighted;
-5. down: the second grouped GEMM; the rows of pairs routed to no local expert (ids outside
-   0..E-1, transformers' expert-parallel sentinels) are zeroed, then each token's k rows are
-   put back in token order and summed (fp32 accumulation, deterministic).
+   (:mod:`tmagemm.triton.silu_mul_quantize`), which multiplies each row's scales by its pair's
+   routing weight, so the down projection's output comes out weighted;
+5. down: the second grouped GEMM; then one kernel sums each token's pairs in fp32, in pair order
+   (deterministic), leaving out the pairs routed to no local expert (ids outside 0..E-1,
+   transformers' expert-parallel sentinels), which no group computed.
 
 Checkpoint layout: the state dict holds each expert's projections under the names FP8
 checkpoints on the Hugging Face hub use (``{e}.gate_proj.weight``, ``{e}.gate_proj.weight_scale_inv``,
@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from ..grouped import grouped_scaled_mm
-from .linear import ACTIVATION_DTYPES, ALIGN, as_rows, keep_dtypes, quantize_input
+from .linear import ACTIVATION_DTYPES, ALIGN, as_rows, keep_dtypes
 from .mlp import is_silu
 from .quantize import FP8, SCALE_BLOCK, SCALED_MM_RECIPES, check_recipe, dequantize_weight, quantize_weight, \
     weight_scale_shape
@@ -198,32 +198,27 @@ class FP8Experts(nn.Module):
         h, e = self.hidden_size, self.num_experts
         if tokens == 0 or top_k == 0:
             return hidden_states.new_zeros(tokens, h)
-        # ---- routing, on the device: pairs sorted by expert (ids outside 0..E-1 last, in no group)
-        ids = top_k_index.reshape(-1).long()
-        ids = torch.where((ids >= 0) & (ids < e), ids, e)
+        # ---- routing, on the device: pairs sorted by expert. Ids outside 0..E-1 (as unsigned
+        # 32-bit values: negative ones too) sort last and fall in no group.
+        ids = top_k_index.reshape(-1).long() & 0xFFFFFFFF
         sorted_ids, order = torch.sort(ids, stable=True)
         offs = torch.searchsorted(sorted_ids, self.expert_ids, right=True, out_int32=True)
-        token_of = order // top_k
-        weights = top_k_weights.reshape(-1).index_select(0, order).float()
 
-        # ---- gate/up of every pair, grouped by expert
+        # ---- the tokens quantized into expert order; gate/up of every pair, grouped by expert
         recipe_a, recipe_b = SCALED_MM_RECIPES[self.recipe]
-        xq, xs = quantize_input(hidden_states, h, self.recipe)
-        xq = xq.view(torch.uint8).index_select(0, token_of).view(FP8)  # index_select has no fp8 kernel
-        xs = xs.index_select(0, token_of)
+        xq, xs, pos = torch.ops.tmagemm_nn.quantize_pairs(as_rows(hidden_states, h), order, top_k, self.recipe)
         gate_up = grouped_scaled_mm(xq, self.gate_up_proj.transpose(1, 2), xs, self._weight_scale("gate_up_proj"),
                                     offs=offs, out_dtype=hidden_states.dtype, scale_recipe_a=recipe_a,
                                     scale_recipe_b=recipe_b)
 
-        # ---- SiLU * up, quantized, each row's scales times its routing weight; then down
-        hq, hs = torch.ops.tmagemm_nn.silu_mul_quantize_activation(gate_up, self.recipe, weights)
+        # ---- SiLU * up, quantized, each row's scales times its pair's routing weight; then down
+        hq, hs = torch.ops.tmagemm_nn.silu_mul_quantize_activation(gate_up, self.recipe, top_k_weights.reshape(-1),
+                                                                   order)
         out = grouped_scaled_mm(hq, self.down_proj.transpose(1, 2), hs, self._weight_scale("down_proj"), offs=offs,
                                 out_dtype=hidden_states.dtype, scale_recipe_a=recipe_a, scale_recipe_b=recipe_b)
-        torch.ops.tmagemm.grouped_zero_uncovered_rows(out, offs, None)  # pairs routed to no local expert
 
-        # ---- back in token order; each token's k weighted rows summed in fp32
-        pairs = torch.empty_like(out).index_copy_(0, order, out)
-        return pairs.view(tokens, top_k, h).sum(dim=1, dtype=torch.float32).to(hidden_states.dtype)
+        # ---- each token's pairs summed in fp32, in pair order; pairs of no local expert left out
+        return torch.ops.tmagemm_nn.combine_pairs(out, pos, offs[-1:], top_k)
 
     def _weight_scale(self, name: str) -> torch.Tensor:
         """A projection's scales as the grouped GEMM takes them: (E, N/128, K/128) blocks, or

@@ -29,6 +29,7 @@ from ..quant import quantize_fp8
 from ..tma import aligned_empty
 from ..triton.norm_quantize import rms_norm_quantize
 from ..triton.quantize import SCALE_BLOCK, quantize_128x128
+from ..triton.moe_permute import combine_pairs, quantize_pairs
 from ..triton.silu_mul_quantize import silu_mul_quantize
 
 RECIPES = ("block", "row", "tensor")
@@ -120,20 +121,51 @@ def _(x, weight, eps, recipe):
 
 
 @torch.library.custom_op("tmagemm_nn::silu_mul_quantize_activation", mutates_args=())
-def silu_mul_quantize_activation(h: torch.Tensor, recipe: str,
-                                 row_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def silu_mul_quantize_activation(h: torch.Tensor, recipe: str, row_scale: torch.Tensor | None = None,
+                                 row_scale_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(act_fp8, scale)``: transformers' ``silu(gate) * up`` of a gate/up output h (S, 2I)
     (contiguous last dimension, I % 16 == 0) quantized per ``recipe`` ("block" or "row"), each
-    row's scales times ``row_scale`` if given (:func:`tmagemm.triton.silu_mul_quantize.silu_mul_quantize`).
-    Block scales stay row-major: the grouped kernels read them per row (docs/native-gemm.md)."""
+    row's scales times ``row_scale[row_scale_index[r]]`` (or ``row_scale[r]``) if given
+    (:func:`tmagemm.triton.silu_mul_quantize.silu_mul_quantize`). Block scales stay row-major:
+    the grouped kernels read them per row (docs/native-gemm.md)."""
     _check_device(h, "FP8Experts")
-    return silu_mul_quantize(h, "1x128" if recipe == "block" else recipe, row_scale)
+    return silu_mul_quantize(h, "1x128" if recipe == "block" else recipe, row_scale, row_scale_index)
 
 
 @silu_mul_quantize_activation.register_fake
-def _(h, recipe, row_scale=None):
+def _(h, recipe, row_scale=None, row_scale_index=None):
     m, k = h.shape[0], h.shape[1] // 2
     return h.new_empty((m, k), dtype=FP8), h.new_empty(activation_scale_shape(recipe, m, k), dtype=torch.float32)
+
+
+@torch.library.custom_op("tmagemm_nn::quantize_pairs", mutates_args=())
+def quantize_pairs_activation(x: torch.Tensor, order: torch.Tensor, top_k: int,
+                              recipe: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, scale, pos)``: an MoE layer's tokens x (T, K) quantized per ``recipe`` ("block" or
+    "row") straight into the expert order ``order`` of its T * top_k pairs, and each pair's row
+    (:func:`tmagemm.triton.moe_permute.quantize_pairs`)."""
+    _check_device(x, "FP8Experts")
+    return quantize_pairs(x, order, top_k, "1x128" if recipe == "block" else recipe)
+
+
+@quantize_pairs_activation.register_fake
+def _(x, order, top_k, recipe):
+    s, k = order.shape[0], x.shape[1]
+    return (x.new_empty((s, k), dtype=FP8), x.new_empty(activation_scale_shape(recipe, s, k), dtype=torch.float32),
+            x.new_empty((s,), dtype=torch.int32))
+
+
+@torch.library.custom_op("tmagemm_nn::combine_pairs", mutates_args=())
+def combine_pairs_output(y: torch.Tensor, pos: torch.Tensor, valid_rows: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Each token's sum of its pairs' rows of y (S, N), pairs at rows >= valid_rows left out
+    (:func:`tmagemm.triton.moe_permute.combine_pairs`)."""
+    _check_device(y, "FP8Experts")
+    return combine_pairs(y, pos, valid_rows, top_k)
+
+
+@combine_pairs_output.register_fake
+def _(y, pos, valid_rows, top_k):
+    return y.new_empty((y.shape[0] // top_k, y.shape[1]))
 
 
 # ----------------------------------------------------------------------------------- weights

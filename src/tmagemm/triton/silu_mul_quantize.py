@@ -48,23 +48,26 @@ def _silu_mul(h_rows, cols, mask, I):
 
 @triton.jit
 def _silu_mul_quantize_kernel(
-    h_ptr, q_ptr, s_ptr, w_ptr,
+    h_ptr, q_ptr, s_ptr, w_ptr, w_index_ptr,
     R, I, stride_h, stride_q, stride_s, stride_sk,
     FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, F32_TINY: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PER_GROUP: tl.constexpr, ROW_SCALE: tl.constexpr,
-    PDL: tl.constexpr,
+    GATHER: tl.constexpr, PDL: tl.constexpr,
 ):
     """PER_GROUP: one program per BLOCK_R rows x one 128-column group (BLOCK_K = 128), its scales
     at s[r, kb]. Otherwise one program per BLOCK_R whole rows: a pass for the rows' amax, a second
-    (reading h again, from L2) that quantizes, one scale per row. ROW_SCALE: w[r] multiplies row
-    r's scales."""
+    (reading h again, from L2) that quantizes, one scale per row. ROW_SCALE: w[r] (GATHER:
+    w[w_index[r]]) multiplies row r's scales."""
     wait_for_previous_kernel(PDL)  # h comes from the GEMM before
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < R
     h_rows = h_ptr + rows[:, None].to(tl.int64) * stride_h
     q_rows = q_ptr + rows[:, None].to(tl.int64) * stride_q
     if ROW_SCALE:
-        mult = tl.load(w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        w_rows = rows
+        if GATHER:
+            w_rows = tl.load(w_index_ptr + rows, mask=row_ok, other=0)
+        mult = tl.load(w_ptr + w_rows, mask=row_ok, other=0.0).to(tl.float32)
     if PER_GROUP:
         cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
         mask = row_ok[:, None] & (cols[None, :] < I)
@@ -94,15 +97,18 @@ def _silu_mul_quantize_kernel(
 
 
 def silu_mul_quantize(h: torch.Tensor, recipe: str = "1x128", row_scale: torch.Tensor | None = None,
-                      dtype: torch.dtype = torch.float8_e4m3fn, m_major: bool = False):
+                      row_scale_index: torch.Tensor | None = None, dtype: torch.dtype = torch.float8_e4m3fn,
+                      m_major: bool = False):
     """``(q, scale)``: ``silu(gate) * up`` of a gated MLP's gate/up output ``h`` (S, 2I) (gate
     the first I columns, up the last I), quantized per ``recipe`` as ``quantize_fp8(act,
     recipe)`` would quantize it ("1x128": scale (S, ceil(I/128)); "row": (S, 1)), with each row's
-    scales multiplied by ``row_scale[r]`` if given. q (S, I) has its row stride rounded up to 16
+    scales multiplied by ``row_scale[r]`` if given (``row_scale[row_scale_index[r]]`` with an
+    index: an MoE pair's routing weight, read in expert order). q (S, I) has its row stride rounded up to 16
     (as the quantizers'). ``m_major`` ("1x128" only): the scales contiguous along S.
 
     h: float16/bfloat16/float32, 2-D with an even number of columns, contiguous last dimension.
-    row_scale: (S,) float tensor on h's device, or None. No Inf/NaN check (a host sync): a group
+    row_scale: a float tensor on h's device, (S,) or, with row_scale_index ((S,) int32/int64, its
+    values not checked: a device read), any length; or None. No Inf/NaN check (a host sync): a group
     holding one gets an infinite scale. TypeError / ValueError name the offending argument.
     """
     fn = "silu_mul_quantize"
@@ -117,10 +123,18 @@ def silu_mul_quantize(h: torch.Tensor, recipe: str = "1x128", row_scale: torch.T
     if row_scale is not None:
         if not isinstance(row_scale, torch.Tensor) or not row_scale.is_floating_point():
             raise TypeError(f"{fn}: row_scale must be a floating-point torch.Tensor or None")
-        if tuple(row_scale.shape) != (rows,):
+        if row_scale.dim() != 1 or (row_scale_index is None and row_scale.shape[0] != rows):
             raise ValueError(f"{fn}: row_scale has shape {tuple(row_scale.shape)}; h {tuple(h.shape)} needs ({rows},)")
         if row_scale.device != h.device:
             raise ValueError(f"{fn}: row_scale is on {row_scale.device}, h on {h.device}")
+    if row_scale_index is not None:
+        if row_scale is None:
+            raise ValueError(f"{fn}: row_scale_index needs a row_scale")
+        if not isinstance(row_scale_index, torch.Tensor) or row_scale_index.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{fn}: row_scale_index must be an int32/int64 torch.Tensor or None")
+        if tuple(row_scale_index.shape) != (rows,) or row_scale_index.device != h.device:
+            raise ValueError(f"{fn}: row_scale_index {tuple(row_scale_index.shape)} on {row_scale_index.device} must "
+                             f"be ({rows},) on {h.device}")
     inner = width // 2
     per_group = recipe == "1x128"
     groups = triton.cdiv(inner, SCALE_BLOCK) if per_group else 1
@@ -139,9 +153,10 @@ def silu_mul_quantize(h: torch.Tensor, recipe: str = "1x128", row_scale: torch.T
     use_pdl = pdl(q)
     with on_device(h.device):  # Triton launches on the current GPU: make it h's
         _silu_mul_quantize_kernel[grid](
-            h, q, scale, scale if row_scale is None else row_scale, rows, inner, h.stride(0), q.stride(0),
+            h, q, scale, scale if row_scale is None else row_scale,
+            scale if row_scale_index is None else row_scale_index, rows, inner, h.stride(0), q.stride(0),
             scale.stride(0), scale.stride(1), **fp8_grid(dtype), BLOCK_R=block_r,
             BLOCK_K=SCALE_BLOCK if per_group else 1024, PER_GROUP=per_group, ROW_SCALE=row_scale is not None,
-            PDL=use_pdl, num_warps=4, **({"launch_pdl": True} if use_pdl else {}),
+            GATHER=row_scale_index is not None, PDL=use_pdl, num_warps=4, **({"launch_pdl": True} if use_pdl else {}),
         )
     return q, scale

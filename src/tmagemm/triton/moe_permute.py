@@ -1,0 +1,183 @@
+"""The token permutation around a Mixture-of-Experts layer's grouped GEMMs, each way in one kernel.
+
+An MoE layer sends token t to ``top_k`` experts: pair p = t * top_k + j. The grouped GEMMs take
+the pairs sorted by expert (``order``: row r of the sorted operand is pair ``order[r]``).
+
+* :func:`quantize_pairs`: the fp8 rows of the sorted operand, quantized straight from the tokens
+  (row r reads token ``order[r] // top_k``), by the quantizers' own steps (1x128 groups, or one
+  scale per row), and ``pos`` (pair -> row), the inverse of ``order``. One launch where a
+  quantizer, two gathers and an inverse would take four.
+* :func:`combine_pairs`: each token's output, the fp32 sum of its pairs' rows of the down
+  projection (in pair order: deterministic), skipping pairs whose row lies past the last group
+  (``valid_rows``: ids of no local expert), cast once. One launch where a zero fill of those
+  rows, an un-permute, a sum and a cast would take four.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..device import on_device
+from .common import let_next_kernel_launch, wait_for_previous_kernel
+from .launch import pdl
+from .quantize import (
+    SCALE_BLOCK,
+    check_input,
+    fp8_grid,
+    fp8_rows,
+    fp8_values,
+    magnitude,
+    quantize_row_groups,
+    scale_of,
+)
+
+RECIPES = ("1x128", "row")
+
+
+@triton.jit
+def _quantize_pairs_kernel(
+    x_ptr, order_ptr, q_ptr, s_ptr, pos_ptr,
+    S, K, TOP_K, stride_x, stride_q, stride_s, stride_sk,
+    FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, F32_TINY: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PER_GROUP: tl.constexpr, PDL: tl.constexpr,
+):
+    """PER_GROUP: one program per BLOCK_R sorted rows x one 128-column group; otherwise BLOCK_R
+    whole rows, an amax pass and a quantizing pass (from L2). The programs of the first column
+    group write ``pos``."""
+    wait_for_previous_kernel(PDL)  # x and order come from the kernels before
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < S
+    pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
+    x_rows = x_ptr + (pair // TOP_K)[:, None].to(tl.int64) * stride_x
+    q_rows = q_ptr + rows[:, None].to(tl.int64) * stride_q
+    if tl.program_id(1) == 0:
+        tl.store(pos_ptr + pair, rows, mask=row_ok)
+    if PER_GROUP:
+        cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = row_ok[:, None] & (cols[None, :] < K)
+        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        let_next_kernel_launch(PDL)  # what is left is arithmetic and stores
+        q, scale = quantize_row_groups(x, FP8_MAX, MANT_BITS, MIN_EXP, F32_TINY, False)
+        tl.store(q_rows + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + rows * stride_s + tl.program_id(1) * stride_sk, scale, mask=row_ok)
+    else:
+        amax = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_rows + cols[None, :], mask=row_ok[:, None] & (cols[None, :] < K), other=0.0)
+            amax = tl.maximum(amax, tl.max(magnitude(x.to(tl.float32)), axis=1))
+        let_next_kernel_launch(PDL)
+        scale = scale_of(amax, FP8_MAX, F32_TINY, False)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            mask = row_ok[:, None] & (cols[None, :] < K)
+            x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            q = fp8_values(x, scale[:, None], FP8_MAX, MANT_BITS, MIN_EXP)
+            tl.store(q_rows + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + rows * stride_s, scale, mask=row_ok)
+
+
+def quantize_pairs(x: torch.Tensor, order: torch.Tensor, top_k: int, recipe: str = "1x128",
+                   dtype: torch.dtype = torch.float8_e4m3fn):
+    """``(q, scale, pos)``: row r of q (S, K) is token ``order[r] // top_k`` of x (T, K)
+    quantized as ``quantize_fp8(x, recipe)`` quantizes it ("1x128": scale (S, ceil(K/128)); "row":
+    (S, 1), row-major), and ``pos`` (S,) int32 with ``pos[order[r]] = r``.
+
+    x: float16/bfloat16/float32, 2-D, contiguous last dimension. order: (S,) integer, on x's
+    device, a permutation of 0..S-1 with S = T * top_k (not checked: a device read). No Inf/NaN
+    check (a host sync): a group holding one gets an infinite scale.
+    """
+    fn = "quantize_pairs"
+    check_input(x, dtype, "x", fn)
+    if not isinstance(order, torch.Tensor) or order.dtype not in (torch.int32, torch.int64) or order.dim() != 1:
+        raise TypeError(f"{fn}: order must be a 1-D int32/int64 tensor")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+        raise ValueError(f"{fn}: top_k must be a positive int, got {top_k!r}")
+    if order.numel() != x.shape[0] * top_k:
+        raise ValueError(f"{fn}: order has {order.numel()} pairs; x's {x.shape[0]} tokens x top_k {top_k} make "
+                         f"{x.shape[0] * top_k}")
+    if order.device != x.device:
+        raise ValueError(f"{fn}: order is on {order.device}, x on {x.device}")
+    if recipe not in RECIPES:
+        raise ValueError(f"{fn}: recipe must be one of {', '.join(repr(r) for r in RECIPES)}, got {recipe!r}")
+    pairs, k = order.numel(), x.shape[1]
+    per_group = recipe == "1x128"
+    groups = triton.cdiv(k, SCALE_BLOCK) if per_group else 1
+    q = fp8_rows(pairs, k, dtype, x.device)
+    scale = torch.empty(pairs, groups, dtype=torch.float32, device=x.device)
+    pos = torch.empty(pairs, dtype=torch.int32, device=x.device)
+    if pairs == 0 or k == 0:
+        return q, scale, pos
+    # As the quantizers (triton/quantize.py): 16 rows x one group per program, or whole rows in
+    # 1024-wide steps one per program; the interpreter runs fewer, larger programs.
+    block_r = (16 if per_group else 1) if x.is_cuda else 16
+    use_pdl = pdl(q)
+    with on_device(x.device):
+        _quantize_pairs_kernel[(triton.cdiv(pairs, block_r), groups)](
+            x, order, q, scale, pos, pairs, k, top_k, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
+            **fp8_grid(dtype), BLOCK_R=block_r, BLOCK_K=SCALE_BLOCK if per_group else 1024, PER_GROUP=per_group,
+            PDL=use_pdl, num_warps=4, **({"launch_pdl": True} if use_pdl else {}),
+        )
+    return q, scale, pos
+
+
+@triton.jit
+def _combine_pairs_kernel(
+    y_ptr, pos_ptr, valid_ptr, out_ptr,
+    N, stride_y, stride_out,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+):
+    """One program: token ``program_id(0)``, BLOCK_N columns; its pairs summed in order in fp32."""
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    wait_for_previous_kernel(PDL)  # y comes from the GEMM before
+    valid = tl.load(valid_ptr)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        row = tl.load(pos_ptr + token * TOP_K + j)
+        # A pair past the last group (no local expert) was never computed: it adds nothing.
+        width = tl.where(row < valid, N, 0)
+        acc += tl.load(y_ptr + row.to(tl.int64) * stride_y + cols, mask=cols < width, other=0.0).to(tl.float32)
+    let_next_kernel_launch(PDL)
+    tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < N)
+
+
+def combine_pairs(y: torch.Tensor, pos: torch.Tensor, valid_rows: torch.Tensor, top_k: int,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``out`` (T, N): ``out[t] = sum_j y[pos[t * top_k + j]]`` in fp32, in j order, over the pairs
+    whose row is below ``valid_rows`` (a one-element int32 device tensor: the last group's end),
+    cast to ``out_dtype`` (default y's).
+
+    y: (S, N) float16/bfloat16/float32, contiguous last dimension; pos: (S,) int32 on y's device,
+    S = T * top_k (its values are not checked: a device read).
+    """
+    fn = "combine_pairs"
+    if not isinstance(y, torch.Tensor) or y.dim() != 2 or y.dtype not in (torch.float16, torch.bfloat16,
+                                                                          torch.float32):
+        raise TypeError(f"{fn}: y must be a 2-D float16/bfloat16/float32 tensor")
+    if y.shape[1] > 1 and y.stride(1) != 1:
+        raise ValueError(f"{fn}: y needs a contiguous last dimension (stride {tuple(y.stride())})")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+        raise ValueError(f"{fn}: top_k must be a positive int, got {top_k!r}")
+    for name, t in (("pos", pos), ("valid_rows", valid_rows)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
+            raise TypeError(f"{fn}: {name} must be an int32 tensor")
+        if t.device != y.device:
+            raise ValueError(f"{fn}: {name} is on {t.device}, y on {y.device}")
+    if pos.shape != (y.shape[0],) or y.shape[0] % top_k or valid_rows.numel() != 1:
+        raise ValueError(f"{fn}: pos {tuple(pos.shape)} and valid_rows {tuple(valid_rows.shape)} must be ({y.shape[0]},) "
+                         f"and one element, y's rows {y.shape[0]} a multiple of top_k {top_k}")
+    tokens, n = y.shape[0] // top_k, y.shape[1]
+    out = torch.empty(tokens, n, dtype=out_dtype or y.dtype, device=y.device)
+    if tokens == 0 or n == 0:
+        return out
+    block_n = min(1024, triton.next_power_of_2(n))
+    use_pdl = pdl(out)
+    with on_device(y.device):
+        _combine_pairs_kernel[(tokens, triton.cdiv(n, block_n))](
+            y, pos, valid_rows, out, n, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK_N=block_n, PDL=use_pdl,
+            num_warps=4, **({"launch_pdl": True} if use_pdl else {}),
+        )
+    return out
