@@ -35,6 +35,60 @@ def test_specs_are_the_published_shapes():
     assert llama.params() == 8_030_261_248  # Meta-Llama-3-8B's parameter count
     assert (qwen.hidden, qwen.intermediate, qwen.layers, qwen.vocab) == (4096, 12288, 36, 151936)
     assert qwen.params() == 8_190_735_360  # Qwen3-8B's
+    moe = static_decode.SPECS["qwen3-30b-a3b"]
+    assert (moe.hidden, moe.layers, moe.heads, moe.kv_heads, moe.experts, moe.top_k, moe.expert_intermediate) == \
+        (2048, 48, 32, 4, 128, 8, 768)
+    assert moe.params() == 30_532_122_624  # Qwen3-30B-A3B's 30.5 B
+
+
+def _tiny_moe(layers=2, dtype=torch.float32):
+    if not hasattr(transformers, "Qwen3MoeForCausalLM"):
+        pytest.skip("transformers without Qwen3-MoE")
+    spec = static_decode.SPECS["tiny-moe"]
+    m = static_decode.build_model(spec, layers, "cpu", dtype, seed=0, init_std=0.05)
+    if getattr(m.model.layers[0].mlp, "experts", None) is None or not hasattr(m.model.layers[0].mlp.experts, "gate_up_proj"):
+        pytest.skip(f"transformers {transformers.__version__} keeps experts as a ModuleList")
+    return spec, m
+
+
+def test_moe_model_counts_and_decoder_matches_transformers():
+    """Qwen3-MoE (tiny-moe): the parameter count, the decode step against transformers' forward
+    (float32, CPU), and the experts' share of a step's weight bytes."""
+    spec, m = _tiny_moe()
+    assert sum(p.numel() for p in m.parameters()) == spec.params(2)
+    length = 16
+    dec = static_decode.Decoder(m, static_decode.rope_tables(m, length), max_batch=2, length=length)
+    ids = torch.randint(3, spec.vocab, (2, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = m(input_ids=ids[:, :9], use_cache=False).logits
+        torch.testing.assert_close(dec.prefill(ids[:, :8]), want[:, 7], rtol=1e-4, atol=1e-5)
+        dec.reset(ids[:, 8], 8)
+        torch.testing.assert_close(dec.step(2), want[:, 8], rtol=1e-4, atol=1e-5)
+    everything = static_decode.step_weight_bytes(m)
+    experts = sum(layer.mlp.experts.gate_up_proj.nbytes + layer.mlp.experts.down_proj.nbytes for layer in m.model.layers)
+    touched = static_decode.experts_touched(4, 2, 1)
+    assert touched == pytest.approx(2.0)  # one token: its top_k experts
+    assert static_decode.step_weight_bytes(m, 1) == pytest.approx(everything - experts + experts * touched / 4, abs=8)
+    assert static_decode.experts_touched(4, 2, 64) == pytest.approx(4.0)
+
+
+def test_moe_variants_on_cpu(capsys):
+    """The preset's variants of an MoE model, eager on the CPU: FP8Experts in fp8-tmagemm, the
+    experts zeroed in no-proj, torch's block-scaled peer refused (no grouped block GEMM)."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU path")
+    _tiny_moe()
+    variants = ["bf16", "fp8-tmagemm", "fp8-torch-block", "no-proj"]
+    config = model.ModelBenchConfig(models=("tiny-moe",), variants=variants, batches=(2,), layers=1, context=8,
+                                    new_tokens=2, cuda_graphs=False, device="cpu", command="test")  # fmt: skip
+    _, recs = model.run(config)
+    by = {r["variant"]: r for r in recs}
+    assert by["bf16"]["status"] == "ok" and by["bf16"]["hf_rel_err"] < model.HF_WRONG
+    assert by["fp8-tmagemm"]["status"] == "ok", by["fp8-tmagemm"]
+    assert 0 < by["fp8-tmagemm"]["logits_rel_err"] < model.LOGITS_WRONG
+    assert by["no-proj"]["status"] == "ok"
+    assert by["fp8-torch-block"]["status"] == "unsupported" and "grouped" in by["fp8-torch-block"]["reason"]
+    assert by["fp8-tmagemm"]["weight_bytes"] < by["bf16"]["weight_bytes"]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -391,6 +445,22 @@ def test_tiny_model_bench_on_gpu(tmp_path, capsys):
             assert r["logits_rel_err"] < model.LOGITS_WRONG and r["vs_bf16"] > 0, r
     assert all(r["hf_rel_err"] < model.HF_WRONG for r in recs if r["variant"] == "bf16")
     assert "model decode:" in out and "model geomeans:" in out
+
+
+@pytest.mark.gpu
+def test_tiny_moe_model_bench_on_gpu(tmp_path, capsys):
+    """Qwen3-MoE in CUDA graphs: FP8Experts and the torch row-wise grouped peer run, correct."""
+    code = cli.main(["bench", "--preset", "model", "--models", "tiny-moe", "--m", "1,4", "--context", "64",
+                     "--new-tokens", "4", "--budget-ms", "20", "--variants", "bf16,fp8-tmagemm,fp8-tmagemm-row,"
+                     "fp8-torch-row,no-proj", "--out", str(tmp_path)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    recs = json.loads((tmp_path / "results.json").read_text())["model"]["records"]
+    for r in recs:
+        assert r["status"] == "ok", r
+        if r["variant"].startswith("fp8-tmagemm"):
+            assert r["graph_equal"] is True and r["greedy_equal"] == 1.0, r
+            assert r["logits_rel_err"] < model.LOGITS_WRONG, r
 
 
 @pytest.mark.gpu

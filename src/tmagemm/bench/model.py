@@ -1,7 +1,9 @@
 """``tmagemm bench --preset model``: decode tokens/s of a whole random 8B-shaped model in a CUDA
 graph, bf16 vs its ``tmagemm.nn`` FP8 conversion vs the same FP8 weights on PyTorch's fp8 GEMMs.
 
-A model (``--models``: Llama-3-8B's shape by default) is built by transformers from its config
+A model (``--models``: Llama-3-8B's shape by default; Qwen3-8B; Qwen3-30B-A3B, a Mixture-of-Experts
+model whose experts run on transformers' grouped_mm experts in bf16 and become FP8Experts when
+converted) is built by transformers from its config
 with random weights, directly on the GPU in bf16 (fixed seed; transformers' own init, std
 0.02 unless ``--init-std``). Its *variants* run the same decode step (bench/static_decode.py:
 the model's own modules, a static KV cache of ``context`` prefilled tokens, one new token per
@@ -430,6 +432,8 @@ def _run_batch(variants: dict[str, _Variant], spec_name: str, layers: int, batch
     graphs side by side, then the logits and greedy checks."""
     import torch
 
+    from .static_decode import step_weight_bytes
+
     ctx, first = config.context, prompts[:, config.context]
     timing = "graph" if config.cuda_graphs else "eager"
     recs: dict[str, dict[str, Any]] = {}
@@ -440,8 +444,8 @@ def _run_batch(variants: dict[str, _Variant], spec_name: str, layers: int, batch
             rec.update(status=v.status, reason=v.error)
             continue
         dec = v.decoder
-        kv = dec.cache_bytes(batch)
-        rec.update(weight_bytes=v.weight_bytes, kv_bytes=kv, bytes=v.weight_bytes + kv)
+        kv, weights = dec.cache_bytes(batch), step_weight_bytes(v.module, batch)  # an MoE's experts: their share
+        rec.update(weight_bytes=weights, kv_bytes=kv, bytes=weights + kv)
         peer = v.name.startswith("fp8-torch")
         try:
             if v.name != "no-proj":

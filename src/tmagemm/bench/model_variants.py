@@ -16,12 +16,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import nn as tnn
-from ..nn import FP8GatedMLP, FP8Linear
+from ..nn import FP8Experts, FP8GatedMLP, FP8Linear
 from ..nn.convert import DEFAULT_SKIP, matches
+from ..nn.experts import experts_reason
 from ..nn.quantize import SCALE_BLOCK
 from ..quant import quantize_fp8
 from . import mlp_fusion
 from .decode import tolerance
+from .moe_layer import torch_experts_forward
 from .static_decode import shared_copy, swap_modules
 
 VARIANTS = {
@@ -35,9 +37,10 @@ VARIANTS = {
     "fp8-torch-block": "fp8-tmagemm's weights and activation quantizer; GEMM on torch.nn.functional.scaled_mm "
                        "(BlockWise1x128 x BlockWise128x128, cuBLAS)",
     "fp8-tmagemm-row": "tmagemm.nn.convert(recipe='row'): per-token x per-channel scales, tmagemm.scaled_mm",
-    "fp8-torch-row": "fp8-tmagemm-row's weights and quantizer; GEMM on torch._scaled_mm row-wise (cuBLAS)",
-    "no-proj": "reference: every converted projection returns zeros (the rest of the step: attention, norms, "
-               "rotary, lm_head, launches)",
+    "fp8-torch-row": "fp8-tmagemm-row's weights and quantizer; GEMM on torch._scaled_mm row-wise (cuBLAS); an "
+                     "MoE's experts on torch._scaled_grouped_mm",
+    "no-proj": "reference: every converted projection (and an MoE's experts) returns zeros (the rest of the step: "
+               "attention, norms, rotary, router, lm_head, launches)",
 }  # fmt: skip
 
 
@@ -122,6 +125,36 @@ class TorchRowFP8Linear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
 
+class TorchRowFP8Experts(nn.Module):
+    """A row-recipe FP8Experts' weights (shared) with its two grouped GEMMs on
+    ``torch._scaled_grouped_mm`` (row-wise, PyTorch's only fp8 grouped GEMM) in transformers'
+    grouped_mm steps (``moe_layer.torch_experts_forward``: activations quantized per row by
+    torch ops)."""
+
+    def __init__(self, layer: FP8Experts):
+        super().__init__()
+        if type(layer) is not FP8Experts or layer.recipe != "row":
+            raise TypeError(f"expected a row-recipe FP8Experts, got {layer!r}")
+        self.inner, self.num_experts = layer, layer.num_experts
+        self.gate_up_proj = layer.gate_up_proj  # step_weight_bytes counts the experts by this
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        m = self.inner
+        return torch_experts_forward(hidden_states, top_k_index, top_k_weights, m.num_experts, m.gate_up_proj,
+                                     m.down_proj, m.gate_up_proj_scale_inv.squeeze(-1), m.down_proj_scale_inv.squeeze(-1))
+
+
+class ZeroExperts(nn.Module):
+    """Stands in for an MoE layer's experts: zeros of the tokens' shape, no weight read."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.num_experts = layer.num_experts
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return torch.zeros_like(hidden_states)
+
+
 class ZeroProjection(nn.Module):
     """Stands in for a projection: zeros of its output shape, no weight read."""
 
@@ -160,12 +193,19 @@ def build_variant(name: str, model: nn.Module, built: dict[str, nn.Module]) -> n
         # q/k/v copied once into the stacked buffers (fused norms: their weights copied).
         flags = dict.fromkeys(FUSED_FLAGS[name], True)
         return tnn.convert(shared_copy(quantized("block")), recipe="block", **flags)
+    has_experts = any(experts_reason(m) is None for m in model.modules())
     if name == "fp8-torch-block":
+        if has_experts:
+            raise ValueError("torch has no block-scaled grouped GEMM for the model's experts")
         return swapped(quantized("block"), FP8Linear, TorchBlockFP8Linear)
     if name == "fp8-torch-row":
-        return swapped(quantized("row"), FP8Linear, TorchRowFP8Linear)
+        copy = swapped(quantized("row"), FP8Linear, TorchRowFP8Linear)
+        swap_modules(copy, lambda n, m: type(m) is FP8Experts, TorchRowFP8Experts)
+        return copy
     if name == "no-proj":
-        return swapped(model, nn.Linear, ZeroProjection)
+        copy = swapped(model, nn.Linear, ZeroProjection)
+        swap_modules(copy, lambda n, m: experts_reason(m) is None, ZeroExperts)
+        return copy
     raise ValueError(f"unknown variant {name!r}")
 
 

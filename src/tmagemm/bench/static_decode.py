@@ -4,8 +4,8 @@
 Why not transformers' own ``generate``/``StaticCache``: their constructor arguments, mask
 creation and cache layout changed across 4.4x and 5.x, and parts of their forward pass run host
 code that a ``torch.cuda.graph`` capture cannot hold. This module calls the model's own modules
-(embedding, RMSNorms, q/k/v/o projections, Qwen3's q/k norms, the MLP module as a whole, final
-norm, lm_head), which are stable across those versions, and does only the attention itself:
+(embedding, RMSNorms, q/k/v/o projections, Qwen3's q/k norms, the MLP module as a whole (an
+MoE block with its router and experts too), final norm, lm_head), which are stable across those versions, and does only the attention itself:
 
 * rotary tables from the model's own ``rotary_emb`` (its rope type and theta), computed once
   for every position of the cache and indexed by a position tensor on the device;
@@ -37,7 +37,9 @@ from torch import nn
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A model's shape. family: "llama" (LlamaForCausalLM) or "qwen3" (Qwen3ForCausalLM: q/k norms)."""
+    """A model's shape. family: "llama" (LlamaForCausalLM), "qwen3" (Qwen3ForCausalLM: q/k norms)
+    or "qwen3_moe" (Qwen3MoeForCausalLM: every layer's MLP ``experts`` routed experts of
+    ``expert_intermediate``, ``top_k`` per token)."""
 
     name: str
     family: str
@@ -50,13 +52,17 @@ class ModelSpec:
     vocab: int
     rope_theta: float
     eps: float = 1e-5
+    experts: int = 0
+    top_k: int = 0
+    expert_intermediate: int = 0
 
     def params(self, layers: int | None = None) -> int:
         """Parameters of the model with ``layers`` layers (default its own depth)."""
         layers = self.layers if layers is None else layers
         attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-        mlp = 3 * self.hidden * self.intermediate
-        norms = 2 * self.hidden + (2 * self.head_dim if self.family == "qwen3" else 0)
+        mlp = self.experts * self.hidden * (3 * self.expert_intermediate + 1) if self.experts else \
+            3 * self.hidden * self.intermediate
+        norms = 2 * self.hidden + (2 * self.head_dim if self.family.startswith("qwen3") else 0)
         return layers * (attn + mlp + norms) + 2 * self.vocab * self.hidden + self.hidden
 
 
@@ -65,15 +71,19 @@ SPECS = {s.name: s for s in (
     ModelSpec("llama3-8b", "llama", 4096, 14336, 32, 32, 8, 128, 128256, 500000.0, 1e-5),
     # Qwen3-8B's config.json.
     ModelSpec("qwen3-8b", "qwen3", 4096, 12288, 36, 32, 8, 128, 151936, 1000000.0, 1e-6),
+    # Qwen3-30B-A3B's config.json: 128 experts of 768, 8 per token, in every layer.
+    ModelSpec("qwen3-30b-a3b", "qwen3_moe", 2048, 6144, 48, 32, 4, 128, 151936, 1000000.0, 1e-6, 128, 8, 768),
     # For tests: every projection a multiple of 16 (FP8Linear's rule) and of 128 in K.
     ModelSpec("tiny", "llama", 256, 512, 2, 4, 2, 64, 1024, 500000.0, 1e-5),
+    ModelSpec("tiny-moe", "qwen3_moe", 256, 512, 2, 4, 2, 64, 1024, 1000000.0, 1e-6, 4, 2, 256),
 )}  # fmt: skip
 
 
 def _classes(family: str):
     import transformers
 
-    names = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[family]
+    names = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+             "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}[family]
     found = [getattr(transformers, n, None) for n in names]
     if None in found:
         raise ValueError(f"{family} models need transformers with {' and '.join(names)} (Qwen3: 4.51 or later); "
@@ -89,6 +99,10 @@ def build_model(spec: ModelSpec, layers: int | None, device, dtype: torch.dtype,
     no gradients."""
     config_cls, model_cls = _classes(spec.family)
     extra = {} if init_std is None else {"initializer_range": init_std}
+    if spec.experts:  # every layer sparse; transformers' grouped_mm experts (its default where it runs)
+        extra.update(num_experts=spec.experts, num_experts_per_tok=spec.top_k,
+                     moe_intermediate_size=spec.expert_intermediate, decoder_sparse_step=1, mlp_only_layers=[],
+                     norm_topk_prob=True)
     config = config_cls(hidden_size=spec.hidden, intermediate_size=spec.intermediate,
                         num_hidden_layers=spec.layers if layers is None else layers, num_attention_heads=spec.heads,
                         num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim, vocab_size=spec.vocab,
@@ -128,19 +142,38 @@ def swap_modules(model: nn.Module, want: Callable[[str, nn.Module], bool],
     return len(made)
 
 
-def step_weight_bytes(model: nn.Module) -> int:
+def experts_touched(experts: int, top_k: int, batch: int) -> float:
+    """Experts a step of ``batch`` tokens reads on average when each token picks ``top_k`` of
+    ``experts`` uniformly: ``E (1 - (1 - k/E)^batch)``."""
+    return experts * (1 - (1 - top_k / experts) ** batch)
+
+
+def _is_experts(module: nn.Module) -> bool:
+    """A layer's routed experts as one module: transformers' 3-D experts or tmagemm's FP8Experts."""
+    return hasattr(module, "num_experts") and getattr(module, "gate_up_proj", None) is not None
+
+
+def step_weight_bytes(model: nn.Module, batch: int | None = None) -> int:
     """Bytes of every parameter and buffer one decode step reads: the decoder layers, the final
     norm and lm_head (one embedding row per token is not counted), each storage once (views
-    such as a fused MLP's gate_proj / up_proj halves of its stacked weight count with it)."""
+    such as a fused MLP's gate_proj / up_proj halves of its stacked weight count with it). An
+    MoE layer's experts count as the share a step of ``batch`` tokens reads on average
+    (:func:`experts_touched`; all of them without a batch)."""
     inner = model.model
-    seen, total = set(), 0
+    top_k = getattr(model.config, "num_experts_per_tok", 0)
+    share = {}
+    for m in inner.layers.modules():
+        if _is_experts(m) and batch is not None and top_k:
+            for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)):
+                share[t.untyped_storage().data_ptr()] = experts_touched(m.num_experts, top_k, batch) / m.num_experts
+    seen, total = set(), 0.0
     for part in (inner.layers, inner.norm, model.lm_head):
         for name, t in (*part.named_parameters(), *part.named_buffers()):
             storage = t.untyped_storage()
             if storage.data_ptr() not in seen and not name.endswith("inv_freq"):  # old transformers' rotary
                 seen.add(storage.data_ptr())
-                total += storage.nbytes()
-    return total
+                total += storage.nbytes() * share.get(storage.data_ptr(), 1.0)
+    return int(total)
 
 
 # ---------------------------------------------------------------------------------- rotary
