@@ -464,11 +464,14 @@ def test_tiny_moe_model_bench_on_gpu(tmp_path, capsys):
 
 
 @pytest.mark.gpu
-def test_tiny_model_compile_check_on_gpu(tmp_path):
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+def test_tiny_model_compile_check_on_gpu(name, tmp_path):
     """Compiled with eager's roundings (emulate_precision_casts), the steps give eager's logits and
-    greedy tokens."""
+    greedy tokens (tiny-moe: FP8Experts under torch.compile(mode="reduce-overhead"))."""
+    if name == "tiny-moe":
+        _tiny_moe()
     variants = ("bf16", "fp8-tmagemm", "fp8-tmagemm-fused-norms")
-    config = model.ModelBenchConfig(models=("tiny",), variants=variants, batches=(2,), layers=2,
+    config = model.ModelBenchConfig(models=(name,), variants=variants, batches=(2,), layers=2,
                                     context=32, new_tokens=4, budget_ms=10, compile_check=True)  # fmt: skip
     result, _ = model.run(config)
     rows = result.metadata["compile_check"]

@@ -20,7 +20,7 @@ import tmagemm.nn as tnn
 from tmagemm.nn.experts import FP8Experts, convert_experts, experts_reason
 from tmagemm.nn.quantize import FP8
 from tmagemm.quant import quantize_fp8
-from tmagemm.triton.moe_permute import combine_pairs, quantize_pairs
+from tmagemm.triton.moe_permute import ROUTE_MAX_PAIRS, combine_pairs, quantize_pairs, route_pairs
 from tmagemm.triton.silu_mul_quantize import silu_mul_quantize
 
 CUDA = torch.cuda.is_available()
@@ -169,6 +169,36 @@ def test_combine_pairs_sums_each_tokens_pairs(dtype, seeded):
     assert got.dtype == dtype and bool(torch.isfinite(got).all())
     torch.testing.assert_close(got.double(), want, rtol=2**-7 if dtype != torch.float32 else 1e-6, atol=1e-6)
     assert combine_pairs(y[:0], pos[:0], valid, top_k).shape == (0, n)
+
+
+@pytest.mark.anydevice
+@pytest.mark.parametrize("tokens, top_k, e", [(1, 8, 64), (5, 2, 4), (33, 8, 256), (128, 8, 16), (300, 3, 130)])
+def test_route_pairs_is_a_stable_sort_by_expert(tokens, top_k, e, seeded):
+    """order and offs as torch.sort(stable) and searchsorted give them, sentinels (E, E + 5, -1)
+    last and in no group; repeated ids keep pair order."""
+    ids = torch.randint(0, e, (tokens, top_k), device=DEVICE)
+    ids.view(-1)[::7] = e
+    ids.view(-1)[3::11] = -1
+    ids.view(-1)[5::13] = e + 5
+    for dtype in (torch.int64, torch.int32):
+        order, offs = route_pairs(ids.to(dtype), e)
+        keyed = torch.where((ids >= 0) & (ids < e), ids, e).reshape(-1)
+        want_sorted, want_order = torch.sort(keyed, stable=True)
+        assert torch.equal(order, want_order)
+        assert torch.equal(offs.long(), torch.searchsorted(want_sorted, torch.arange(e, device=DEVICE), right=True))
+        assert offs.dtype == torch.int32 and order.dtype == torch.int64
+
+
+def test_experts_sort_past_the_routing_kernels_bound(seeded):
+    """Past ROUTE_MAX_PAIRS pairs the layer sorts with torch: the same output as the emulation."""
+    layer = make_layer(3, 128, 128, "row")
+    tokens = ROUTE_MAX_PAIRS // 2 + 5
+    x = torch.randn(tokens, 128, device=DEVICE).to(HALF)
+    ids, weights = routing(tokens, 2, 3)
+    ids[::9, 1] = -1
+    check(layer(x, ids, weights), reference(layer, x, ids, weights), "sorted by torch")
+    with pytest.raises(ValueError, match="ranks at most"):
+        route_pairs(torch.zeros(ROUTE_MAX_PAIRS + 1, 1, dtype=torch.long), 4)
 
 
 def test_permute_refusals():

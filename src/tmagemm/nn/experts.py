@@ -6,9 +6,10 @@ weight (E, 2I, H) and a down weight (E, H, I) as 3-D tensors, ``forward(hidden_s
 top_k_index, top_k_weights)``) and computes what their ``grouped_mm`` implementation computes,
 with e4m3 weights and activations quantized on the fly:
 
-1. the (token, expert) pairs are sorted by expert on the device (``torch.sort``), and each
-   expert's cumulative end found by ``torch.searchsorted``: no host sync, so the layer captures
-   into CUDA graphs with routing that changes between replays;
+1. the (token, expert) pairs are sorted by expert on the device, stably, with each expert's
+   cumulative end (one kernel up to ``ROUTE_MAX_PAIRS`` pairs, :mod:`tmagemm.triton.moe_permute`;
+   ``torch.sort`` and ``torch.searchsorted`` beyond): no host sync, so the layer captures into
+   CUDA graphs with routing that changes between replays;
 2. the tokens are quantized straight into that order, one fp8 row per pair
    (:mod:`tmagemm.triton.moe_permute`);
 3. gate/up: one grouped block- or row-scaled GEMM (``tmagemm.grouped_scaled_mm``, contiguous
@@ -34,6 +35,7 @@ import torch
 from torch import nn
 
 from ..grouped import grouped_scaled_mm
+from ..triton.moe_permute import ROUTE_MAX_PAIRS
 from .linear import ACTIVATION_DTYPES, ALIGN, as_rows, keep_dtypes
 from .mlp import is_silu
 from .quantize import FP8, SCALE_BLOCK, SCALED_MM_RECIPES, check_recipe, dequantize_weight, quantize_weight, \
@@ -198,11 +200,12 @@ class FP8Experts(nn.Module):
         h, e = self.hidden_size, self.num_experts
         if tokens == 0 or top_k == 0:
             return hidden_states.new_zeros(tokens, h)
-        # ---- routing, on the device: pairs sorted by expert. Ids outside 0..E-1 (as unsigned
-        # 32-bit values: negative ones too) sort last and fall in no group.
-        ids = top_k_index.reshape(-1).long() & 0xFFFFFFFF
-        sorted_ids, order = torch.sort(ids, stable=True)
-        offs = torch.searchsorted(sorted_ids, self.expert_ids, right=True, out_int32=True)
+        # ---- routing, on the device: pairs sorted by expert (stably), ids outside 0..E-1 last
+        if tokens * top_k <= ROUTE_MAX_PAIRS:  # decode sizes: one launch
+            order, offs = torch.ops.tmagemm_nn.route_pairs(top_k_index, e)
+        else:  # negative ids too sort last as unsigned 32-bit values
+            sorted_ids, order = torch.sort(top_k_index.reshape(-1).long() & 0xFFFFFFFF, stable=True)
+            offs = torch.searchsorted(sorted_ids, self.expert_ids, right=True, out_int32=True)
 
         # ---- the tokens quantized into expert order; gate/up of every pair, grouped by expert
         recipe_a, recipe_b = SCALED_MM_RECIPES[self.recipe]

@@ -29,7 +29,7 @@ from ..quant import quantize_fp8
 from ..tma import aligned_empty
 from ..triton.norm_quantize import rms_norm_quantize
 from ..triton.quantize import SCALE_BLOCK, quantize_128x128
-from ..triton.moe_permute import combine_pairs, quantize_pairs
+from ..triton.moe_permute import combine_pairs, quantize_pairs, route_pairs
 from ..triton.silu_mul_quantize import silu_mul_quantize
 
 RECIPES = ("block", "row", "tensor")
@@ -153,6 +153,20 @@ def _(x, order, top_k, recipe):
     s, k = order.shape[0], x.shape[1]
     return (x.new_empty((s, k), dtype=FP8), x.new_empty(activation_scale_shape(recipe, s, k), dtype=torch.float32),
             x.new_empty((s,), dtype=torch.int32))
+
+
+@torch.library.custom_op("tmagemm_nn::route_pairs", mutates_args=())
+def route_pairs_op(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order, offs)``: an MoE layer's pairs sorted by expert and each expert's cumulative end
+    (:func:`tmagemm.triton.moe_permute.route_pairs`)."""
+    _check_device(top_k_index, "FP8Experts")
+    return route_pairs(top_k_index, num_experts)
+
+
+@route_pairs_op.register_fake
+def _(top_k_index, num_experts):
+    return (top_k_index.new_empty((top_k_index.numel(),), dtype=torch.int64),
+            top_k_index.new_empty((num_experts,), dtype=torch.int32))
 
 
 @torch.library.custom_op("tmagemm_nn::combine_pairs", mutates_args=())

@@ -3,6 +3,10 @@
 An MoE layer sends token t to ``top_k`` experts: pair p = t * top_k + j. The grouped GEMMs take
 the pairs sorted by expert (``order``: row r of the sorted operand is pair ``order[r]``).
 
+* :func:`route_pairs`: ``order`` and the experts' cumulative ends from the router's ids, at
+  decode sizes (up to ``ROUTE_MAX_PAIRS`` pairs), where ``torch.sort`` and ``searchsorted``
+  take a dozen microseconds over six launches.
+
 * :func:`quantize_pairs`: the fp8 rows of the sorted operand, quantized straight from the tokens
   (row r reads token ``order[r] // top_k``), by the quantizers' own steps (1x128 groups, or one
   scale per row), and ``pos`` (pair -> row), the inverse of ``order``. One launch where a
@@ -34,6 +38,69 @@ from .quantize import (
 )
 
 RECIPES = ("1x128", "row")
+# Pairs up to which route_pairs ranks every pair against every other (O(S^2) comparisons over
+# S / 64 programs); larger batches sort (torch.sort), which costs a dozen microseconds and a
+# handful of launches at decode sizes.
+ROUTE_MAX_PAIRS = 1024
+_ROUTE_BLOCK = 64
+
+
+@triton.jit
+def _local_ids(ids_ptr, idx, ok, E):
+    """Expert ids at ``idx``, ids outside 0..E-1 (sentinels) as E, lanes past the end as E + 1."""
+    ids = tl.load(ids_ptr + idx, mask=ok, other=0).to(tl.int64)
+    ids = tl.where((ids >= 0) & (ids < E), ids, E)
+    return tl.where(ok, ids, E + 1)
+
+
+@triton.jit
+def _route_pairs_kernel(ids_ptr, order_ptr, offs_ptr, S, E, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Program i: the sorted position of pairs i*BLOCK.. (the pairs before them in (expert, pair)
+    order, counted over all S) and the cumulative ends of experts i*BLOCK.. (the pairs of an
+    expert id at most theirs)."""
+    wait_for_previous_kernel(PDL)  # the ids come from the router before
+    block = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    p_ok = block < S
+    idp = _local_ids(ids_ptr, block, p_ok, E)
+    rank = tl.zeros([BLOCK], dtype=tl.int32)
+    count = tl.zeros([BLOCK], dtype=tl.int32)
+    for q0 in range(0, S, BLOCK):
+        q = q0 + tl.arange(0, BLOCK)
+        idq = _local_ids(ids_ptr, q, q < S, E)
+        before = (idq[None, :] < idp[:, None]) | ((idq[None, :] == idp[:, None]) & (q[None, :] < block[:, None]))
+        rank += tl.sum(before.to(tl.int32), axis=1)
+        count += tl.sum((idq[None, :] <= block[:, None]).to(tl.int32), axis=1)  # block as expert ids
+    let_next_kernel_launch(PDL)
+    tl.store(order_ptr + rank, block.to(tl.int64), mask=p_ok)
+    tl.store(offs_ptr + block, count, mask=block < E)
+
+
+def route_pairs(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order, offs)`` of an MoE layer's routing, in one launch: the pairs (p = t * top_k + j of
+    ``top_k_index`` (T, top_k)) sorted by expert, stably (``order`` (S,) int64: row r of the
+    grouped operand is pair order[r]), and each expert's cumulative end (``offs`` (E,) int32, the
+    grouped GEMMs' contiguous layout). Ids outside 0..E-1 (expert-parallel sentinels) sort last
+    and fall in no group. What ``torch.sort`` and ``torch.searchsorted`` give, for up to
+    ``ROUTE_MAX_PAIRS`` pairs (ValueError beyond)."""
+    fn = "route_pairs"
+    if not isinstance(top_k_index, torch.Tensor) or top_k_index.dtype not in (torch.int32, torch.int64) \
+            or top_k_index.dim() != 2:
+        raise TypeError(f"{fn}: top_k_index must be a 2-D int32/int64 tensor")
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
+        raise ValueError(f"{fn}: num_experts must be a positive int, got {num_experts!r}")
+    ids = top_k_index.reshape(-1)
+    pairs = ids.numel()
+    if pairs > ROUTE_MAX_PAIRS:
+        raise ValueError(f"{fn}: {pairs} pairs; it ranks at most {ROUTE_MAX_PAIRS} (sort larger batches)")
+    order = torch.empty(pairs, dtype=torch.int64, device=ids.device)
+    offs = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+    use_pdl = pdl(offs)
+    with on_device(ids.device):
+        _route_pairs_kernel[(triton.cdiv(max(pairs, num_experts), _ROUTE_BLOCK),)](
+            ids, order, offs, pairs, num_experts, BLOCK=_ROUTE_BLOCK, PDL=use_pdl, num_warps=4,
+            **({"launch_pdl": True} if use_pdl else {}),
+        )
+    return order, offs
 
 
 @triton.jit
