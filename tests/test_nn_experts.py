@@ -371,9 +371,9 @@ def _tiny_moe(model_name: str, **extra):
     config_name = model_name.replace("ForCausalLM", "Config")
     if not hasattr(transformers, model_name):
         pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
-    config = getattr(transformers, config_name)(hidden_size=256, intermediate_size=512, num_hidden_layers=1,
-                                                num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
-                                                head_dim=64, **extra)
+    shape = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 1, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "vocab_size": 300, "head_dim": 64}
+    config = getattr(transformers, config_name)(**{**shape, **extra})
     model = getattr(transformers, model_name)(config).to(DEVICE, HALF).eval()
     experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
     if not experts or experts_reason(experts[0]) is not None:
@@ -382,7 +382,15 @@ def _tiny_moe(model_name: str, **extra):
 
 
 MOE_MODELS = [("Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 256}),
-              ("MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2})]
+              ("MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+              ("Qwen2MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+                                       "shared_expert_intermediate_size": 256}),
+              # DeepSeek-V3: MLA attention, a shared expert beside 4 routed ones, grouped routing
+              ("DeepseekV3ForCausalLM", {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+                                         "n_shared_experts": 1, "first_k_dense_replace": 0, "n_group": 2,
+                                         "topk_group": 1, "kv_lora_rank": 64, "q_lora_rank": 64,
+                                         "qk_rope_head_dim": 32, "qk_nope_head_dim": 32, "v_head_dim": 64,
+                                         "head_dim": 32})]
 
 
 @pytest.mark.anydevice
