@@ -261,6 +261,31 @@ def test_quantizers_and_fp8_layers_on_the_other_gpu(data, current, seeded):
         assert torch.equal(moved(x.to(f"cuda:{current}")).cpu(), want[-1].cpu())
 
 
+@pytest.mark.parametrize("data,current", [(1, 0), (0, 1)], ids=["data1-current0", "data0-current1"])
+def test_fp8_experts_on_the_other_gpu(data, current, seeded):
+    """FP8Experts (routing, quantize, grouped GEMMs, SiLU quantizer, combine; the routing kernel at
+    5 tokens, torch's sort at 600) with its tensors on one GPU and the other current: bit for bit
+    what it gives with its own GPU current."""
+    from tmagemm.nn.experts import FP8Experts
+
+    holder = torch.nn.Module()
+    holder.gate_up_proj = torch.randn(6, 512, 256, device=f"cuda:{data}", dtype=torch.bfloat16) / 16
+    holder.down_proj = torch.randn(6, 256, 256, device=f"cuda:{data}", dtype=torch.bfloat16) / 16
+    holder.act_fn = torch.nn.SiLU()
+    holder.has_gate, holder.has_bias, holder.is_transposed, holder.is_concatenated = True, False, False, True
+    layer = FP8Experts.from_experts(holder)
+    for tokens in (5, 600):
+        x = torch.randn(tokens, 256, device=f"cuda:{data}", dtype=torch.bfloat16)
+        ids = torch.stack([torch.randperm(6)[:2] for _ in range(tokens)]).to(f"cuda:{data}")
+        w = torch.rand(tokens, 2, device=f"cuda:{data}", dtype=torch.bfloat16)
+        with torch.cuda.device(data):
+            want = layer(x, ids, w)
+        with torch.cuda.device(current):
+            got = layer(x, ids, w)
+            assert torch.cuda.current_device() == current
+        assert got.device == x.device and torch.equal(got, want), tokens
+
+
 def test_cublas_still_works_on_both_gpus(seeded):
     """After tmagemm calls with the other GPU current (here and in the tests before: this one runs
     last), cuBLAS's bf16 GEMM and fp8 torch._scaled_mm still run and are right on each GPU: the
