@@ -228,8 +228,6 @@ def test_silu_mul_quantize_refusals():
         silu_mul_quantize(h[:, :255].contiguous())
     with pytest.raises(ValueError, match="recipe"):
         silu_mul_quantize(h, "tensor")
-    with pytest.raises(ValueError, match="m_major"):
-        silu_mul_quantize(h, "row", m_major=True)
     with pytest.raises(ValueError, match=r"row_scale has shape \(3,\)"):
         silu_mul_quantize(h, "1x128", torch.ones(3))
     with pytest.raises(TypeError, match="row_scale"):

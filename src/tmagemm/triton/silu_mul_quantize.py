@@ -18,7 +18,6 @@ import triton
 import triton.language as tl
 
 from ..device import on_device
-from ..tma import aligned_empty
 from .common import let_next_kernel_launch, wait_for_previous_kernel
 from .launch import pdl
 from .quantize import (
@@ -97,14 +96,14 @@ def _silu_mul_quantize_kernel(
 
 
 def silu_mul_quantize(h: torch.Tensor, recipe: str = "1x128", row_scale: torch.Tensor | None = None,
-                      row_scale_index: torch.Tensor | None = None, dtype: torch.dtype = torch.float8_e4m3fn,
-                      m_major: bool = False):
+                      row_scale_index: torch.Tensor | None = None, dtype: torch.dtype = torch.float8_e4m3fn):
     """``(q, scale)``: ``silu(gate) * up`` of a gated MLP's gate/up output ``h`` (S, 2I) (gate
     the first I columns, up the last I), quantized per ``recipe`` as ``quantize_fp8(act,
     recipe)`` would quantize it ("1x128": scale (S, ceil(I/128)); "row": (S, 1)), with each row's
     scales multiplied by ``row_scale[r]`` if given (``row_scale[row_scale_index[r]]`` with an
-    index: an MoE pair's routing weight, read in expert order). q (S, I) has its row stride rounded up to 16
-    (as the quantizers'). ``m_major`` ("1x128" only): the scales contiguous along S.
+    index: an MoE pair's routing weight, read in expert order). q (S, I) has its row stride
+    rounded up to 16 (as the quantizers'); the scales are row-major (the grouped GEMMs read them
+    per row).
 
     h: float16/bfloat16/float32, 2-D with an even number of columns, contiguous last dimension.
     row_scale: a float tensor on h's device, (S,) or, with row_scale_index ((S,) int32/int64, its
@@ -118,8 +117,6 @@ def silu_mul_quantize(h: torch.Tensor, recipe: str = "1x128", row_scale: torch.T
         raise ValueError(f"{fn}: h {tuple(h.shape)} must have an even number of columns (gate, then up)")
     if recipe not in RECIPES:
         raise ValueError(f"{fn}: recipe must be one of {', '.join(repr(r) for r in RECIPES)}, got {recipe!r}")
-    if m_major and recipe != "1x128":
-        raise ValueError(f"{fn}: m_major applies to the '1x128' recipe, got recipe {recipe!r}")
     if row_scale is not None:
         if not isinstance(row_scale, torch.Tensor) or not row_scale.is_floating_point():
             raise TypeError(f"{fn}: row_scale must be a floating-point torch.Tensor or None")
@@ -139,10 +136,7 @@ def silu_mul_quantize(h: torch.Tensor, recipe: str = "1x128", row_scale: torch.T
     per_group = recipe == "1x128"
     groups = triton.cdiv(inner, SCALE_BLOCK) if per_group else 1
     q = fp8_rows(rows, inner, dtype, h.device)
-    if m_major:
-        scale = aligned_empty((rows, groups), 0, torch.float32, h.device)
-    else:
-        scale = torch.empty(rows, groups, dtype=torch.float32, device=h.device)
+    scale = torch.empty(rows, groups, dtype=torch.float32, device=h.device)
     if rows == 0 or inner == 0:
         return q, scale
     # As the quantizers: 16 rows x one group per program (many small programs keep the most
