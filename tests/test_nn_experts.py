@@ -295,8 +295,10 @@ def test_experts_input_errors():
         layer(x.to(torch.int8), ids, w)
     with pytest.raises(ValueError, match=r"hidden_states has shape \(3, 64\)"):
         layer(x[:, :64], ids, w)
-    with pytest.raises(TypeError, match="top_k_index must hold integer"):
+    with pytest.raises(TypeError, match="top_k_index must hold int32 or int64"):
         layer(x, ids.float(), w)
+    with pytest.raises(TypeError, match="top_k_index must hold int32 or int64"):
+        layer(x, ids.to(torch.int16), w)
     with pytest.raises(TypeError, match="top_k_weights must be floating"):
         layer(x, ids, ids)
     with pytest.raises(ValueError, match=r"top_k_index has shape \(2, 2\)"):

@@ -96,8 +96,8 @@ class FP8Experts(nn.Module):
     dequantization scales per expert ((E, 2I/128, H/128) and (E, H/128, I/128) block; (E, 2I, 1)
     and (E, H, 1) row). They keep their dtypes through ``module.to(dtype)``.
 
-    forward: hidden_states (T, H) bfloat16, float16 or float32; top_k_index (T, k) integer expert
-    ids; top_k_weights (T, k) floating routing weights. Returns (T, H) of hidden_states' dtype:
+    forward: hidden_states (T, H) bfloat16, float16 or float32; top_k_index (T, k) int32 or int64
+    expert ids (torch.topk's); top_k_weights (T, k) floating routing weights. Returns (T, H) of hidden_states' dtype:
     ``sum_j w[t, j] * expert_{id[t, j]}(x[t])``, where an id outside 0..E-1 (an expert-parallel
     sentinel) contributes nothing. TypeError / ValueError for other dtypes, shapes or devices.
     """
@@ -176,8 +176,8 @@ class FP8Experts(nn.Module):
         if hidden_states.dim() != 2 or hidden_states.shape[1] != self.hidden_size:
             raise ValueError(f"{what}: hidden_states has shape {tuple(hidden_states.shape)}; expected (tokens, "
                              f"{self.hidden_size})")
-        if top_k_index.dtype.is_floating_point or top_k_index.dtype.is_complex or top_k_index.dtype == torch.bool:
-            raise TypeError(f"{what}: top_k_index must hold integer expert ids, got {top_k_index.dtype}")
+        if top_k_index.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{what}: top_k_index must hold int32 or int64 expert ids, got {top_k_index.dtype}")
         if not top_k_weights.is_floating_point():
             raise TypeError(f"{what}: top_k_weights must be floating point, got {top_k_weights.dtype}")
         tokens = hidden_states.shape[0]
