@@ -286,8 +286,8 @@ def test_cpu_refusal_through_main(capsys, tmp_path):
     (["--preset", "moe", "--routing", "uniform"], "unknown routing uniform"),
     (["--preset", "moe", "--m", "0,16"], "in 1..8192"),
     (["--preset", "moe", "--models", "deepseek-v3", "--m", "512"], "gives no case"),
-    (["--preset", "decode", "--routing", "zipf"], "--routing applies to --preset moe and moe-train only"),
-    (["--routing", "balanced"], "--routing applies to --preset moe and moe-train only"),
+    (["--preset", "decode", "--routing", "zipf"], "--routing applies to --preset moe, moe-train and moe-layer only"),
+    (["--routing", "balanced"], "--routing applies to --preset moe, moe-train and moe-layer only"),
 ])
 def test_moe_options_are_checked_before_any_gpu_work(argv, message, monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the GPU path; refused before any GPU work

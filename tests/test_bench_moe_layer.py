@@ -13,8 +13,11 @@ from tmagemm.bench import moe, moe_layer
 
 
 def test_config_rules():
-    config = moe_layer.MoELayerConfig(models=("mixtral-8x7b",), tokens=(1, 64))
-    assert config.cases() == [moe_layer.Case("mixtral-8x7b", 1), moe_layer.Case("mixtral-8x7b", 64)]
+    config = moe_layer.MoELayerConfig(models=("mixtral-8x7b",), tokens=(1, 64), routings=("zipf",))
+    assert config.cases() == [moe_layer.Case("mixtral-8x7b", 1, "zipf"), moe_layer.Case("mixtral-8x7b", 64, "zipf")]
+    assert len(moe_layer.MoELayerConfig().cases()) == 30  # 3 models x 5 token counts x 2 routings
+    with pytest.raises(ValueError, match="unknown routing"):
+        moe_layer.MoELayerConfig(routings=("skewed",))
     with pytest.raises(ValueError, match="token counts"):
         moe_layer.MoELayerConfig(tokens=(0,))
     with pytest.raises(ValueError, match="budget-ms"):
@@ -31,6 +34,17 @@ def test_routing_is_seeded_with_sentinels_under_expert_parallelism():
     assert all(len(set(row.tolist())) == 8 for row in ids)  # distinct experts per token
     assert int(ids.max()) < 256 and bool((ids >= model.experts).any())  # other GPUs' experts: sentinels
     torch.testing.assert_close(weights.float().sum(dim=1), torch.ones(300), rtol=0, atol=1e-2)
+
+
+def test_zipf_routing_is_skewed_and_distinct_per_token():
+    model = moe.MODELS["qwen3-235b-a22b"]
+    ids, weights = moe_layer.routing(model, 1024, "cpu", "zipf")
+    again, _ = moe_layer.routing(model, 1024, "cpu", "zipf")
+    assert torch.equal(ids, again) and ids.shape == (1024, 8)
+    assert all(len(set(row.tolist())) == 8 for row in ids)
+    counts = torch.bincount(ids.flatten(), minlength=128)
+    balanced = torch.bincount(moe_layer.routing(model, 1024, "cpu")[0].flatten(), minlength=128)
+    assert int(counts.max()) > 4 * int(balanced.max())  # a few experts take most tokens
 
 
 def test_torch_peer_matches_float64():
@@ -61,7 +75,7 @@ def test_derive_and_tables():
     ids, _ = moe_layer.routing(model, 4, "cpu")
     records = []
     for provider, us in zip(moe_layer.PROVIDERS, (100.0, 110.0, 200.0, 150.0)):
-        rec = moe_layer.new_record(model, 4, ids, provider)
+        rec = moe_layer.new_record(model, 4, ids, provider, "zipf")
         rec.update(status="ok", us=us, rel_err=0.05)
         records.append(rec)
     moe_layer.derive(records, copy_gbs=3000.0)
@@ -71,7 +85,8 @@ def test_derive_and_tables():
     assert by["torch-bf16"]["weight_bytes"] == 2 * by["tmagemm-block"]["weight_bytes"]
     assert by["tmagemm-block"]["pct_copy"] == pytest.approx(100 * by["tmagemm-block"]["gbs"] / 3000)
     text = moe_layer.tables(records)
-    assert "2.000x" in text["moe-layer cases"] and "tmagemm-block vs torch-bf16" in text["moe-layer geomeans"]
+    assert "2.000x" in text["moe-layer cases"] and "zipf" in text["moe-layer cases"]
+    assert "tmagemm-block vs torch-bf16" in text["moe-layer geomeans"]
 
 
 def test_cli_refuses_without_gpu(capsys):

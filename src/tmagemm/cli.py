@@ -4,7 +4,7 @@
     tmagemm bench --preset decode [--models llama3-8b,..] [--layers 8] [--m 1,16] [--dtype fp8|bf16]
     tmagemm bench --preset moe [--models deepseek-v3,..] [--m 1,64,256] [--dtype fp8|bf16] [--routing balanced,zipf]
     tmagemm bench --preset moe-train [--models mixtral-8x7b,..] [--m 256,1024] [--routing balanced,zipf]
-    tmagemm bench --preset moe-layer [--models qwen3-235b-a22b,..] [--m 1,16,4096]
+    tmagemm bench --preset moe-layer [--models qwen3-235b-a22b,..] [--m 1,16,4096] [--routing balanced,zipf]
     tmagemm bench --preset model [--models llama3-8b,qwen3-8b] [--m 1,2,4,8,16] [--variants ..] [--compile-check]
     tmagemm report results/<run>/results.json
     tmagemm inspect triton.tma --dtype fp8 [--config block_m=128,block_n=256] | --cu FILE.cu [-D N=V]
@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "deepseek-v3, whose 256 experts need about 60 GB); --preset model: llama3-8b (default), qwen3-8b, "
                             "tiny")  # fmt: skip
     bench.add_argument("--routing", type=lambda s: [p for p in s.split(",") if p],
-                       help="--preset moe and moe-train: comma-separated routings, balanced and/or zipf "
+                       help="--preset moe, moe-train and moe-layer: comma-separated routings, balanced and/or zipf "
                             "(default both)")
     bench.add_argument("--layers", type=int, default=None,
                        help="--preset decode: layers per captured stack, each with its own weights (default 8); "
@@ -362,8 +362,8 @@ def cmd_bench(args: argparse.Namespace, command: str) -> int:
     model_only = _given(args, "--variants", "--context", "--new-tokens", "--compile-check", "--init-std")
     if args.preset != "model" and model_only:
         raise ValueError(f"{', '.join(model_only)} apply to --preset model only")
-    if args.preset not in ("moe", "moe-train") and args.routing:
-        raise ValueError("--routing applies to --preset moe and moe-train only")
+    if args.preset not in ("moe", "moe-train", "moe-layer") and args.routing:
+        raise ValueError("--routing applies to --preset moe, moe-train and moe-layer only")
     if args.check or not torch.cuda.is_available():
         dtypes, checked, what = _check_mode_plan(args)
         out_dir = args.out or _default_out(what)
@@ -498,10 +498,11 @@ def _bench_moe_layer(args: argparse.Namespace, command: str) -> int:
     if given:
         raise ValueError(f"--preset moe-layer times tmagemm.nn.FP8Experts vs torch's grouped ops on whole MoE "
                          f"layers' experts, always as CUDA-graph replay; {', '.join(given)} do not apply (--models "
-                         "picks the models, --m the tokens)")  # fmt: skip
+                         "picks the models, --m the tokens, --routing balanced,zipf)")  # fmt: skip
     config = moe_layer.MoELayerConfig(
         models=moe_layer.DEFAULT_MODELS if not args.models else moe.parse_models(args.models),
         tokens=tuple(args.m or moe_layer.DEFAULT_TOKENS),
+        routings=moe.parse_routings(args.routing),
         command=command,
         **({} if args.budget_ms is None else {"budget_ms": args.budget_ms}),
     )

@@ -3,9 +3,11 @@ to tokens back), one forward per CUDA graph: ``tmagemm.nn.FP8Experts`` against t
 computation on torch's grouped GEMMs.
 
 A *case* is one model of ``--preset moe`` (its experts on one GPU: DeepSeek-V3, its EP 4 share,
-Qwen3-235B-A22B, Mixtral 8x7B) at ``tokens`` tokens, each routed to ``top_k`` distinct experts
-drawn uniformly with a fixed seed from all ``experts * ep`` experts (under expert parallelism the
-ids of other GPUs' experts are sentinels, which add nothing, as transformers marks them). The
+Qwen3-235B-A22B, Mixtral 8x7B) at ``tokens`` tokens and one routing, each token sent to ``top_k``
+distinct experts of all ``experts * ep``, drawn with a fixed seed: ``balanced`` uniformly,
+``zipf`` with probabilities p_r ~ 1/r^s (s = ``moe.ZIPF_S``) over a seeded permutation of the
+experts, so a few are busy and many idle (under expert parallelism the ids of other GPUs'
+experts are sentinels, which add nothing, as transformers marks them). The
 forward is ``experts(hidden_states, top_k_index, top_k_weights)``, transformers' experts
 contract: sort the (token, expert) pairs by expert, gate/up, SiLU * up, down, weight by the
 routing weight, sum each token's pairs.
@@ -50,7 +52,7 @@ CHECK_TOKENS = 32
 TOLERANCE = {"torch-bf16": 2e-2, "fp8": 0.1}  # relative Frobenius error vs float64 of the bf16 weights
 
 FIELDS = (
-    "model", "e", "top_k", "ep", "hidden", "intermediate", "tokens", "pairs", "experts_touched", "max_count",
+    "model", "e", "top_k", "ep", "hidden", "intermediate", "tokens", "routing", "pairs", "experts_touched", "max_count",
     "provider", "status", "reason", "us", "p20_us", "p80_us", "replays", "weight_bytes", "gbs", "pct_copy",
     "speedup", "rel_err", "tolerance",
 )  # fmt: skip
@@ -60,6 +62,7 @@ FIELDS = (
 class Case:
     model: str
     tokens: int
+    routing: str = "balanced"
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,7 @@ class MoELayerConfig:
 
     models: tuple[str, ...] = DEFAULT_MODELS
     tokens: tuple[int, ...] = DEFAULT_TOKENS
+    routings: tuple[str, ...] = moe.ROUTINGS
     budget_ms: float = DEFAULT_BUDGET_MS
     command: str = ""
 
@@ -77,23 +81,31 @@ class MoELayerConfig:
         if self.budget_ms <= 0:
             raise ValueError(f"--budget-ms must be > 0, got {self.budget_ms}")
         moe.parse_models(list(self.models))
+        moe.parse_routings(list(self.routings))
 
     def cases(self) -> list[Case]:
-        return [Case(m, t) for m in self.models for t in self.tokens]
+        return [Case(m, t, r) for m in self.models for t in self.tokens for r in self.routings]
 
 
-def routing(model: moe.MoEModel, tokens: int, device):
+def routing(model: moe.MoEModel, tokens: int, device, kind: str = "balanced"):
     """(top_k_index, top_k_weights): each token's top_k distinct experts of all ``experts * ep``
-    (ids of other GPUs' experts, >= experts, are sentinels), softmax-normalized weights, seeded."""
+    (ids of other GPUs' experts, >= experts, are sentinels), uniform (``balanced``) or Zipf-skewed
+    (``zipf``, see the module doc), softmax-normalized weights, seeded."""
     import torch
 
     gen = torch.Generator(device="cpu").manual_seed(moe.SEED + tokens)
-    ids = torch.rand(tokens, model.experts * model.ep, generator=gen).argsort(dim=1)[:, : model.top_k]
+    every = model.experts * model.ep
+    if kind == "zipf":
+        popularity = 1.0 / torch.arange(1, every + 1, dtype=torch.float64) ** moe.ZIPF_S
+        p = popularity[torch.randperm(every, generator=gen).argsort()]  # expert i has rank perm^-1[i]
+        ids = torch.multinomial(p.expand(tokens, every), model.top_k, replacement=False, generator=gen)
+    else:
+        ids = torch.rand(tokens, every, generator=gen).argsort(dim=1)[:, : model.top_k]
     weights = torch.rand(tokens, model.top_k, generator=gen).softmax(dim=1)
     return ids.to(device), weights.to(device, torch.bfloat16)
 
 
-def new_record(model: moe.MoEModel, tokens: int, ids, provider: str) -> dict[str, Any]:
+def new_record(model: moe.MoEModel, tokens: int, ids, provider: str, routing_kind: str = "balanced") -> dict[str, Any]:
     import torch
 
     local = ids[(ids >= 0) & (ids < model.experts)]
@@ -101,7 +113,8 @@ def new_record(model: moe.MoEModel, tokens: int, ids, provider: str) -> dict[str
     touched = int((counts > 0).sum())
     rec: dict[str, Any] = {f: None for f in FIELDS}
     rec.update(model=model.name, e=model.experts, top_k=model.top_k, ep=model.ep, hidden=model.hidden,
-               intermediate=model.intermediate, tokens=tokens, pairs=int(local.numel()), experts_touched=touched,
+               intermediate=model.intermediate, tokens=tokens, routing=routing_kind, pairs=int(local.numel()),
+               experts_touched=touched,
                max_count=int(counts.max()), provider=provider,
                weight_bytes=touched * 3 * model.hidden * model.intermediate * (2 if provider == "torch-bf16" else 1),
                tolerance=TOLERANCE["torch-bf16" if provider == "torch-bf16" else "fp8"])
@@ -117,7 +130,7 @@ def derive(records: list[dict[str, Any]], copy_gbs: float | None) -> list[dict[s
         if r["status"] == OK and r.get("us"):
             r["gbs"] = r["weight_bytes"] / (r["us"] * 1e-6) / 1e9
             r["pct_copy"] = 100 * r["gbs"] / copy_gbs if copy_gbs else None
-        by_case.setdefault((r["model"], r["tokens"]), {})[r["provider"]] = r
+        by_case.setdefault((r["model"], r["tokens"], r["routing"]), {})[r["provider"]] = r
     for group in by_case.values():
         for ours, peer in SPEEDUPS[:2]:
             a, b = group.get(ours), group.get(peer)
@@ -126,20 +139,20 @@ def derive(records: list[dict[str, Any]], copy_gbs: float | None) -> list[dict[s
     return records
 
 
-def _ratio(records, ours: str, peer: str, model: str | None = None) -> list[float]:
+def _ratio(records, ours: str, peer: str, model: str | None = None, routing_kind: str | None = None) -> list[float]:
     by_case: dict[tuple, dict[str, dict]] = {}
     for r in records:
-        if r["status"] == OK and r.get("us") and model in (None, r["model"]):
-            by_case.setdefault((r["model"], r["tokens"]), {})[r["provider"]] = r
+        if r["status"] == OK and r.get("us") and model in (None, r["model"]) and routing_kind in (None, r["routing"]):
+            by_case.setdefault((r["model"], r["tokens"], r["routing"]), {})[r["provider"]] = r
     return [g[peer]["us"] / g[ours]["us"] for g in by_case.values() if ours in g and peer in g]
 
 
 def case_table(records: list[dict[str, Any]]) -> str:
     groups: dict[tuple, dict[str, dict]] = {}
     for r in records:
-        groups.setdefault((r["model"], r["tokens"]), {})[r["provider"]] = r
+        groups.setdefault((r["model"], r["tokens"], r["routing"]), {})[r["provider"]] = r
     rows = []
-    for (model, tokens), group in groups.items():
+    for (model, tokens, routing_kind), group in groups.items():
         any_ = next(iter(group.values()))
 
         def us(p: str) -> str:
@@ -153,9 +166,10 @@ def case_table(records: list[dict[str, Any]]) -> str:
             ratios.append(f"{b['us'] / a['us']:.3f}x" if ok else "-")
         block = group.get("tmagemm-block") or {}
         errs = "/".join(fmt((group.get(p) or {}).get("rel_err"), ".1e") for p in PROVIDERS)
-        rows.append([model, str(tokens), str(any_["pairs"]), str(any_["experts_touched"]), str(any_["max_count"]),
+        rows.append([model, str(tokens), routing_kind, str(any_["pairs"]), str(any_["experts_touched"]),
+                     str(any_["max_count"]),
                      *[us(p) for p in PROVIDERS], *ratios, fmt(block.get("pct_copy"), ".0f"), errs])
-    headers = ["model", "tokens", "pairs", "experts", "max count", *[f"{p} us" for p in PROVIDERS],
+    headers = ["model", "tokens", "routing", "pairs", "experts", "max count", *[f"{p} us" for p in PROVIDERS],
                "block vs bf16", "row vs torch row", "row vs bf16", "block %copy", "err " + "/".join(
                    p.split("-", 1)[1] for p in PROVIDERS)]  # fmt: skip
     return table(headers, rows)
@@ -164,13 +178,15 @@ def case_table(records: list[dict[str, Any]]) -> str:
 def geomean_table(records: list[dict[str, Any]]) -> str:
     rows = []
     models = list(dict.fromkeys(r["model"] for r in records))
+    routings = list(dict.fromkeys(r["routing"] for r in records))
     for ours, peer in SPEEDUPS:
         for model in models + ["all"]:
-            values = _ratio(records, ours, peer, None if model == "all" else model)
-            if values:
-                rows.append([f"{ours} vs {peer}", model, str(len(values)), f"{geomean(values):.3f}",
-                             f"{min(values):.3f}", f"{max(values):.3f}"])
-    return table(["pair", "model", "n", "geomean", "min", "max"], rows)
+            for kind in routings + (["all"] if len(routings) > 1 else []):
+                values = _ratio(records, ours, peer, None if model == "all" else model, None if kind == "all" else kind)
+                if values:
+                    rows.append([f"{ours} vs {peer}", model, kind, str(len(values)), f"{geomean(values):.3f}",
+                                 f"{min(values):.3f}", f"{max(values):.3f}"])
+    return table(["pair", "model", "routing", "n", "geomean", "min", "max"], rows)
 
 
 NOTES = (
@@ -185,7 +201,8 @@ NOTES = (
 
 def tables(records: list[dict[str, Any]]) -> dict[str, str]:
     out = {"moe-layer cases": case_table(records), "moe-layer geomeans": geomean_table(records)}
-    return graphed.finish_tables("moe-layer", out, records, lambda r: f"{r['model']} T={r['tokens']}", NOTES, 2)
+    return graphed.finish_tables("moe-layer", out, records, lambda r: f"{r['model']} T={r['tokens']} {r['routing']}",
+                                 NOTES, 2)
 
 
 # ---------------------------------------------------------------------------- GPU: providers
@@ -298,8 +315,8 @@ def _run_case(case: Case, layer: _Layer, config: MoELayerConfig, device) -> list
     model = moe.MODELS[case.model]
     gen = torch.Generator(device=device).manual_seed(moe.SEED + case.tokens)
     x = torch.randn(case.tokens, model.hidden, device=device, generator=gen).to(torch.bfloat16)
-    ids, weights = routing(model, case.tokens, device)
-    records = {p: new_record(model, case.tokens, ids, p) for p in PROVIDERS}
+    ids, weights = routing(model, case.tokens, device, case.routing)
+    records = {p: new_record(model, case.tokens, ids, p, case.routing) for p in PROVIDERS}
     graphs, outputs = {}, {}
     for provider in PROVIDERS:
         try:
@@ -354,14 +371,15 @@ def run(config: MoELayerConfig, stream: TextIO | None = None) -> tuple[BenchResu
         try:
             torch.cuda.empty_cache()
             layer = _layer(model, device)
-            for tokens in config.tokens:
-                records += _run_case(Case(name, tokens), layer, config, device)
-                progress.step(f"{name} T={tokens}")
+            for case in (c for c in config.cases() if c.model == name):
+                records += _run_case(case, layer, config, device)
+                progress.step(f"{name} T={case.tokens} {case.routing}")
         except Exception as exc:  # e.g. out of memory
-            done = {(r["tokens"], r["provider"]) for r in records if r["model"] == name}
+            done = {(r["tokens"], r["routing"], r["provider"]) for r in records if r["model"] == name}
             ids, _ = routing(model, 1, "cpu")
-            records += [{**new_record(model, t, ids, p), "tokens": t, "status": FAILED, "reason": error_text(exc)}
-                        for t in config.tokens for p in PROVIDERS if (t, p) not in done]  # fmt: skip
+            records += [{**new_record(model, t, ids, p, k), "tokens": t, "status": FAILED, "reason": error_text(exc)}
+                        for t in config.tokens for k in config.routings for p in PROVIDERS
+                        if (t, k, p) not in done]  # fmt: skip
             torch.cuda.synchronize()
         del layer
     meta["wall_s"] = round(time.perf_counter() - t0, 1)
