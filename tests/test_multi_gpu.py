@@ -268,12 +268,8 @@ def test_fp8_experts_on_the_other_gpu(data, current, seeded):
     what it gives with its own GPU current."""
     from tmagemm.nn.experts import FP8Experts
 
-    holder = torch.nn.Module()
-    holder.gate_up_proj = torch.randn(6, 512, 256, device=f"cuda:{data}", dtype=torch.bfloat16) / 16
-    holder.down_proj = torch.randn(6, 256, 256, device=f"cuda:{data}", dtype=torch.bfloat16) / 16
-    holder.act_fn = torch.nn.SiLU()
-    holder.has_gate, holder.has_bias, holder.is_transposed, holder.is_concatenated = True, False, False, True
-    layer = FP8Experts.from_experts(holder)
+    layer = FP8Experts.from_weights(torch.randn(6, 512, 256, device=f"cuda:{data}", dtype=torch.bfloat16) / 16,
+                                    torch.randn(6, 256, 256, device=f"cuda:{data}", dtype=torch.bfloat16) / 16)
     for tokens in (5, 600):
         x = torch.randn(tokens, 256, device=f"cuda:{data}", dtype=torch.bfloat16)
         ids = torch.stack([torch.randperm(6)[:2] for _ in range(tokens)]).to(f"cuda:{data}")

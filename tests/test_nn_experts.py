@@ -336,6 +336,13 @@ def test_experts_reason_refusals():
     with pytest.raises(ValueError, match="intermediate_size = 208"):
         FP8Experts.from_experts(SyntheticExperts(2, 128, 208, device="cpu"), "block")
     assert FP8Experts.from_experts(SyntheticExperts(2, 128, 208, device="cpu"), "row").intermediate_size == 208
+    # from_weights: the same layer from the two tensors alone
+    direct = FP8Experts.from_weights(good.gate_up_proj, good.down_proj)
+    assert torch.equal(direct.gate_up_proj.view(torch.uint8), FP8Experts.from_experts(good).gate_up_proj.view(torch.uint8))
+    with pytest.raises(TypeError, match="must be torch.Tensors"):
+        FP8Experts.from_weights(good.gate_up_proj, None)
+    with pytest.raises(ValueError, match="shapes"):
+        FP8Experts.from_weights(good.gate_up_proj, good.down_proj[:, :64])
 
 
 def test_experts_state_dict_is_the_hub_layout(seeded):

@@ -605,6 +605,18 @@ def remember(key, call) -> None:
     _calls[key] = call
 
 
+def call_for(key, build: Callable[[], Any]):
+    """The call cached under ``key``, else ``build()``, remembered under ``key`` unless ``key`` is
+    None (arguments a key cannot describe: ``build`` then says what is wrong with them) or a
+    CUDA-graph capture is in progress (plans made during a capture are not kept)."""
+    known = None if key is None else _calls.get(key)
+    if known is None:
+        known = build()
+        if key is not None and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            _calls[key] = known
+    return known
+
+
 def _zero_size(args: GemmArgs) -> bool:
     """Handle M, N or K of zero without a kernel; True when handled."""
     if args.m == 0 or args.n == 0:

@@ -265,16 +265,10 @@ def _layer(model: moe.MoEModel, device) -> _Layer:
 
 
 def _fp8_experts(layer: _Layer, recipe: str):
-    """FP8Experts of the bf16 weights (quantized per expert by ``from_experts``, which reads a
-    module with transformers' experts attributes)."""
-    from torch import nn
-
+    """FP8Experts of the bf16 weights (quantized once, per expert)."""
     from ..nn.experts import FP8Experts
 
-    holder = nn.Module()
-    holder.gate_up_proj, holder.down_proj, holder.act_fn = layer.gate_up, layer.down, nn.SiLU()
-    holder.has_gate, holder.has_bias, holder.is_transposed, holder.is_concatenated = True, False, False, True
-    return FP8Experts.from_experts(holder, recipe)
+    return FP8Experts.from_weights(layer.gate_up, layer.down, recipe)
 
 
 def _build(provider: str, model: moe.MoEModel, layer: _Layer, x, ids, weights) -> Callable[[], Any]:

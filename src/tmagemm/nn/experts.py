@@ -30,22 +30,104 @@ buffers the kernels read, so saving writes them and loading writes through them.
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import torch
 from torch import nn
 
 from ..grouped import grouped_scaled_mm
+from ..triton import moe_permute
 from ..triton.moe_permute import ROUTE_MAX_PAIRS
+from ..triton.silu_mul_quantize import silu_mul_quantize
 from .linear import ACTIVATION_DTYPES, ALIGN, as_rows, keep_dtypes
 from .mlp import is_silu
-from .quantize import FP8, SCALE_BLOCK, SCALED_MM_RECIPES, check_recipe, dequantize_weight, quantize_weight, \
-    weight_scale_shape
+from .quantize import (
+    FP8,
+    SCALE_BLOCK,
+    SCALED_MM_RECIPES,
+    activation_scale_shape,
+    check_device,
+    check_recipe,
+    dequantize_weight,
+    quantize_weight,
+    weight_scale_shape,
+)
 
 # The recipes the experts take: "tensor" would scale a whole batch's tokens, across experts, by
 # one activation scale; convert keeps experts in high precision under it.
 RECIPES = ("block", "row")
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-_EXPERT_KEY = re.compile(r"(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$")
+_EXPERT_LAYER = r"(\d+)\.(gate_proj|up_proj|down_proj)"  # <e>.<projection>, the hub's per-expert names
+_EXPERT_KEY = re.compile(_EXPERT_LAYER + r"\.(weight|weight_scale_inv)")
+
+
+# ---------------------------------------------------------------------------- the steps
+# Each step of the forward is a torch op under torch.compile (opaque, with a fake: the graph
+# holds it whole) and a plain call in eager mode, where a custom op's dispatch alone costs about
+# 9 us of host time (the steps' kernels launch directly, triton/moe_permute.py).
+
+
+def route_pairs(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order, offs)``: the pairs sorted by expert and each expert's cumulative end
+    (:func:`tmagemm.triton.moe_permute.route_pairs`)."""
+    check_device(top_k_index, "FP8Experts")
+    return moe_permute.route_pairs(top_k_index, num_experts)
+
+
+def quantize_pairs(x: torch.Tensor, order: torch.Tensor, top_k: int,
+                   recipe: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, scale, pos)``: the tokens x (T, K) quantized per ``recipe`` ("block" or "row")
+    straight into the expert order ``order`` of their T * top_k pairs, and each pair's row
+    (:func:`tmagemm.triton.moe_permute.quantize_pairs`)."""
+    check_device(x, "FP8Experts")
+    return moe_permute.quantize_pairs(x, order, top_k, "1x128" if recipe == "block" else recipe)
+
+
+def silu_mul_quantize_activation(h: torch.Tensor, recipe: str, row_scale: torch.Tensor | None = None,
+                                 row_scale_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(act_fp8, scale)``: transformers' ``silu(gate) * up`` of a gate/up output h (S, 2I)
+    quantized per ``recipe`` ("block" or "row"), each row's scales times
+    ``row_scale[row_scale_index[r]]`` (or ``row_scale[r]``) if given
+    (:func:`tmagemm.triton.silu_mul_quantize.silu_mul_quantize`)."""
+    check_device(h, "FP8Experts")
+    return silu_mul_quantize(h, "1x128" if recipe == "block" else recipe, row_scale, row_scale_index)
+
+
+def combine_pairs(y: torch.Tensor, pos: torch.Tensor, valid_rows: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Each token's sum of its pairs' rows of y (S, N), pairs at rows >= valid_rows left out
+    (:func:`tmagemm.triton.moe_permute.combine_pairs`)."""
+    check_device(y, "FP8Experts")
+    return moe_permute.combine_pairs(y, pos, valid_rows, top_k)
+
+
+def _fake_route(top_k_index, num_experts):
+    return (top_k_index.new_empty((top_k_index.numel(),), dtype=torch.int64),
+            top_k_index.new_empty((num_experts,), dtype=torch.int32))
+
+
+def _fake_quantize(x, order, top_k, recipe):
+    s, k = order.shape[0], x.shape[1]
+    return (x.new_empty((s, k), dtype=FP8), x.new_empty(activation_scale_shape(recipe, s, k), dtype=torch.float32),
+            x.new_empty((s,), dtype=torch.int32))
+
+
+def _fake_silu(h, recipe, row_scale=None, row_scale_index=None):
+    m, k = h.shape[0], h.shape[1] // 2
+    return h.new_empty((m, k), dtype=FP8), h.new_empty(activation_scale_shape(recipe, m, k), dtype=torch.float32)
+
+
+def _fake_combine(y, pos, valid_rows, top_k):
+    return y.new_empty((y.shape[0] // top_k, y.shape[1]))
+
+
+for _step, _fake in ((route_pairs, _fake_route), (quantize_pairs, _fake_quantize),
+                     (silu_mul_quantize_activation, _fake_silu), (combine_pairs, _fake_combine)):
+    torch.library.custom_op(f"tmagemm_nn::{_step.__name__}", _step, mutates_args=()).register_fake(_fake)
+_EAGER_STEPS = SimpleNamespace(route_pairs=route_pairs, quantize_pairs=quantize_pairs,
+                               silu_mul_quantize_activation=silu_mul_quantize_activation, combine_pairs=combine_pairs)
+
+
+# ------------------------------------------------------------------------------ the layer
 
 
 def experts_reason(module: nn.Module) -> str | None:
@@ -69,7 +151,12 @@ def experts_reason(module: nn.Module) -> str | None:
         return f"{type(module).__name__} has its own _apply_gate, not act_fn(gate) * up"
     if not is_silu(getattr(module, "act_fn", None)):
         return f"act_fn is {type(getattr(module, 'act_fn', None)).__name__}, not SiLU"
-    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return _weights_reason(getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None))
+
+
+def _weights_reason(gate_up, down) -> str | None:
+    """None for experts' weights FP8Experts takes (gate/up (E, 2I, H), down (E, H, I), H and I
+    multiples of 16, one device), else why not."""
     if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor) \
             or gate_up.dim() != 3 or down.dim() != 3:
         return "gate_up_proj and down_proj must be 3-D tensors"
@@ -137,11 +224,24 @@ class FP8Experts(nn.Module):
         reason = experts_reason(experts)
         if reason:
             raise TypeError(f"FP8Experts.from_experts: {reason}")
-        e, two_i, h = experts.gate_up_proj.shape
-        layer = cls(e, h, two_i // 2, recipe, device=experts.gate_up_proj.device)
+        return cls.from_weights(experts.gate_up_proj, experts.down_proj, recipe)
+
+    @classmethod
+    @torch.no_grad()
+    def from_weights(cls, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, recipe: str = "block") -> FP8Experts:
+        """An FP8Experts of high-precision experts' weights as transformers holds them: gate/up
+        (E, 2I, H), gate rows first, and down (E, H, I), quantized per ``recipe``, expert by
+        expert, on their device. TypeError for non-tensors, ValueError for shapes."""
+        if not isinstance(gate_up_proj, torch.Tensor) or not isinstance(down_proj, torch.Tensor):
+            raise TypeError("FP8Experts.from_weights: gate_up_proj and down_proj must be torch.Tensors")
+        reason = _weights_reason(gate_up_proj, down_proj)
+        if reason:
+            raise ValueError(f"FP8Experts.from_weights: {reason}")
+        e, two_i, h = gate_up_proj.shape
+        layer = cls(e, h, two_i // 2, recipe, device=gate_up_proj.device)
         for g in range(e):
-            for name in ("gate_up_proj", "down_proj"):
-                q, scale = quantize_weight(getattr(experts, name)[g], recipe)
+            for name, weight in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+                q, scale = quantize_weight(weight[g], recipe)
                 getattr(layer, name)[g].copy_(q)
                 getattr(layer, name + "_scale_inv")[g].copy_(scale)
         return layer
@@ -200,28 +300,28 @@ class FP8Experts(nn.Module):
         h, e = self.hidden_size, self.num_experts
         if tokens == 0 or top_k == 0:
             return hidden_states.new_zeros(tokens, h)
+        steps = torch.ops.tmagemm_nn if torch.compiler.is_compiling() else _EAGER_STEPS
         # ---- routing, on the device: pairs sorted by expert (stably), ids outside 0..E-1 last
         if tokens * top_k <= ROUTE_MAX_PAIRS:  # decode sizes: one launch
-            order, offs = torch.ops.tmagemm_nn.route_pairs(top_k_index, e)
+            order, offs = steps.route_pairs(top_k_index, e)
         else:  # negative ids too sort last as unsigned 32-bit values
             sorted_ids, order = torch.sort(top_k_index.reshape(-1).long() & 0xFFFFFFFF, stable=True)
             offs = torch.searchsorted(sorted_ids, self.expert_ids, right=True, out_int32=True)
 
         # ---- the tokens quantized into expert order; gate/up of every pair, grouped by expert
         recipe_a, recipe_b = SCALED_MM_RECIPES[self.recipe]
-        xq, xs, pos = torch.ops.tmagemm_nn.quantize_pairs(as_rows(hidden_states, h), order, top_k, self.recipe)
+        xq, xs, pos = steps.quantize_pairs(as_rows(hidden_states, h), order, top_k, self.recipe)
         gate_up = grouped_scaled_mm(xq, self.gate_up_proj.transpose(1, 2), xs, self._weight_scale("gate_up_proj"),
                                     offs=offs, out_dtype=hidden_states.dtype, scale_recipe_a=recipe_a,
                                     scale_recipe_b=recipe_b)
 
         # ---- SiLU * up, quantized, each row's scales times its pair's routing weight; then down
-        hq, hs = torch.ops.tmagemm_nn.silu_mul_quantize_activation(gate_up, self.recipe, top_k_weights.reshape(-1),
-                                                                   order)
+        hq, hs = steps.silu_mul_quantize_activation(gate_up, self.recipe, top_k_weights.reshape(-1), order)
         out = grouped_scaled_mm(hq, self.down_proj.transpose(1, 2), hs, self._weight_scale("down_proj"), offs=offs,
                                 out_dtype=hidden_states.dtype, scale_recipe_a=recipe_a, scale_recipe_b=recipe_b)
 
         # ---- each token's pairs summed in fp32, in pair order; pairs of no local expert left out
-        return torch.ops.tmagemm_nn.combine_pairs(out, pos, offs[-1:], top_k)
+        return steps.combine_pairs(out, pos, offs[-1:], top_k)
 
     def _weight_scale(self, name: str) -> torch.Tensor:
         """A projection's scales as the grouped GEMM takes them: (E, N/128, K/128) blocks, or
@@ -302,7 +402,7 @@ def expert_checkpoint_names(names) -> dict[str, set[int]]:
     ``<module>.<e>.gate_proj`` / ``up_proj`` / ``down_proj``."""
     found: dict[str, set[int]] = {}
     for name in names:
-        match = re.fullmatch(r"(.+)\.(\d+)\.(gate_proj|up_proj|down_proj)", name)
+        match = re.fullmatch(r"(.+)\." + _EXPERT_LAYER, name)
         if match:
             found.setdefault(match.group(1), set()).add(int(match.group(2)))
     return found

@@ -29,8 +29,6 @@ from ..quant import quantize_fp8
 from ..tma import aligned_empty
 from ..triton.norm_quantize import rms_norm_quantize
 from ..triton.quantize import SCALE_BLOCK, quantize_128x128
-from ..triton.moe_permute import combine_pairs, quantize_pairs, route_pairs
-from ..triton.silu_mul_quantize import silu_mul_quantize
 
 RECIPES = ("block", "row", "tensor")
 FP8 = torch.float8_e4m3fn
@@ -76,7 +74,7 @@ def _empty_scale(x: torch.Tensor, recipe: str, m: int, k: int) -> torch.Tensor:
 # ------------------------------------------------------------------------------- activations
 
 
-def _check_device(x: torch.Tensor, what: str) -> None:
+def check_device(x: torch.Tensor, what: str) -> None:
     if x.device.type != "cuda" and not envs.interpret():
         # The Triton kernels would fail with a launcher error; say what is wrong instead.
         raise ValueError(f"{what} input is on {x.device}; tmagemm's FP8 layers need CUDA tensors on a Hopper "
@@ -88,7 +86,7 @@ def quantize_activation(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor, tor
     """``(x_fp8, scale)`` of a 2-D activation with a contiguous last dimension and K % 16 == 0
     (so x_fp8 is contiguous, as the fake implementation says). Block scales are contiguous along
     M past decode sizes (``plan.activation_scales_m_major``), row-major otherwise."""
-    _check_device(x, "FP8Linear")
+    check_device(x, "FP8Linear")
     # No Inf/NaN read-back per forward pass (a host sync on every layer): a non-finite activation
     # shows as an Inf scale in its group and propagates to the output, as in other engines.
     layout = "m-major" if _m_major(recipe, x.shape[0]) else "row-major"
@@ -108,7 +106,7 @@ def rms_norm_quantize_activation(x: torch.Tensor, weight: torch.Tensor, eps: flo
     K % 16 == 0) and y quantized per ``recipe`` ("block" or "row") exactly as
     :func:`quantize_activation` would quantize it, in one kernel
     (:func:`tmagemm.triton.norm_quantize.rms_norm_quantize`)."""
-    _check_device(x, "FP8RMSNorm")
+    check_device(x, "FP8RMSNorm")
     return rms_norm_quantize(x, weight, eps, "1x128" if recipe == "block" else recipe,
                              m_major=_m_major(recipe, x.shape[0]))
 
@@ -118,68 +116,6 @@ def _(x, weight, eps, recipe):
     m, k = x.shape
     return (x.new_empty((m, k), dtype=torch.promote_types(weight.dtype, x.dtype)), x.new_empty((m, k), dtype=FP8),
             _empty_scale(x, recipe, m, k))
-
-
-@torch.library.custom_op("tmagemm_nn::silu_mul_quantize_activation", mutates_args=())
-def silu_mul_quantize_activation(h: torch.Tensor, recipe: str, row_scale: torch.Tensor | None = None,
-                                 row_scale_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(act_fp8, scale)``: transformers' ``silu(gate) * up`` of a gate/up output h (S, 2I)
-    (contiguous last dimension, I % 16 == 0) quantized per ``recipe`` ("block" or "row"), each
-    row's scales times ``row_scale[row_scale_index[r]]`` (or ``row_scale[r]``) if given
-    (:func:`tmagemm.triton.silu_mul_quantize.silu_mul_quantize`). Block scales stay row-major:
-    the grouped kernels read them per row (docs/native-gemm.md)."""
-    _check_device(h, "FP8Experts")
-    return silu_mul_quantize(h, "1x128" if recipe == "block" else recipe, row_scale, row_scale_index)
-
-
-@silu_mul_quantize_activation.register_fake
-def _(h, recipe, row_scale=None, row_scale_index=None):
-    m, k = h.shape[0], h.shape[1] // 2
-    return h.new_empty((m, k), dtype=FP8), h.new_empty(activation_scale_shape(recipe, m, k), dtype=torch.float32)
-
-
-@torch.library.custom_op("tmagemm_nn::quantize_pairs", mutates_args=())
-def quantize_pairs_activation(x: torch.Tensor, order: torch.Tensor, top_k: int,
-                              recipe: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(q, scale, pos)``: an MoE layer's tokens x (T, K) quantized per ``recipe`` ("block" or
-    "row") straight into the expert order ``order`` of its T * top_k pairs, and each pair's row
-    (:func:`tmagemm.triton.moe_permute.quantize_pairs`)."""
-    _check_device(x, "FP8Experts")
-    return quantize_pairs(x, order, top_k, "1x128" if recipe == "block" else recipe)
-
-
-@quantize_pairs_activation.register_fake
-def _(x, order, top_k, recipe):
-    s, k = order.shape[0], x.shape[1]
-    return (x.new_empty((s, k), dtype=FP8), x.new_empty(activation_scale_shape(recipe, s, k), dtype=torch.float32),
-            x.new_empty((s,), dtype=torch.int32))
-
-
-@torch.library.custom_op("tmagemm_nn::route_pairs", mutates_args=())
-def route_pairs_op(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(order, offs)``: an MoE layer's pairs sorted by expert and each expert's cumulative end
-    (:func:`tmagemm.triton.moe_permute.route_pairs`)."""
-    _check_device(top_k_index, "FP8Experts")
-    return route_pairs(top_k_index, num_experts)
-
-
-@route_pairs_op.register_fake
-def _(top_k_index, num_experts):
-    return (top_k_index.new_empty((top_k_index.numel(),), dtype=torch.int64),
-            top_k_index.new_empty((num_experts,), dtype=torch.int32))
-
-
-@torch.library.custom_op("tmagemm_nn::combine_pairs", mutates_args=())
-def combine_pairs_output(y: torch.Tensor, pos: torch.Tensor, valid_rows: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Each token's sum of its pairs' rows of y (S, N), pairs at rows >= valid_rows left out
-    (:func:`tmagemm.triton.moe_permute.combine_pairs`)."""
-    _check_device(y, "FP8Experts")
-    return combine_pairs(y, pos, valid_rows, top_k)
-
-
-@combine_pairs_output.register_fake
-def _(y, pos, valid_rows, top_k):
-    return y.new_empty((y.shape[0] // top_k, y.shape[1]))
 
 
 # ----------------------------------------------------------------------------------- weights

@@ -34,7 +34,7 @@ import hashlib
 import re
 import threading
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -146,6 +146,25 @@ def direct_launch(name: str, call: KernelCall) -> "DirectLaunch | None":
         warnings.warn(f"{name}: using Triton's launcher ({built})", RuntimeWarning, stacklevel=3)
         return None
     return built
+
+
+def pointer_plan(name: str, call: KernelCall):
+    """The :class:`~tmagemm.plan.Plan` of ``call``'s kernel for every later call with the same
+    signature, where each per-call operand is a tensor the kernel takes as a pointer: the direct
+    launch where :func:`direct_launch` gives one, else Triton's launcher with that call's
+    tensors in the operand parameters. Its launch takes the tensors in operand-slot order
+    (:data:`OPERAND_NAMES`, None in the slots the kernel does not use)."""
+    from ..plan import Plan
+
+    fast = direct_launch(name, call)
+    if fast is not None:
+        return Plan(name, None, fast, fast.device_index, direct=True)
+
+    def launch(*operands) -> None:
+        replace(call, args={**call.args, **{p: operands[slot] for p, slot in call.operands.items()}}).launch()
+
+    out = next(call.args[p] for p, slot in call.operands.items() if slot == OUT)
+    return Plan(name, None, launch, out.get_device())
 
 
 # ------------------------------------------------------------------ AOT specs (tmagemm inspect)

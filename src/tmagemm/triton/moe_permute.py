@@ -15,6 +15,9 @@ the pairs sorted by expert (``order``: row r of the sorted operand is pair ``ord
   projection (in pair order: deterministic), skipping pairs whose row lies past the last group
   (``valid_rows``: ids of no local expert), cast once. One launch where a zero fill of those
   rows, an un-permute, a sum and a cast would take four.
+
+Each keeps one plan per call signature in the plan layer's cache, launched directly (no Triton
+launcher on the hot path: a decode step runs them once per MoE layer).
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ import triton
 import triton.language as tl
 
 from ..device import on_device
+from ..plan import call_for, tensor_key
 from .common import let_next_kernel_launch, wait_for_previous_kernel
-from .launch import pdl
+from .launch import A, B, OUT, SCALE_A, SCALE_B, KernelCall, pdl, pointer_plan
 from .quantize import (
     SCALE_BLOCK,
     check_input,
@@ -38,6 +42,7 @@ from .quantize import (
 )
 
 RECIPES = ("1x128", "row")
+ROUTE_NAME, QUANTIZE_NAME, COMBINE_NAME = "triton.moe_route", "triton.moe_quantize_pairs", "triton.moe_combine"
 # Pairs up to which route_pairs ranks every pair against every other (O(S^2) comparisons over
 # S / 64 programs); larger batches sort (torch.sort), which costs a dozen microseconds and a
 # handful of launches at decode sizes.
@@ -82,25 +87,43 @@ def route_pairs(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tens
     grouped GEMMs' contiguous layout). Ids outside 0..E-1 (expert-parallel sentinels) sort last
     and fall in no group. What ``torch.sort`` and ``torch.searchsorted`` give, for up to
     ``ROUTE_MAX_PAIRS`` pairs (ValueError beyond)."""
-    fn = "route_pairs"
-    if not isinstance(top_k_index, torch.Tensor) or top_k_index.dtype not in (torch.int32, torch.int64) \
-            or top_k_index.dim() != 2:
-        raise TypeError(f"{fn}: top_k_index must be a 2-D int32/int64 tensor")
-    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
-        raise ValueError(f"{fn}: num_experts must be a positive int, got {num_experts!r}")
-    ids = top_k_index.reshape(-1)
-    pairs = ids.numel()
-    if pairs > ROUTE_MAX_PAIRS:
-        raise ValueError(f"{fn}: {pairs} pairs; it ranks at most {ROUTE_MAX_PAIRS} (sort larger batches)")
-    order = torch.empty(pairs, dtype=torch.int64, device=ids.device)
-    offs = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
-    use_pdl = pdl(offs)
-    with on_device(ids.device):
-        _route_pairs_kernel[(triton.cdiv(max(pairs, num_experts), _ROUTE_BLOCK),)](
-            ids, order, offs, pairs, num_experts, BLOCK=_ROUTE_BLOCK, PDL=use_pdl, num_warps=4,
-            **({"launch_pdl": True} if use_pdl else {}),
-        )
-    return order, offs
+    try:
+        key = (ROUTE_NAME, tensor_key(top_k_index), num_experts)
+    except (AttributeError, TypeError):  # not a tensor: the checks say why
+        key = None
+    return call_for(key, lambda: _RouteCall(top_k_index, num_experts))(top_k_index)
+
+
+class _RouteCall:
+    """One checked signature of :func:`route_pairs`; its plan takes (ids, offs, order)."""
+
+    def __init__(self, top_k_index: torch.Tensor, num_experts: int):
+        fn = "route_pairs"
+        if not isinstance(top_k_index, torch.Tensor) or top_k_index.dtype not in (torch.int32, torch.int64) \
+                or top_k_index.dim() != 2:
+            raise TypeError(f"{fn}: top_k_index must be a 2-D int32/int64 tensor")
+        if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
+            raise ValueError(f"{fn}: num_experts must be a positive int, got {num_experts!r}")
+        pairs = top_k_index.numel()
+        if pairs > ROUTE_MAX_PAIRS:
+            raise ValueError(f"{fn}: {pairs} pairs; it ranks at most {ROUTE_MAX_PAIRS} (sort larger batches)")
+        self.pairs, self.experts, self.device = pairs, num_experts, top_k_index.device
+        order, offs = self.outputs()
+        values = dict(ids_ptr=top_k_index.reshape(-1), order_ptr=order, offs_ptr=offs, S=pairs, E=num_experts,
+                      BLOCK=_ROUTE_BLOCK, PDL=pdl(offs))
+        call = KernelCall(_route_pairs_kernel, (triton.cdiv(max(pairs, num_experts), _ROUTE_BLOCK),), values,
+                          dict(num_warps=4), {"ids_ptr": A, "offs_ptr": B, "order_ptr": OUT})
+        with on_device(self.device):
+            self.plan = pointer_plan(ROUTE_NAME, call)
+
+    def outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.empty(self.pairs, dtype=torch.int64, device=self.device),
+                torch.empty(self.experts, dtype=torch.int32, device=self.device))
+
+    def __call__(self, top_k_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        order, offs = self.outputs()
+        self.plan.run(top_k_index.reshape(-1), offs, order, None, None, None)
+        return order, offs
 
 
 @triton.jit
@@ -156,38 +179,61 @@ def quantize_pairs(x: torch.Tensor, order: torch.Tensor, top_k: int, recipe: str
     device, a permutation of 0..S-1 with S = T * top_k (not checked: a device read). No Inf/NaN
     check (a host sync): a group holding one gets an infinite scale.
     """
-    fn = "quantize_pairs"
-    check_input(x, dtype, "x", fn)
-    if not isinstance(order, torch.Tensor) or order.dtype not in (torch.int32, torch.int64) or order.dim() != 1:
-        raise TypeError(f"{fn}: order must be a 1-D int32/int64 tensor")
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
-        raise ValueError(f"{fn}: top_k must be a positive int, got {top_k!r}")
-    if order.numel() != x.shape[0] * top_k:
-        raise ValueError(f"{fn}: order has {order.numel()} pairs; x's {x.shape[0]} tokens x top_k {top_k} make "
-                         f"{x.shape[0] * top_k}")
-    if order.device != x.device:
-        raise ValueError(f"{fn}: order is on {order.device}, x on {x.device}")
-    if recipe not in RECIPES:
-        raise ValueError(f"{fn}: recipe must be one of {', '.join(repr(r) for r in RECIPES)}, got {recipe!r}")
-    pairs, k = order.numel(), x.shape[1]
-    per_group = recipe == "1x128"
-    groups = triton.cdiv(k, SCALE_BLOCK) if per_group else 1
-    q = fp8_rows(pairs, k, dtype, x.device)
-    scale = torch.empty(pairs, groups, dtype=torch.float32, device=x.device)
-    pos = torch.empty(pairs, dtype=torch.int32, device=x.device)
-    if pairs == 0 or k == 0:
+    try:
+        key = (QUANTIZE_NAME, tensor_key(x), tensor_key(order), top_k, recipe, dtype)
+    except (AttributeError, TypeError):  # not tensors: the checks say why
+        key = None
+    return call_for(key, lambda: _QuantizeCall(x, order, top_k, recipe, dtype))(x, order)
+
+
+class _QuantizeCall:
+    """One checked signature of :func:`quantize_pairs`; its plan takes (x, order, q, scale, pos)."""
+
+    def __init__(self, x, order, top_k, recipe, dtype):
+        fn = "quantize_pairs"
+        check_input(x, dtype, "x", fn)
+        if not isinstance(order, torch.Tensor) or order.dtype not in (torch.int32, torch.int64) or order.dim() != 1:
+            raise TypeError(f"{fn}: order must be a 1-D int32/int64 tensor")
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+            raise ValueError(f"{fn}: top_k must be a positive int, got {top_k!r}")
+        if order.numel() != x.shape[0] * top_k:
+            raise ValueError(f"{fn}: order has {order.numel()} pairs; x's {x.shape[0]} tokens x top_k {top_k} make "
+                             f"{x.shape[0] * top_k}")
+        if order.device != x.device:
+            raise ValueError(f"{fn}: order is on {order.device}, x on {x.device}")
+        if recipe not in RECIPES:
+            raise ValueError(f"{fn}: recipe must be one of {', '.join(repr(r) for r in RECIPES)}, got {recipe!r}")
+        pairs, k = order.numel(), x.shape[1]
+        per_group = recipe == "1x128"
+        self.pairs, self.k, self.dtype, self.device = pairs, k, dtype, x.device
+        self.groups = triton.cdiv(k, SCALE_BLOCK) if per_group else 1
+        self.plan = None
+        if pairs == 0 or k == 0:
+            return
+        q, scale, pos = self.outputs()
+        # As the quantizers (triton/quantize.py): 16 rows x one group per program, or whole rows in
+        # 1024-wide steps one per program; the interpreter runs fewer, larger programs.
+        block_r = (16 if per_group else 1) if x.is_cuda else 16
+        values = dict(x_ptr=x, order_ptr=order, q_ptr=q, s_ptr=scale, pos_ptr=pos, S=pairs, K=k, TOP_K=top_k,
+                      stride_x=x.stride(0), stride_q=q.stride(0), stride_s=scale.stride(0), stride_sk=scale.stride(1),
+                      **fp8_grid(dtype), BLOCK_R=block_r, BLOCK_K=SCALE_BLOCK if per_group else 1024,
+                      PER_GROUP=per_group, PDL=pdl(q))
+        call = KernelCall(_quantize_pairs_kernel, (triton.cdiv(pairs, block_r), self.groups), values,
+                          dict(num_warps=4),
+                          {"x_ptr": A, "order_ptr": B, "q_ptr": OUT, "s_ptr": SCALE_A, "pos_ptr": SCALE_B})
+        with on_device(self.device):
+            self.plan = pointer_plan(QUANTIZE_NAME, call)
+
+    def outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (fp8_rows(self.pairs, self.k, self.dtype, self.device),
+                torch.empty(self.pairs, self.groups, dtype=torch.float32, device=self.device),
+                torch.empty(self.pairs, dtype=torch.int32, device=self.device))
+
+    def __call__(self, x, order) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, scale, pos = self.outputs()
+        if self.plan is not None:
+            self.plan.run(x, order, q, scale, pos, None)
         return q, scale, pos
-    # As the quantizers (triton/quantize.py): 16 rows x one group per program, or whole rows in
-    # 1024-wide steps one per program; the interpreter runs fewer, larger programs.
-    block_r = (16 if per_group else 1) if x.is_cuda else 16
-    use_pdl = pdl(q)
-    with on_device(x.device):
-        _quantize_pairs_kernel[(triton.cdiv(pairs, block_r), groups)](
-            x, order, q, scale, pos, pairs, k, top_k, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
-            **fp8_grid(dtype), BLOCK_R=block_r, BLOCK_K=SCALE_BLOCK if per_group else 1024, PER_GROUP=per_group,
-            PDL=use_pdl, num_warps=4, **({"launch_pdl": True} if use_pdl else {}),
-        )
-    return q, scale, pos
 
 
 @triton.jit
@@ -220,31 +266,52 @@ def combine_pairs(y: torch.Tensor, pos: torch.Tensor, valid_rows: torch.Tensor, 
     y: (S, N) float16/bfloat16/float32, contiguous last dimension; pos: (S,) int32 on y's device,
     S = T * top_k (its values are not checked: a device read).
     """
-    fn = "combine_pairs"
-    if not isinstance(y, torch.Tensor) or y.dim() != 2 or y.dtype not in (torch.float16, torch.bfloat16,
-                                                                          torch.float32):
-        raise TypeError(f"{fn}: y must be a 2-D float16/bfloat16/float32 tensor")
-    if y.shape[1] > 1 and y.stride(1) != 1:
-        raise ValueError(f"{fn}: y needs a contiguous last dimension (stride {tuple(y.stride())})")
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
-        raise ValueError(f"{fn}: top_k must be a positive int, got {top_k!r}")
-    for name, t in (("pos", pos), ("valid_rows", valid_rows)):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
-            raise TypeError(f"{fn}: {name} must be an int32 tensor")
-        if t.device != y.device:
-            raise ValueError(f"{fn}: {name} is on {t.device}, y on {y.device}")
-    if pos.shape != (y.shape[0],) or y.shape[0] % top_k or valid_rows.numel() != 1:
-        raise ValueError(f"{fn}: pos {tuple(pos.shape)} and valid_rows {tuple(valid_rows.shape)} must be ({y.shape[0]},) "
-                         f"and one element, y's rows {y.shape[0]} a multiple of top_k {top_k}")
-    tokens, n = y.shape[0] // top_k, y.shape[1]
-    out = torch.empty(tokens, n, dtype=out_dtype or y.dtype, device=y.device)
-    if tokens == 0 or n == 0:
+    try:
+        key = (COMBINE_NAME, tensor_key(y), tensor_key(pos), tensor_key(valid_rows), top_k, out_dtype)
+    except (AttributeError, TypeError):  # not tensors: the checks say why
+        key = None
+    return call_for(key, lambda: _CombineCall(y, pos, valid_rows, top_k, out_dtype))(y, pos, valid_rows)
+
+
+class _CombineCall:
+    """One checked signature of :func:`combine_pairs`; its plan takes (y, pos, out, valid_rows)."""
+
+    def __init__(self, y, pos, valid_rows, top_k, out_dtype):
+        fn = "combine_pairs"
+        if not isinstance(y, torch.Tensor) or y.dim() != 2 or y.dtype not in (torch.float16, torch.bfloat16,
+                                                                              torch.float32):
+            raise TypeError(f"{fn}: y must be a 2-D float16/bfloat16/float32 tensor")
+        if y.shape[1] > 1 and y.stride(1) != 1:
+            raise ValueError(f"{fn}: y needs a contiguous last dimension (stride {tuple(y.stride())})")
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+            raise ValueError(f"{fn}: top_k must be a positive int, got {top_k!r}")
+        for name, t in (("pos", pos), ("valid_rows", valid_rows)):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
+                raise TypeError(f"{fn}: {name} must be an int32 tensor")
+            if t.device != y.device:
+                raise ValueError(f"{fn}: {name} is on {t.device}, y on {y.device}")
+        if pos.shape != (y.shape[0],) or y.shape[0] % top_k or valid_rows.numel() != 1:
+            raise ValueError(f"{fn}: pos {tuple(pos.shape)} and valid_rows {tuple(valid_rows.shape)} must be "
+                             f"({y.shape[0]},) and one element, y's rows {y.shape[0]} a multiple of top_k {top_k}")
+        self.tokens, self.n = y.shape[0] // top_k, y.shape[1]
+        self.dtype, self.device = out_dtype or y.dtype, y.device
+        self.plan = None
+        if self.tokens == 0 or self.n == 0:
+            return
+        out = self.output()
+        block_n = min(1024, triton.next_power_of_2(self.n))
+        values = dict(y_ptr=y, pos_ptr=pos, valid_ptr=valid_rows, out_ptr=out, N=self.n, stride_y=y.stride(0),
+                      stride_out=out.stride(0), TOP_K=top_k, BLOCK_N=block_n, PDL=pdl(out))
+        call = KernelCall(_combine_pairs_kernel, (self.tokens, triton.cdiv(self.n, block_n)), values,
+                          dict(num_warps=4), {"y_ptr": A, "pos_ptr": B, "out_ptr": OUT, "valid_ptr": SCALE_A})
+        with on_device(self.device):
+            self.plan = pointer_plan(COMBINE_NAME, call)
+
+    def output(self) -> torch.Tensor:
+        return torch.empty(self.tokens, self.n, dtype=self.dtype, device=self.device)
+
+    def __call__(self, y, pos, valid_rows) -> torch.Tensor:
+        out = self.output()
+        if self.plan is not None:
+            self.plan.run(y, pos, out, valid_rows, None, None)
         return out
-    block_n = min(1024, triton.next_power_of_2(n))
-    use_pdl = pdl(out)
-    with on_device(y.device):
-        _combine_pairs_kernel[(tokens, triton.cdiv(n, block_n))](
-            y, pos, valid_rows, out, n, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK_N=block_n, PDL=use_pdl,
-            num_warps=4, **({"launch_pdl": True} if use_pdl else {}),
-        )
-    return out

@@ -18,8 +18,9 @@ import triton
 import triton.language as tl
 
 from ..device import on_device
+from ..plan import call_for, tensor_key
 from .common import let_next_kernel_launch, wait_for_previous_kernel
-from .launch import pdl
+from .launch import A, B, OUT, SCALE_A, SCALE_B, KernelCall, pdl, pointer_plan
 from .quantize import (
     SCALE_BLOCK,
     check_input,
@@ -95,6 +96,9 @@ def _silu_mul_quantize_kernel(
         tl.store(s_ptr + rows * stride_s, scale, mask=row_ok)
 
 
+NAME = "triton.silu_mul_quantize"
+
+
 def silu_mul_quantize(h: torch.Tensor, recipe: str = "1x128", row_scale: torch.Tensor | None = None,
                       row_scale_index: torch.Tensor | None = None, dtype: torch.dtype = torch.float8_e4m3fn):
     """``(q, scale)``: ``silu(gate) * up`` of a gated MLP's gate/up output ``h`` (S, 2I) (gate
@@ -108,8 +112,19 @@ def silu_mul_quantize(h: torch.Tensor, recipe: str = "1x128", row_scale: torch.T
     h: float16/bfloat16/float32, 2-D with an even number of columns, contiguous last dimension.
     row_scale: a float tensor on h's device, (S,) or, with row_scale_index ((S,) int32/int64, its
     values not checked: a device read), any length; or None. No Inf/NaN check (a host sync): a group
-    holding one gets an infinite scale. TypeError / ValueError name the offending argument.
+    holding one gets an infinite scale. TypeError / ValueError name the offending argument. One
+    plan per signature in the plan layer's cache (a direct launch): a call after the first checks
+    and plans nothing.
     """
+    try:
+        key = (NAME, tensor_key(h), recipe, tensor_key(row_scale), tensor_key(row_scale_index), dtype)
+    except (AttributeError, TypeError):  # not tensors: the checks say why
+        key = None
+    call = call_for(key, lambda: _Call(h, recipe, row_scale, row_scale_index, dtype))
+    return call(h, row_scale, row_scale_index)
+
+
+def _check(h, recipe, row_scale, row_scale_index, dtype) -> None:
     fn = "silu_mul_quantize"
     check_input(h, dtype, "h", fn)
     rows, width = h.shape
@@ -132,25 +147,46 @@ def silu_mul_quantize(h: torch.Tensor, recipe: str = "1x128", row_scale: torch.T
         if tuple(row_scale_index.shape) != (rows,) or row_scale_index.device != h.device:
             raise ValueError(f"{fn}: row_scale_index {tuple(row_scale_index.shape)} on {row_scale_index.device} must "
                              f"be ({rows},) on {h.device}")
-    inner = width // 2
-    per_group = recipe == "1x128"
-    groups = triton.cdiv(inner, SCALE_BLOCK) if per_group else 1
-    q = fp8_rows(rows, inner, dtype, h.device)
-    scale = torch.empty(rows, groups, dtype=torch.float32, device=h.device)
-    if rows == 0 or inner == 0:
+
+
+class _Call:
+    """One checked signature: the outputs' shapes and the plan (none when there is nothing to
+    compute). Its launch takes (h, row_scale_index, q, scale, row_scale), unused ones standing in
+    as ``scale``."""
+
+    def __init__(self, h, recipe, row_scale, row_scale_index, dtype):
+        _check(h, recipe, row_scale, row_scale_index, dtype)
+        rows, inner = h.shape[0], h.shape[1] // 2
+        per_group = recipe == "1x128"
+        self.rows, self.inner, self.dtype, self.device = rows, inner, dtype, h.device
+        self.groups = triton.cdiv(inner, SCALE_BLOCK) if per_group else 1
+        self.plan = None
+        if rows == 0 or inner == 0:
+            return
+        q, scale = self.outputs()
+        # As the quantizers: 16 rows x one group per program (many small programs keep the most
+        # bytes in flight); whole rows in 1024-wide steps for one scale per row, one row per
+        # program on the GPU. The interpreter runs each program as numpy calls: fewer, larger ones.
+        block_r = (16 if per_group else 1) if h.is_cuda else 16
+        values = dict(h_ptr=h, q_ptr=q, s_ptr=scale, w_ptr=scale if row_scale is None else row_scale,
+                      w_index_ptr=scale if row_scale_index is None else row_scale_index, R=rows, I=inner,
+                      stride_h=h.stride(0), stride_q=q.stride(0), stride_s=scale.stride(0), stride_sk=scale.stride(1),
+                      **fp8_grid(dtype), BLOCK_R=block_r, BLOCK_K=SCALE_BLOCK if per_group else 1024,
+                      PER_GROUP=per_group, ROW_SCALE=row_scale is not None, GATHER=row_scale_index is not None,
+                      PDL=pdl(q))
+        call = KernelCall(_silu_mul_quantize_kernel, (triton.cdiv(rows, block_r), self.groups), values,
+                          dict(num_warps=4),
+                          {"h_ptr": A, "w_index_ptr": B, "q_ptr": OUT, "s_ptr": SCALE_A, "w_ptr": SCALE_B})
+        with on_device(h.device):
+            self.plan = pointer_plan(NAME, call)
+
+    def outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return (fp8_rows(self.rows, self.inner, self.dtype, self.device),
+                torch.empty(self.rows, self.groups, dtype=torch.float32, device=self.device))
+
+    def __call__(self, h, row_scale, row_scale_index) -> tuple[torch.Tensor, torch.Tensor]:
+        q, scale = self.outputs()
+        if self.plan is not None:
+            self.plan.run(h, scale if row_scale_index is None else row_scale_index, q, scale,
+                          scale if row_scale is None else row_scale, None)
         return q, scale
-    # As the quantizers: 16 rows x one group per program (many small programs keep the most
-    # bytes in flight); whole rows in 1024-wide steps for one scale per row, one row per
-    # program on the GPU. The interpreter runs each program as numpy calls: fewer, larger ones.
-    block_r = (16 if per_group else 1) if h.is_cuda else 16
-    grid = (triton.cdiv(rows, block_r), groups)
-    use_pdl = pdl(q)
-    with on_device(h.device):  # Triton launches on the current GPU: make it h's
-        _silu_mul_quantize_kernel[grid](
-            h, q, scale, scale if row_scale is None else row_scale,
-            scale if row_scale_index is None else row_scale_index, rows, inner, h.stride(0), q.stride(0),
-            scale.stride(0), scale.stride(1), **fp8_grid(dtype), BLOCK_R=block_r,
-            BLOCK_K=SCALE_BLOCK if per_group else 1024, PER_GROUP=per_group, ROW_SCALE=row_scale is not None,
-            GATHER=row_scale_index is not None, PDL=use_pdl, num_warps=4, **({"launch_pdl": True} if use_pdl else {}),
-        )
-    return q, scale
