@@ -605,10 +605,15 @@ def remember(key, call) -> None:
     _calls[key] = call
 
 
-def call_for(key, build: Callable[[], Any]):
-    """The call cached under ``key``, else ``build()``, remembered under ``key`` unless ``key`` is
-    None (arguments a key cannot describe: ``build`` then says what is wrong with them) or a
-    CUDA-graph capture is in progress (plans made during a capture are not kept)."""
+def call_for(key: Callable[[], Any], build: Callable[[], Any]):
+    """The call cached under ``key()``, else ``build()``, remembered under that key unless
+    ``key()`` raised AttributeError / TypeError (arguments a key cannot describe, such as a
+    non-tensor: ``build`` then says what is wrong with them) or a CUDA-graph capture is in
+    progress (plans made during a capture are not kept)."""
+    try:
+        key = key()
+    except (AttributeError, TypeError):
+        key = None
     known = None if key is None else _calls.get(key)
     if known is None:
         known = build()

@@ -361,7 +361,8 @@ class FP8Experts(nn.Module):
                 error_msgs.append(f"{key} is a {type(value).__name__}, not a tensor")
             elif suffix == "weight" and value.dtype != FP8:
                 error_msgs.append(f"{key} has dtype {value.dtype}; FP8Experts loads float8_e4m3fn weights "
-                                  "(quantize high-precision experts with FP8Experts.from_experts or tmagemm.nn.convert)")
+                                  "(quantize high-precision experts with FP8Experts.from_experts or "
+                                  "tmagemm.nn.convert)")
             elif suffix == "weight_scale_inv" and not value.is_floating_point():
                 error_msgs.append(f"{key} has dtype {value.dtype}; expected float32")
             elif value.numel() != target.numel() or (suffix == "weight" and tuple(value.shape) != tuple(target.shape)):

@@ -87,11 +87,9 @@ def route_pairs(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tens
     grouped GEMMs' contiguous layout). Ids outside 0..E-1 (expert-parallel sentinels) sort last
     and fall in no group. What ``torch.sort`` and ``torch.searchsorted`` give, for up to
     ``ROUTE_MAX_PAIRS`` pairs (ValueError beyond)."""
-    try:
-        key = (ROUTE_NAME, tensor_key(top_k_index), num_experts)
-    except (AttributeError, TypeError):  # not a tensor: the checks say why
-        key = None
-    return call_for(key, lambda: _RouteCall(top_k_index, num_experts))(top_k_index)
+    call = call_for(lambda: (ROUTE_NAME, tensor_key(top_k_index), num_experts),
+                    lambda: _RouteCall(top_k_index, num_experts))
+    return call(top_k_index)
 
 
 class _RouteCall:
@@ -179,11 +177,9 @@ def quantize_pairs(x: torch.Tensor, order: torch.Tensor, top_k: int, recipe: str
     device, a permutation of 0..S-1 with S = T * top_k (not checked: a device read). No Inf/NaN
     check (a host sync): a group holding one gets an infinite scale.
     """
-    try:
-        key = (QUANTIZE_NAME, tensor_key(x), tensor_key(order), top_k, recipe, dtype)
-    except (AttributeError, TypeError):  # not tensors: the checks say why
-        key = None
-    return call_for(key, lambda: _QuantizeCall(x, order, top_k, recipe, dtype))(x, order)
+    call = call_for(lambda: (QUANTIZE_NAME, tensor_key(x), tensor_key(order), top_k, recipe, dtype),
+                    lambda: _QuantizeCall(x, order, top_k, recipe, dtype))
+    return call(x, order)
 
 
 class _QuantizeCall:
@@ -266,11 +262,9 @@ def combine_pairs(y: torch.Tensor, pos: torch.Tensor, valid_rows: torch.Tensor, 
     y: (S, N) float16/bfloat16/float32, contiguous last dimension; pos: (S,) int32 on y's device,
     S = T * top_k (its values are not checked: a device read).
     """
-    try:
-        key = (COMBINE_NAME, tensor_key(y), tensor_key(pos), tensor_key(valid_rows), top_k, out_dtype)
-    except (AttributeError, TypeError):  # not tensors: the checks say why
-        key = None
-    return call_for(key, lambda: _CombineCall(y, pos, valid_rows, top_k, out_dtype))(y, pos, valid_rows)
+    call = call_for(lambda: (COMBINE_NAME, tensor_key(y), tensor_key(pos), tensor_key(valid_rows), top_k, out_dtype),
+                    lambda: _CombineCall(y, pos, valid_rows, top_k, out_dtype))
+    return call(y, pos, valid_rows)
 
 
 class _CombineCall:

@@ -116,11 +116,8 @@ def silu_mul_quantize(h: torch.Tensor, recipe: str = "1x128", row_scale: torch.T
     plan per signature in the plan layer's cache (a direct launch): a call after the first checks
     and plans nothing.
     """
-    try:
-        key = (NAME, tensor_key(h), recipe, tensor_key(row_scale), tensor_key(row_scale_index), dtype)
-    except (AttributeError, TypeError):  # not tensors: the checks say why
-        key = None
-    call = call_for(key, lambda: _Call(h, recipe, row_scale, row_scale_index, dtype))
+    call = call_for(lambda: (NAME, tensor_key(h), recipe, tensor_key(row_scale), tensor_key(row_scale_index), dtype),
+                    lambda: _Call(h, recipe, row_scale, row_scale_index, dtype))
     return call(h, row_scale, row_scale_index)
 
 
