@@ -1268,6 +1268,30 @@ def test_gpu_native_fp8(layout, recipe, seeded):
 
 
 @gpu
+@pytest.mark.parametrize("cluster_m", [1, 2])
+def test_gpu_native_masked_block_scales_at_an_expert_stride(cluster_m, seeded):
+    """DeepGEMM's masked scale layout, (E, max_m, K/128) with each expert's scales contiguous along
+    its rows and the experts a padded row count apart (get_col_major_tma_aligned_tensor): the
+    native kernel reads them through its expert offset (the dispatcher takes it too)."""
+    e, k, n = len(SIZES), 400, 400
+    a, b, counts, kw = _native_operands(FP8, GroupLayout.MASKED, k, n)
+    max_m, kb, nb = a.shape[1], -(-k // 128), -(-n // 128)
+    padded = max_m + 12
+    sa = (torch.rand(e, kb, padded, device=DEV) + 0.5)[:, :, :max_m].transpose(1, 2)
+    sb = torch.rand(e, nb, kb, device=DEV) + 0.5
+    args = grouped.scaled_mm_args(a, b, sa, sb, out_dtype=torch.float32, out=poisoned((e, max_m, n)), **kw)
+    assert args.scale_a_strides == (kb * padded, 1, padded)
+    config = replace(_native_config(_PROMOTE, e, block_scaled=True), cluster_m=cluster_m)
+    assert native.unsupported_reason(args, config) is None and native.preferred(args)
+    ref = reference(*_block_deq(a, b, sa, sb), counts, GroupLayout.MASKED)
+    check(grouped.run(args, config=config, num_sms=6), ref, REL8, f"expert-strided block scales, {cluster_m}x1")
+    plan.clear_plans()
+    got = grouped_scaled_mm(a, b, sa, sb, out_dtype=torch.float32, out=poisoned((e, max_m, n)), **kw)
+    assert [p.variant for p in grouped.cached_plans()] == [native.NAME]
+    check(got, ref, REL8, "expert-strided block scales, dispatched")
+
+
+@gpu
 @pytest.mark.parametrize("recipe", ["bf16", "block_c2", "row_promote_c1"])
 def test_gpu_native_tail_split(recipe, seeded):
     """Groups whose tiles leave a last wave on at most half of the few CTAs, K deep enough for two
@@ -1567,6 +1591,16 @@ def test_native_refusals_name_the_reason(monkeypatch):
     assert "N-major" in native.unsupported_reason(grouped.mm_args(h, torch.empty(e, 96, n, dtype=torch.float16),
                                                                    offs=offs))
     assert "zero-size" in native.unsupported_reason(grouped.scaled_mm_args(a[:, :0], b[:, :0], sa, sb, offs=offs))
+    # Masked: row-wise scales are read by stacked row (experts one max_m apart); block scales at
+    # any expert stride (DeepGEMM's (E, max_m, K/128), each expert's contiguous along its rows).
+    a3 = torch.empty(e, 128, k, dtype=FP8)
+    counts = torch.tensor([100, 128], dtype=torch.int32)
+    sa_gaps = torch.ones(e, 132)[:, :128]
+    assert "stacked" in native.unsupported_reason(grouped.scaled_mm_args(a3, b, sa_gaps, sb, masked_m=counts))
+    sa_deepgemm = torch.ones(e, 2, 132)[:, :, :128].transpose(1, 2)
+    sb_blocks = torch.ones(e, 2, 2)
+    args = grouped.scaled_mm_args(a3, b, sa_deepgemm, sb_blocks, masked_m=counts)
+    assert args.scale_a_strides == (264, 1, 132) and native.unsupported_reason(args) is None
 
 
 @needs_nvrtc

@@ -70,6 +70,7 @@ GROUPED_CASES = [
     ("row_fast", "contiguous", 3, 700, 264, 208, [300, 100, 900]),  # native, ping-pong tiles (fast accumulation)
     ("block", "contiguous", 3, 800, 520, 576, [0, 350, 640]),  # native, 2x1 clusters, a pair past a group's end
     ("block", "masked", 4, 200, 264, 576, [200, 0, 500, -3]),  # native, masked
+    ("block_mn", "masked", 4, 200, 264, 576, [200, 0, 500, -3]),  # native, DeepGEMM's expert-strided scales
     ("row", "contiguous", 4, 64, 264, 208, [10, 20, 20, 64]),  # Triton kernel (16 rows per group)
     ("row", "masked", 4, 32, 264, 208, [32, 1, 0, 40]),  # Triton, decode tiles
 ]
@@ -138,8 +139,10 @@ def grouped_case(scaling, layout, e, rows, n, k, counts):
         a, b = torch.randn(*shape_a, device="cuda").to(FP8), w.to(FP8).transpose(1, 2)
         kb, nb = -(-k // 128), -(-n // 128)
         per_k = torch.arange(k, device="cuda") // 128
-        if scaling == "block":
+        if scaling.startswith("block"):
             sa, sb = torch.rand(*shape_a[:-1], kb, device="cuda") + 0.5, torch.rand(e, nb, kb, device="cuda") + 0.5
+            if scaling == "block_mn":  # each expert's scales contiguous along its rows, experts 4 rows padded apart
+                sa = (torch.rand(e, kb, rows + 4, device="cuda") + 0.5)[:, :, :rows].transpose(1, 2)
             a_deq = a.double() * sa.double()[..., per_k]
             cols = torch.arange(n, device="cuda") // 128
             b_deq = b.double() * sb.double()[:, cols][:, :, per_k].transpose(1, 2)

@@ -22,8 +22,9 @@ With ``--grouped``, DeepGEMM's grouped problems instead (the shapes of its publi
 contiguous, E groups of m rows ((E * m, K) activations, (E, N, K) weights; DeepGEMM's
 ``m_grouped_gemm_fp8_fp8_bf16_nt_contiguous`` with per-row group indices, tmagemm's
 ``grouped_scaled_mm(..., offs=...)``) and masked (E, max_m, K) with every row valid (DeepGEMM's
-``..._masked`` with expected_m = max_m, tmagemm's ``masked_m=``); both block-scaled. cuBLAS has
-no block-scaled grouped GEMM. Grouped outputs are checked on each group's first 128 rows.
+``..._masked`` with expected_m = max_m, tmagemm's ``masked_m=``); both block-scaled, tmagemm
+timed with row-major activation scales and (``tmagemm.mn``) with DeepGEMM's own scale tensor.
+cuBLAS has no block-scaled grouped GEMM. Grouped outputs are checked on each group's first 128 rows.
 
 Every output is checked against the float64 block dequantization (max |error| / max |ref| <=
 1e-2) in the same run. Times: tmagemm.bench.timing.Timer.graph (CUDA-graph replay, L2 flushed,
@@ -117,6 +118,9 @@ def grouped_problem(layout: str, e: int, rows: int, n: int, k: int, deep_gemm, d
     if deep_gemm is not None:
         theirs = torch.empty(out_shape, device=device, dtype=torch.bfloat16)
         sa_dg = deep_gemm.get_col_major_tma_aligned_tensor(sa)
+        # tmagemm given DeepGEMM's own activation-scale tensor (contiguous along the rows).
+        counts = {"offs": offs} if layout == "contiguous" else {"masked_m": masked_m}
+        calls["tmagemm.mn"] = lambda: tmagemm.grouped_scaled_mm(a, w.transpose(1, 2), sa_dg, sb, out=ours, **counts)
         if layout == "contiguous":
             m_indices = torch.arange(e, device=device, dtype=torch.int32).repeat_interleave(rows)
             calls["deepgemm"] = lambda: (deep_gemm.m_grouped_gemm_fp8_fp8_bf16_nt_contiguous(
@@ -223,6 +227,14 @@ def main() -> int:
         if values:
             log(f"geomean tmagemm speed vs {peer}: {math.exp(sum(map(math.log, values)) / len(values)):.3f} "
                 f"({len(values)} cells)")
+    for layout in ("contiguous", "masked") if args.grouped else ():
+        for ours_name in ("tmagemm", "tmagemm.mn"):
+            values = [r["us"]["deepgemm"] / r["us"][ours_name] for r in records
+                      if r["label"].startswith(layout) and r["us"].get("deepgemm") and r["us"].get(ours_name)]
+            if values:
+                log(f"geomean {ours_name} speed vs deepgemm, {layout}: "
+                    f"{math.exp(sum(map(math.log, values)) / len(values)):.3f} ({len(values)} cells, "
+                    f"{min(values):.3f}-{max(values):.3f})")
     if ratios["deepgemm (same scale layout)"]:
         log("(same scale layout: tmagemm.mn, whose activation scales are DeepGEMM's own input)")
     return 0

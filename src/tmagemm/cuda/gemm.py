@@ -283,6 +283,7 @@ class _Params(ctypes.Structure):
         ("scale_b_group", ctypes.c_int64),
         ("bias_group", ctypes.c_int64),
         ("block_scale_b_group", ctypes.c_int64),
+        ("block_scale_a_group", ctypes.c_int64),
         ("d", ctypes.c_void_p),
         ("ldd", ctypes.c_int64),
         ("tail_partials", ctypes.c_void_p),

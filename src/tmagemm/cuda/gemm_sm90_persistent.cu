@@ -450,8 +450,8 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
         const float* sa[kBlockM / 32];
 #pragma unroll
         for (int j = 0; j < kBlockM / 32; ++j)
-          sa[j] = params.block_scale_a + min(tile.m0 + lane + 32 * j, row_end - 1) * params.block_scale_a_m +
-                  w.k0 * params.block_scale_a_k;
+          sa[j] = params.block_scale_a + (kGrouped ? tile.group * params.block_scale_a_group : 0) +
+                  min(tile.m0 + lane + 32 * j, row_end - 1) * params.block_scale_a_m + w.k0 * params.block_scale_a_k;
         const float* sb = params.block_scale_b + (kGrouped ? tile.group * params.block_scale_b_group : 0) +
                           min(tile.n0 / kPromoteN + min(lane, kPromoteParts - 1), last_block) * params.block_scale_b_n +
                           w.k0 * params.block_scale_b_k;

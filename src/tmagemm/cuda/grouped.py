@@ -179,11 +179,13 @@ def unsupported_reason(args: GroupedArgs, config: NativeGemmConfig | None = None
         return reason
     sa_e, sa_m, _ = args.scale_a_strides
     sb_e, sb_n, _ = args.scale_b_strides
-    if args.scaling != GroupScaling.NONE:
+    if args.scaling == GroupScaling.EPILOGUE:
+        # The epilogue reads row-wise scales by stacked row; block scales take an expert offset
+        # (Params::block_scale_a_group), so any (E, max_m, K/128) strides work.
         stacked = args.layout == GroupLayout.CONTIGUOUS or args.e == 1 or sa_e == sa_m * args.m
         if not stacked:
             return "scale_a's experts are not stacked at one stride"
-        if args.scaling == GroupScaling.EPILOGUE and (sa_m not in (0, 1) or sb_n not in (0, 1)):
+        if sa_m not in (0, 1) or sb_n not in (0, 1):
             return "row-wise scales must be contiguous along their rows / columns"
     if args.bias is not None and args.n > 1 and args.bias.stride(1) != 1:
         return f"bias must be contiguous along N, got stride {tuple(args.bias.stride())}"
@@ -230,6 +232,8 @@ class _GroupedLaunch:
         sb_e, sb_n, sb_k = args.scale_b_strides
         if args.scaling == GroupScaling.BLOCK:  # the mainloop reads both block scales through their strides
             p.block_scale_a_m, p.block_scale_a_k = sa_m, sa_k
+            if args.layout != GroupLayout.CONTIGUOUS:  # masked / batched: each expert's scales at its stride
+                p.block_scale_a_group = sa_e - args.m * sa_m
             p.block_scale_b_n, p.block_scale_b_k, p.block_scale_b_group = sb_n, sb_k, sb_e
         elif args.scaling != GroupScaling.NONE:
             p.scale_a_rowwise, p.scale_b_colwise, p.scale_b_group = int(sa_m != 0), int(sb_n != 0), sb_e

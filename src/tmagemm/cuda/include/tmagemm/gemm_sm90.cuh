@@ -101,6 +101,11 @@ struct Params {
   int group_rows;         // masked: rows of A per expert (max_m)
   int b_group_rows;       // rows of B's 2-D map per expert: N (K-major) or K (N-major)
   i64 scale_b_group, bias_group, block_scale_b_group;  // element strides from one expert to the next
+  // a's block scales of expert g sit g * block_scale_a_group elements past where its stacked rows
+  // put them: 0 where the experts' scales are stacked rows (contiguous groups; masked ones with
+  // an expert stride of group_rows rows), else expert stride - group_rows * block_scale_a_m
+  // (e.g. DeepGEMM's (E, max_m, K/128) scales, each expert's contiguous along its rows).
+  i64 block_scale_a_group;
   void* d;                // the output, for stores clipped at a group's last row
   i64 ldd;
   // Tail split (TMAGEMM_TAIL_SPLIT, gemm_sm90_persistent.cu): the fp32 fragments of the split
