@@ -60,10 +60,10 @@ needs_nvrtc = pytest.mark.skipif(_nvrtc_reason() is not None, reason=str(_nvrtc_
 
 def test_params_struct_matches_device_layout():
     # gemm_sm90.cuh: 4 int + 2 float, 6 x 8-byte fields, 4 int, then the block scales' 2 pointers
-    # and 4 strides = 128 bytes; the grouped fields: a pointer, 4 int, 3 strides, the output
-    # pointer and its stride = 64 bytes; the tail split's scratch and counter pointers = 16 bytes;
-    # the block scales' map switch (an int, padded); pointers 8-aligned.
-    assert ctypes.sizeof(native._Params) == 216
+    # and 4 strides = 128 bytes; the grouped fields: a pointer, 4 int, 4 strides, the output
+    # pointer and its stride = 72 bytes; the tail split's scratch and counter pointers = 16 bytes;
+    # the block scales' map switch and the heavy-group threshold (2 int); pointers 8-aligned.
+    assert ctypes.sizeof(native._Params) == 224
     assert native._Params.c.offset == 24
     assert native._Params.bias.offset == 56
     assert native._Params.scale_a_rowwise.offset == 64
@@ -71,10 +71,11 @@ def test_params_struct_matches_device_layout():
     assert native._Params.block_scale_b_k.offset == 120
     assert native._Params.group_counts.offset == 128
     assert native._Params.scale_b_group.offset == 152
-    assert native._Params.d.offset == 176
-    assert native._Params.tail_partials.offset == 192
-    assert native._Params.tail_counters.offset == 200
-    assert native._Params.block_scale_maps.offset == 208
+    assert native._Params.block_scale_a_group.offset == 176
+    assert native._Params.d.offset == 184
+    assert native._Params.tail_partials.offset == 200
+    assert native._Params.tail_counters.offset == 208
+    assert native._Params.block_scale_maps.offset == 216
 
 
 @pytest.mark.parametrize("name", sorted(native.NATIVE_CONFIGS))
