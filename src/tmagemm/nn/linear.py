@@ -16,6 +16,7 @@ from ..api import scaled_mm
 from .quantize import (
     FP8,
     SCALED_MM_RECIPES,
+    activation_ops,
     check_recipe,
     dequantize_weight,
     quantize_weight,
@@ -55,7 +56,7 @@ def quantize_input(x: torch.Tensor, width: int, recipe: str, norm=None) -> tuple
     handed = None if norm is None else norm.handoff.take(x)
     if handed is not None:
         return handed
-    return torch.ops.tmagemm_nn.quantize_activation(as_rows(x, width), recipe)
+    return activation_ops().quantize_activation(as_rows(x, width), recipe)
 
 
 def keep_dtypes(fn, tensors):

@@ -28,7 +28,7 @@ from torch import nn
 from ..api import scaled_mm
 from ..gate_up import GROUP, gate_up_silu_quant
 from .linear import FP8Linear, check_features, check_input, keep_dtypes, quantize_input
-from .quantize import FP8, quantize_weight
+from .quantize import FP8, activation_ops, quantize_weight
 from .source import forward_def, statements
 
 # The forward this module replaces, as transformers writes it (LlamaMLP, MistralMLP, Qwen2MLP,
@@ -208,7 +208,7 @@ class FP8GatedMLP(nn.Module):
             gu = scaled_mm(xq, self.gate_up_weight.t(), xs, self.gate_up_weight_scale_inv, out_dtype=x.dtype,
                            scale_recipe_a="1x128", scale_recipe_b="128x128")
             g, u = gu.split(self.intermediate_size, dim=1)
-            hq, hs = torch.ops.tmagemm_nn.quantize_activation(nn.functional.silu(g) * u, "block")
+            hq, hs = activation_ops().quantize_activation(nn.functional.silu(g) * u, "block")
         y = self.down_proj.quantized_input_mm(hq, hs, self.down_proj.bias, x.dtype)
         return y.reshape(*x.shape[:-1], self.hidden_size)
 

@@ -36,6 +36,7 @@ from ..triton.norm_quantize import MAX_HIDDEN, valid_eps
 from .handoff import Handoff
 from .linear import ACTIVATION_DTYPES, ALIGN, FP8Linear, as_rows, check_input
 from .mlp import FP8GatedMLP
+from .quantize import activation_ops
 from .source import forward_def, self_call, statements
 from .stacked import QKV, FP8StackedLinear, calls_on_one_input
 
@@ -209,7 +210,7 @@ class FP8RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_input(x, self.hidden_size, type(self).__name__)
-        y, q, scale = torch.ops.tmagemm_nn.rms_norm_quantize_activation(as_rows(x, self.hidden_size), self.weight,
+        y, q, scale = activation_ops().rms_norm_quantize_activation(as_rows(x, self.hidden_size), self.weight,
                                                                          self.variance_epsilon, self.recipe)
         y = y.reshape(x.shape)
         if self.consumers:

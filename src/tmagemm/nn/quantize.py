@@ -1,10 +1,12 @@
-"""Quantization for the FP8 layers: activations on the fly (as a torch op), weights once.
+"""Quantization for the FP8 layers: activations on the fly, weights once.
 
-Activations go through ``torch.ops.tmagemm_nn.quantize_activation``, an opaque custom op with a
-fake implementation, so torch.compile(fullgraph=True) traces the layer; it quantizes without the
-quantizers' Inf/NaN read-back (``check_finite=False``), so a forward pass never syncs the host.
-``torch.ops.tmagemm_nn.rms_norm_quantize_activation`` is the same for an RMSNorm's output,
-computed with the norm in one kernel (:mod:`tmagemm.nn.norm`).
+Activations go through :func:`quantize_activation`, which quantizes without the quantizers'
+Inf/NaN read-back (``check_finite=False``), so a forward pass never syncs the host;
+:func:`rms_norm_quantize_activation` is the same for an RMSNorm's output, computed with the norm
+in one kernel (:mod:`tmagemm.nn.norm`). Both are also opaque custom ops with fake
+implementations (``torch.ops.tmagemm_nn.*``), which the layers call while torch.compile traces
+them (fullgraph=True), and plain calls in eager mode (:func:`activation_ops`): a custom op's
+dispatch costs more host time than the quantizer's own cached launch.
 
 Recipes (the ``recipe`` of :class:`~tmagemm.nn.FP8Linear`):
 
@@ -20,6 +22,8 @@ recipe     activation x (M, K)                     weight w (N, K) (``weight_sca
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 
@@ -81,7 +85,6 @@ def check_device(x: torch.Tensor, what: str) -> None:
                          "GPU (CPU tensors run only under the Triton interpreter, TRITON_INTERPRET=1, for testing)")
 
 
-@torch.library.custom_op("tmagemm_nn::quantize_activation", mutates_args=())
 def quantize_activation(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x_fp8, scale)`` of a 2-D activation with a contiguous last dimension and K % 16 == 0
     (so x_fp8 is contiguous, as the fake implementation says). Block scales are contiguous along
@@ -93,13 +96,11 @@ def quantize_activation(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor, tor
     return quantize_fp8(x, "1x128" if recipe == "block" else recipe, check_finite=False, scale_layout=layout)
 
 
-@quantize_activation.register_fake
-def _(x, recipe):
+def _fake_quantize(x, recipe):
     m, k = x.shape
     return x.new_empty((m, k), dtype=FP8), _empty_scale(x, recipe, m, k)
 
 
-@torch.library.custom_op("tmagemm_nn::rms_norm_quantize_activation", mutates_args=())
 def rms_norm_quantize_activation(x: torch.Tensor, weight: torch.Tensor, eps: float,
                                  recipe: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(y, y_fp8, scale)``: transformers' RMSNorm of a 2-D activation (contiguous last dimension,
@@ -111,11 +112,23 @@ def rms_norm_quantize_activation(x: torch.Tensor, weight: torch.Tensor, eps: flo
                              m_major=_m_major(recipe, x.shape[0]))
 
 
-@rms_norm_quantize_activation.register_fake
-def _(x, weight, eps, recipe):
+def _fake_norm_quantize(x, weight, eps, recipe):
     m, k = x.shape
     return (x.new_empty((m, k), dtype=torch.promote_types(weight.dtype, x.dtype)), x.new_empty((m, k), dtype=FP8),
             _empty_scale(x, recipe, m, k))
+
+
+for _fn, _fake in ((quantize_activation, _fake_quantize), (rms_norm_quantize_activation, _fake_norm_quantize)):
+    torch.library.custom_op(f"tmagemm_nn::{_fn.__name__}", _fn, mutates_args=()).register_fake(_fake)
+_EAGER_OPS = SimpleNamespace(quantize_activation=quantize_activation,
+                             rms_norm_quantize_activation=rms_norm_quantize_activation)
+
+
+def activation_ops():
+    """The activation quantizers as the layers call them: ``torch.ops.tmagemm_nn`` while
+    torch.compile traces (opaque ops with fakes), the plain functions otherwise (the same
+    kernels without a custom op's dispatch)."""
+    return torch.ops.tmagemm_nn if torch.compiler.is_compiling() else _EAGER_OPS
 
 
 # ----------------------------------------------------------------------------------- weights

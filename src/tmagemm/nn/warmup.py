@@ -23,6 +23,7 @@ from .experts import FP8Experts
 from .linear import FP8Linear
 from .mlp import FP8GatedMLP
 from .norm import FP8RMSNorm
+from .quantize import rms_norm_quantize_activation
 from .stacked import FP8StackedLinear, FP8StackMember
 
 
@@ -62,7 +63,7 @@ def _run(layer: nn.Module, x: torch.Tensor, top_k: int) -> None:
         layer(x, ids, torch.full(ids.shape, 1.0 / k, device=x.device, dtype=x.dtype))
     elif isinstance(layer, FP8RMSNorm):
         # The norm's kernel without its forward, which would keep a hand-off for its layers.
-        torch.ops.tmagemm_nn.rms_norm_quantize_activation(x, layer.weight, layer.variance_epsilon, layer.recipe)
+        rms_norm_quantize_activation(x, layer.weight, layer.variance_epsilon, layer.recipe)
     else:
         layer(x)
 

@@ -19,9 +19,10 @@ import triton
 import triton.language as tl
 
 from ..device import on_device
+from ..plan import call_for, tensor_key
 from ..tma import aligned_empty
 from .common import let_next_kernel_launch, wait_for_previous_kernel
-from .launch import pdl
+from .launch import A, B, OUT, SCALE_A, SCALE_B, KernelCall, pdl, pointer_plan
 from .quantize import IN_DTYPES, SCALE_BLOCK, check_input, fp8_grid, fp8_rows, quantize_row_groups
 
 RECIPES = ("1x128", "row")
@@ -37,8 +38,8 @@ def valid_eps(eps) -> bool:
 @triton.jit
 def _rms_norm_quantize_kernel(
     x_ptr, w_ptr, y_ptr, q_ptr, s_ptr,
-    H, stride_x, stride_y, stride_q, stride_s, stride_sk, eps,
-    FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, F32_TINY: tl.constexpr,
+    H, stride_x, stride_y, stride_q, stride_s, stride_sk,
+    EPS: tl.constexpr, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, F32_TINY: tl.constexpr,
     BLOCK_H: tl.constexpr, PER_GROUP: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: row ``program_id(0)`` of x, BLOCK_H (a power of two, >= 128) columns wide."""
@@ -53,7 +54,7 @@ def _rms_norm_quantize_kernel(
 
     # ---- the norm, rounded where transformers rounds: to x's dtype, then the product to y's
     xf = x.to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / H + EPS)
     normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
     y = (w * normed).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * stride_y + cols, y, mask=valid)
@@ -80,29 +81,54 @@ def rms_norm_quantize(x: torch.Tensor, weight: torch.Tensor, eps: float, recipe:
     is H rounded up to 16 (as the quantizers'). No Inf/NaN check (a host sync): a row or group
     holding one gets an infinite scale. TypeError / ValueError name the offending argument.
     """
-    _check(x, weight, eps, recipe, dtype)
-    rows, h = x.shape
-    y = torch.empty(rows, h, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    q = fp8_rows(rows, h, dtype, x.device)
-    per_group = recipe == "1x128"
-    if m_major and not per_group:
-        raise ValueError(f"rms_norm_quantize: m_major applies to the '1x128' recipe, got recipe {recipe!r}")
-    if m_major:
-        scale = aligned_empty((rows, -(-h // SCALE_BLOCK)), 0, torch.float32, x.device)
-    else:
-        scale = torch.empty(rows, -(-h // SCALE_BLOCK) if per_group else 1, dtype=torch.float32, device=x.device)
-    if rows == 0:
+    call = call_for(lambda: (NAME, tensor_key(x), tensor_key(weight), type(eps), eps, recipe, dtype, m_major),
+                    lambda: _NormQuantizeCall(x, weight, eps, recipe, dtype, m_major))
+    return call(x, weight)
+
+
+NAME = "triton.rms_norm_quantize"
+_OPERANDS = {"x_ptr": A, "w_ptr": B, "y_ptr": OUT, "q_ptr": SCALE_A, "s_ptr": SCALE_B}
+
+
+class _NormQuantizeCall:
+    """One checked signature of :func:`rms_norm_quantize`; its plan takes (x, weight, y, q, scale)."""
+
+    def __init__(self, x, weight, eps, recipe, dtype, m_major):
+        _check(x, weight, eps, recipe, dtype)
+        if m_major and recipe != "1x128":
+            raise ValueError(f"rms_norm_quantize: m_major applies to the '1x128' recipe, got recipe {recipe!r}")
+        self.rows, self.h = x.shape
+        self.y_dtype, self.dtype, self.device = torch.promote_types(weight.dtype, x.dtype), dtype, x.device
+        self.groups = -(-self.h // SCALE_BLOCK) if recipe == "1x128" else 1
+        self.m_major = m_major
+        self.plan = None
+        if self.rows == 0:
+            return
+        y, q, scale = self.outputs()
+        block_h = max(SCALE_BLOCK, triton.next_power_of_2(self.h))
+        values = dict(x_ptr=x, w_ptr=weight, y_ptr=y, q_ptr=q, s_ptr=scale, H=self.h, stride_x=x.stride(0),
+                      stride_y=y.stride(0), stride_q=q.stride(0), stride_s=scale.stride(0), stride_sk=scale.stride(1),
+                      EPS=float(eps), **fp8_grid(dtype), BLOCK_H=block_h, PER_GROUP=recipe == "1x128", PDL=pdl(q))
+        # 8-32 fp32 values per thread for the rows of today's models (H = 2048-8192).
+        call = KernelCall(_rms_norm_quantize_kernel, (self.rows,), values,
+                          dict(num_warps=min(16, max(4, block_h // 512))), _OPERANDS)
+        with on_device(self.device):  # Triton loads kernels on the current GPU: make it x's
+            self.plan = pointer_plan(NAME, call)
+
+    def outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        y = torch.empty(self.rows, self.h, dtype=self.y_dtype, device=self.device)
+        q = fp8_rows(self.rows, self.h, self.dtype, self.device)
+        if self.m_major:
+            scale = aligned_empty((self.rows, self.groups), 0, torch.float32, self.device)
+        else:
+            scale = torch.empty(self.rows, self.groups, dtype=torch.float32, device=self.device)
         return y, q, scale
-    block_h = max(SCALE_BLOCK, triton.next_power_of_2(h))
-    use_pdl = pdl(q)
-    with on_device(x.device):  # Triton launches on the current GPU: make it x's
-        _rms_norm_quantize_kernel[(rows,)](
-            x, weight, y, q, scale, h, x.stride(0), y.stride(0), q.stride(0), scale.stride(0), scale.stride(1), float(eps),
-            **fp8_grid(dtype), BLOCK_H=block_h, PER_GROUP=per_group, PDL=use_pdl,
-            # 8-32 fp32 values per thread for the rows of today's models (H = 2048-8192).
-            num_warps=min(16, max(4, block_h // 512)), **({"launch_pdl": True} if use_pdl else {}),
-        )
-    return y, q, scale
+
+    def __call__(self, x, weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        y, q, scale = self.outputs()
+        if self.plan is not None:
+            self.plan.run(x, weight, y, q, scale, None)
+        return y, q, scale
 
 
 def _check(x, weight, eps, recipe, dtype) -> None:

@@ -14,6 +14,10 @@ Inf/NaN input raises ValueError: the kernel turns a group holding one into an in
 (NaN is mapped to +Inf before the max, since a hardware max drops NaN), and the host checks the
 small scale tensor, not the input, once after the launch (skipped during CUDA-graph capture,
 where reading a flag back would break the capture).
+
+Each input signature (shape, strides, dtype, device, options) is checked and planned once, in the
+plan layer's cache: later calls allocate the outputs and launch directly (``launch.pointer_plan``),
+which keeps an FP8 layer's eager forward from paying Triton's launcher on every activation.
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ import triton
 import triton.language as tl
 
 from ..device import on_device
+from ..plan import call_for, tensor_key
 from ..tma import aligned_empty
 from .common import let_next_kernel_launch, wait_for_previous_kernel
-from .launch import pdl
+from .launch import A, OUT, SCALE_A, KernelCall, pdl, pointer_plan
 
 SCALE_BLOCK = 128  # the recipe's group width along K (and height along N for weights)
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -184,27 +189,77 @@ def _row_quantize_kernel(
     tl.store(s_ptr + rows, scale, mask=row_ok)
 
 
+ROWS_NAME = "triton.quantize_rows"
+BLOCKS_NAME = "triton.quantize_blocks"
+
+
 def quantize_rows(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn):
     """Quantize ``x`` (M, K) with one scale per row, in one kernel (``quantize_fp8(x, "row")``
     on the GPU and under the interpreter). Returns ``(x_fp8, scale)``: x_fp8 (M, K) with its row
     stride rounded up to 16 bytes (as :func:`quantize_1x128`'s), scale (M, 1) fp32 = max(amax /
     fp8_max, smallest normal). A row holding Inf or NaN gets an infinite scale (the caller checks)."""
-    check_input(x, dtype, "x", "quantize_fp8")
-    rows, k = x.shape
-    q = fp8_rows(rows, k, dtype, x.device)
-    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
-    if rows == 0:
+    call = call_for(lambda: (ROWS_NAME, tensor_key(x), dtype), lambda: _QuantizeCall(x, dtype, "row", False, False))
+    return call(x)
+
+
+class _QuantizeCall:
+    """One checked signature of a quantizer: ``kind`` "row" (:func:`quantize_rows`), "1x128" or
+    "128x128" (:func:`_quantize`) of x's shape, strides, dtype and device. Its plan takes
+    (x, q, scale) in the A, OUT and SCALE_A slots."""
+
+    def __init__(self, x, dtype, kind: str, pow2_scale: bool, m_major: bool, fn: str = "quantize_fp8",
+                 name: str = "x"):
+        check_input(x, dtype, name, fn)
+        rows, k = x.shape
+        self.rows, self.k, self.dtype, self.device, self.kind, self.m_major = rows, k, dtype, x.device, kind, m_major
+        self.kb = triton.cdiv(k, SCALE_BLOCK)
+        self.plan = None
+        if rows == 0 or k == 0:
+            return
+        q, scale = self.outputs()
+        common = dict(x_ptr=x, q_ptr=q, s_ptr=scale, R=rows, K=k, stride_x=x.stride(0), stride_q=q.stride(0),
+                      **fp8_grid(dtype), PDL=pdl(q))
+        if kind == "row":
+            # One row per program on the GPU (decode has a few rows; each program streams its row
+            # in 1024-wide steps); the interpreter runs each program as numpy calls: fewer, larger.
+            block_r = 1 if x.is_cuda else 16
+            call = KernelCall(_row_quantize_kernel, (triton.cdiv(rows, block_r),),
+                              dict(common, BLOCK_R=block_r, BLOCK_K=1024), dict(num_warps=4), _OPERANDS)
+        else:
+            per_row = kind == "1x128"
+            # 1x128: 16 rows per program (4-8 KB read; many small programs keep the most bytes in
+            # flight: 2.2-2.3 TB/s on an H100 for 4096-16384 x 7168 bf16, against 1.8-2.0 with 32
+            # rows and 1.5-1.7 with 64); 128x128: one whole block per program (its amax needs all
+            # of it). The interpreter (CPU tensors) runs each program as numpy calls: fewer, larger.
+            block_r = 16 if per_row and x.is_cuda else SCALE_BLOCK
+            values = dict(common, stride_s=scale.stride(0), stride_sk=scale.stride(1), BLOCK_R=block_r,
+                          BLOCK_K=SCALE_BLOCK, PER_ROW=per_row, POW2=bool(pow2_scale))
+            # 4 warps hold a 16x128 tile in 16 fp32 registers per thread; the 128x128 weight tile
+            # is spread over 16 warps (32 per thread: 1.35-1.47 TB/s against 1.1-1.2 with 8).
+            call = KernelCall(_block_quantize_kernel, (triton.cdiv(rows, block_r), self.kb), values,
+                              dict(num_warps=4 if per_row else 16), _OPERANDS)
+        with on_device(self.device):  # Triton loads kernels on the current GPU: make it x's
+            self.plan = pointer_plan(ROWS_NAME if kind == "row" else BLOCKS_NAME, call)
+
+    def outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        q = fp8_rows(self.rows, self.k, self.dtype, self.device)
+        if self.kind == "row":
+            scale = torch.empty(self.rows, 1, dtype=torch.float32, device=self.device)
+        elif self.m_major:
+            scale = aligned_empty((self.rows, self.kb), 0, torch.float32, self.device)
+        else:
+            groups = self.rows if self.kind == "1x128" else triton.cdiv(self.rows, SCALE_BLOCK)
+            scale = torch.empty(groups, self.kb, dtype=torch.float32, device=self.device)
         return q, scale
-    # One row per program on the GPU (decode has a few rows; each program streams its row in
-    # 1024-wide steps); the interpreter runs each program as numpy calls: fewer, larger ones.
-    block_r = 1 if x.is_cuda else 16
-    use_pdl = pdl(q)
-    with on_device(x.device):  # Triton launches on the current GPU: make it x's
-        _row_quantize_kernel[(triton.cdiv(rows, block_r),)](
-            x, q, scale, rows, k, x.stride(0), q.stride(0), **fp8_grid(dtype), BLOCK_R=block_r, BLOCK_K=1024,
-            PDL=use_pdl, num_warps=4, **({"launch_pdl": True} if use_pdl else {}),
-        )
-    return q, scale
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, scale = self.outputs()
+        if self.plan is not None:
+            self.plan.run(x, None, q, scale, None, None)
+        return q, scale
+
+
+_OPERANDS = {"x_ptr": A, "q_ptr": OUT, "s_ptr": SCALE_A}
 
 
 def fp8_rows(rows: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -232,32 +287,10 @@ def check_input(x: torch.Tensor, dtype: torch.dtype, name: str, fn: str) -> None
 
 def _quantize(x, dtype, pow2_scale, per_row: bool, fn: str, name: str, check_finite: bool = True,
               m_major: bool = False):
-    check_input(x, dtype, name, fn)
-    rows, k = x.shape
-    kb = triton.cdiv(k, SCALE_BLOCK)
-    # 1x128: 16 rows per program (4-8 KB read; many small programs keep the most bytes in
-    # flight: 2.2-2.3 TB/s on an H100 for 4096-16384 x 7168 bf16, against 1.8-2.0 with 32 rows
-    # and 1.5-1.7 with 64); 128x128: one whole block per program (its amax needs all of it).
-    # The interpreter (CPU tensors) runs each program as numpy calls: fewer, larger ones.
-    block_r = 16 if per_row and x.is_cuda else SCALE_BLOCK
-    q = fp8_rows(rows, k, dtype, x.device)
-    if m_major:
-        scale = aligned_empty((rows, kb), 0, torch.float32, x.device)
-    else:
-        scale = torch.empty(rows if per_row else triton.cdiv(rows, SCALE_BLOCK), kb, dtype=torch.float32, device=x.device)
-    if rows == 0 or k == 0:
-        return q, scale
-    grid = (triton.cdiv(rows, block_r), kb)
-    use_pdl = pdl(q)
-    with on_device(x.device):  # Triton launches on the current GPU: make it x's
-        _block_quantize_kernel[grid](
-            x, q, scale, rows, k, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
-            **fp8_grid(dtype), BLOCK_R=block_r, BLOCK_K=SCALE_BLOCK, PER_ROW=per_row, POW2=bool(pow2_scale),
-            PDL=use_pdl,
-            # 4 warps hold a 16x128 tile in 16 fp32 registers per thread; the 128x128 weight tile
-            # is spread over 16 warps (32 per thread: 1.35-1.47 TB/s against 1.1-1.2 with 8).
-            num_warps=4 if per_row else 16, **({"launch_pdl": True} if use_pdl else {}),
-        )
+    kind = "1x128" if per_row else "128x128"
+    call = call_for(lambda: (BLOCKS_NAME, tensor_key(x), dtype, kind, bool(pow2_scale), m_major),
+                    lambda: _QuantizeCall(x, dtype, kind, pow2_scale, m_major, fn, name))
+    q, scale = call(x)
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     if check_finite and not capturing and not bool(torch.isfinite(scale).all()):
         raise ValueError(_non_finite_message(x, scale, per_row, fn, name))
