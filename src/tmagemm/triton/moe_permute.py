@@ -30,16 +30,7 @@ from ..device import on_device
 from ..plan import call_for, tensor_key
 from .common import let_next_kernel_launch, wait_for_previous_kernel
 from .launch import A, B, OUT, SCALE_A, SCALE_B, KernelCall, pdl, pointer_plan
-from .quantize import (
-    SCALE_BLOCK,
-    check_input,
-    fp8_grid,
-    fp8_rows,
-    fp8_values,
-    magnitude,
-    quantize_row_groups,
-    scale_of,
-)
+from .quantize import SCALE_BLOCK, check_input, fp8_grid, fp8_rows, quantize_row_groups, quantize_whole_rows
 
 RECIPES = ("1x128", "row")
 ROUTE_NAME, QUANTIZE_NAME, COMBINE_NAME = "triton.moe_route", "triton.moe_quantize_pairs", "triton.moe_combine"
@@ -151,19 +142,8 @@ def _quantize_pairs_kernel(
         tl.store(q_rows + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + rows * stride_s + tl.program_id(1) * stride_sk, scale, mask=row_ok)
     else:
-        amax = tl.zeros([BLOCK_R], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_rows + cols[None, :], mask=row_ok[:, None] & (cols[None, :] < K), other=0.0)
-            amax = tl.maximum(amax, tl.max(magnitude(x.to(tl.float32)), axis=1))
-        let_next_kernel_launch(PDL)
-        scale = scale_of(amax, FP8_MAX, F32_TINY, False)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            mask = row_ok[:, None] & (cols[None, :] < K)
-            x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            q = fp8_values(x, scale[:, None], FP8_MAX, MANT_BITS, MIN_EXP)
-            tl.store(q_rows + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+        scale = quantize_whole_rows(x_rows, q_rows, row_ok, K, FP8_MAX, MANT_BITS, MIN_EXP, F32_TINY, BLOCK_R,
+                                    BLOCK_K, PDL)
         tl.store(s_ptr + rows * stride_s, scale, mask=row_ok)
 
 

@@ -154,22 +154,14 @@ def _block_quantize_kernel(
 
 
 @triton.jit
-def _row_quantize_kernel(
-    x_ptr, q_ptr, s_ptr,
-    R, K, stride_x, stride_q,
-    FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, F32_TINY: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-):
-    """One program: BLOCK_R whole rows of x, one scale each (the row-wise recipe's activations).
-    A row is longer than a tile, so one pass finds the rows' amax and a second one (reading x
-    again, from L2) quantizes; the arithmetic is _block_quantize_kernel's, bit for bit."""
-    # PDL: x typically comes from the kernel before.
-    wait_for_previous_kernel(PDL)
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < R
-    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_x
-
-    # ---- amax per row
+def quantize_whole_rows(x_rows, q_rows, row_ok, K, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr,
+                        MIN_EXP: tl.constexpr, F32_TINY: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """BLOCK_R whole rows (``x_rows`` / ``q_rows``: [BLOCK_R, 1] pointers to each row's first
+    element; rows where ``row_ok`` is False are skipped) quantized with one scale each: a row is
+    longer than a tile, so one pass finds the rows' amax and a second one (reading x again, from
+    L2) quantizes; the arithmetic is _block_quantize_kernel's, bit for bit. Lets the next kernel
+    launch between the passes (PDL) and returns the scales."""
     amax = tl.zeros([BLOCK_R], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
@@ -177,15 +169,30 @@ def _row_quantize_kernel(
         amax = tl.maximum(amax, tl.max(magnitude(x), axis=1))
     let_next_kernel_launch(PDL)  # what is left reads x from L2 and writes q
     scale = scale_of(amax, FP8_MAX, F32_TINY, False)
-
-    # ---- quantize
-    q_rows = q_ptr + rows[:, None].to(tl.int64) * stride_q
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         mask = row_ok[:, None] & (cols[None, :] < K)
         x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         q = fp8_values(x, scale[:, None], FP8_MAX, MANT_BITS, MIN_EXP)
-        tl.store(q_rows + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_rows + cols[None, :], q.to(q_rows.dtype.element_ty), mask=mask)
+    return scale
+
+
+@triton.jit
+def _row_quantize_kernel(
+    x_ptr, q_ptr, s_ptr,
+    R, K, stride_x, stride_q,
+    FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, F32_TINY: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):
+    """One program: BLOCK_R whole rows of x, one scale each (the row-wise recipe's activations)."""
+    # PDL: x typically comes from the kernel before.
+    wait_for_previous_kernel(PDL)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    scale = quantize_whole_rows(x_ptr + rows[:, None].to(tl.int64) * stride_x,
+                                q_ptr + rows[:, None].to(tl.int64) * stride_q, row_ok, K, FP8_MAX, MANT_BITS,
+                                MIN_EXP, F32_TINY, BLOCK_R, BLOCK_K, PDL)
     tl.store(s_ptr + rows, scale, mask=row_ok)
 
 
