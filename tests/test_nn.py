@@ -231,6 +231,28 @@ def test_compile_fullgraph_traces(seeded):
         assert torch.equal(compiled(x), layer(x))
 
 
+@pytest.mark.parametrize("recipe", ["block", "row"])
+def test_eager_forward_calls_the_quantizers_plainly(recipe, seeded, monkeypatch):
+    """Eagerly the layer quantizes through the plain function, not the custom op (whose dispatch
+    costs more host time than the quantizer's cached launch): the ops stand poisoned and the
+    output is the one the ops give. While torch.compile traces, the ops are used (the test
+    above)."""
+    import tmagemm.nn.quantize as quantize_module
+
+    layer = tnn.FP8Linear.from_linear(torch.nn.Linear(256, 128, device=DEVICE, dtype=HALF), recipe=recipe)
+    x = torch.randn(3, 256, device=DEVICE, dtype=HALF)
+    with torch.no_grad():
+        want = layer.quantized_input_mm(*torch.ops.tmagemm_nn.quantize_activation(x, recipe), layer.bias, x.dtype)
+
+        class Poisoned:
+            def __getattr__(self, name):
+                raise AssertionError(f"torch.ops.tmagemm_nn.{name} called in eager mode")
+
+        monkeypatch.setattr(quantize_module.torch.ops, "tmagemm_nn", Poisoned())
+        assert quantize_module.activation_ops() is not torch.ops.tmagemm_nn
+        assert torch.equal(layer(x), want)
+
+
 # ----------------------------------------------------------------------------------- convert
 
 

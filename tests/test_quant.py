@@ -128,6 +128,33 @@ def test_check_finite_false_skips_the_check():
     assert torch.isinf(scale[1, 0])
 
 
+@pytest.mark.parametrize("granularity", ["1x128", "128x128", "row"])
+def test_each_input_signature_is_planned_once(granularity):
+    """The kernel quantizers keep one checked plan per input signature in the plan layer's cache:
+    a second call with the same shape, strides and dtype reuses it (fresh outputs, the same
+    values), a new shape adds one, and a call the checks refuse caches nothing."""
+    from tmagemm import plan
+
+    plan.clear_plans()
+    name = "triton.quantize_rows" if granularity == "row" else "triton.quantize_blocks"
+
+    def ours():
+        return [c for c in plan.cached_calls() if getattr(getattr(c, "plan", None), "variant", None) == name]
+
+    x = torch.randn(20, 300, device=DEVICE)
+    q1, s1 = quantize_fp8(x, granularity)
+    (call,) = ours()
+    q2, s2 = quantize_fp8(x.clone(), granularity)
+    assert ours() == [call]
+    assert q2.data_ptr() != q1.data_ptr() and torch.equal(q1.float(), q2.float()) and torch.equal(s1, s2)
+    quantize_fp8(torch.randn(7, 300, device=DEVICE), granularity)
+    assert len(ours()) == 2
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        from tmagemm.triton.quantize import quantize_1x128, quantize_rows
+        (quantize_rows if granularity == "row" else quantize_1x128)(torch.randn(300, 20, device=DEVICE).t())
+    assert len(ours()) == 2
+
+
 @pytest.mark.parametrize("block_r", [1, 16])
 def test_row_kernel_compiles_for_sm90a(block_r):
     """The row quantizer as the GPU runs it (one row per program, PDL), compiled ahead of time:
