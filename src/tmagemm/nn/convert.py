@@ -15,8 +15,6 @@ from .linear import ALIGN, FP8Linear
 from .quantize import check_recipe
 
 DEFAULT_SKIP = ("lm_head",)
-# Recipes under which a Mixture-of-Experts layer's experts module becomes an FP8Experts.
-EXPERT_RECIPES = ("block", "row")
 
 
 def matches(name: str, patterns: Iterable[str]) -> bool:
@@ -97,9 +95,9 @@ def convert(model: nn.Module, recipe: str = "block", skip: Iterable[str] = DEFAU
         from .stacked import fuse_stacked_projections
 
         model = fuse_stacked_projections(model, skip, recipe=recipe)
-    if recipe in EXPERT_RECIPES:
-        from .experts import convert_experts
+    from .experts import RECIPES as EXPERT_RECIPES, convert_experts
 
+    if recipe in EXPERT_RECIPES:  # "tensor" keeps the experts in high precision
         model = convert_experts(model, recipe, skip)
     if type(model) is nn.Linear:
         return FP8Linear.from_linear(model, recipe) if aligned(model) else model

@@ -30,8 +30,6 @@ buffers the kernels read, so saving writes them and loading writes through them.
 from __future__ import annotations
 
 import re
-from types import SimpleNamespace
-
 import torch
 from torch import nn
 
@@ -48,6 +46,7 @@ from .quantize import (
     activation_scale_shape,
     check_device,
     check_recipe,
+    custom_ops,
     dequantize_weight,
     quantize_weight,
     weight_scale_shape,
@@ -120,11 +119,8 @@ def _fake_combine(y, pos, valid_rows, top_k):
     return y.new_empty((y.shape[0] // top_k, y.shape[1]))
 
 
-for _step, _fake in ((route_pairs, _fake_route), (quantize_pairs, _fake_quantize),
-                     (silu_mul_quantize_activation, _fake_silu), (combine_pairs, _fake_combine)):
-    torch.library.custom_op(f"tmagemm_nn::{_step.__name__}", _step, mutates_args=()).register_fake(_fake)
-_EAGER_STEPS = SimpleNamespace(route_pairs=route_pairs, quantize_pairs=quantize_pairs,
-                               silu_mul_quantize_activation=silu_mul_quantize_activation, combine_pairs=combine_pairs)
+_steps = custom_ops((route_pairs, _fake_route), (quantize_pairs, _fake_quantize),
+                    (silu_mul_quantize_activation, _fake_silu), (combine_pairs, _fake_combine))
 
 
 # ------------------------------------------------------------------------------ the layer
@@ -300,7 +296,7 @@ class FP8Experts(nn.Module):
         h, e = self.hidden_size, self.num_experts
         if tokens == 0 or top_k == 0:
             return hidden_states.new_zeros(tokens, h)
-        steps = torch.ops.tmagemm_nn if torch.compiler.is_compiling() else _EAGER_STEPS
+        steps = _steps()
         # ---- routing, on the device: pairs sorted by expert (stably), ids outside 0..E-1 last
         if tokens * top_k <= ROUTE_MAX_PAIRS:  # decode sizes: one launch
             order, offs = steps.route_pairs(top_k_index, e)

@@ -32,7 +32,7 @@ from ..plan import activation_scales_m_major
 from ..quant import quantize_fp8
 from ..tma import aligned_empty
 from ..triton.norm_quantize import rms_norm_quantize
-from ..triton.quantize import SCALE_BLOCK, quantize_128x128
+from ..triton.quantize import SCALE_BLOCK, quantize_1x128, quantize_128x128, quantize_rows
 
 RECIPES = ("block", "row", "tensor")
 FP8 = torch.float8_e4m3fn
@@ -91,9 +91,14 @@ def quantize_activation(x: torch.Tensor, recipe: str) -> tuple[torch.Tensor, tor
     M past decode sizes (``plan.activation_scales_m_major``), row-major otherwise."""
     check_device(x, "FP8Linear")
     # No Inf/NaN read-back per forward pass (a host sync on every layer): a non-finite activation
-    # shows as an Inf scale in its group and propagates to the output, as in other engines.
-    layout = "m-major" if _m_major(recipe, x.shape[0]) else "row-major"
-    return quantize_fp8(x, "1x128" if recipe == "block" else recipe, check_finite=False, scale_layout=layout)
+    # shows as an Inf scale in its group and propagates to the output, as in other engines. The
+    # kernel recipes call their quantizer directly (quantize_fp8's argument checks once per call
+    # would be host time on every layer; the quantizer checks each input signature once).
+    if recipe == "block":
+        return quantize_1x128(x, check_finite=False, m_major=_m_major(recipe, x.shape[0]))
+    if recipe == "row":
+        return quantize_rows(x)
+    return quantize_fp8(x, recipe, check_finite=False)
 
 
 def _fake_quantize(x, recipe):
@@ -118,17 +123,24 @@ def _fake_norm_quantize(x, weight, eps, recipe):
             _empty_scale(x, recipe, m, k))
 
 
-for _fn, _fake in ((quantize_activation, _fake_quantize), (rms_norm_quantize_activation, _fake_norm_quantize)):
-    torch.library.custom_op(f"tmagemm_nn::{_fn.__name__}", _fn, mutates_args=()).register_fake(_fake)
-_EAGER_OPS = SimpleNamespace(quantize_activation=quantize_activation,
-                             rms_norm_quantize_activation=rms_norm_quantize_activation)
+def custom_ops(*steps):
+    """Register each ``(function, fake)`` of ``steps`` as ``torch.ops.tmagemm_nn.<its name>`` (an
+    opaque custom op with that fake implementation) and return what the layers call on every
+    forward to reach them: ``torch.ops.tmagemm_nn`` while torch.compile traces, the plain
+    functions otherwise (the same kernels without a custom op's dispatch, which costs more host
+    time than their cached launches)."""
+    for fn, fake in steps:
+        torch.library.custom_op(f"tmagemm_nn::{fn.__name__}", fn, mutates_args=()).register_fake(fake)
+    eager = SimpleNamespace(**{fn.__name__: fn for fn, _ in steps})
+
+    def ops():
+        return torch.ops.tmagemm_nn if torch.compiler.is_compiling() else eager
+
+    return ops
 
 
-def activation_ops():
-    """The activation quantizers as the layers call them: ``torch.ops.tmagemm_nn`` while
-    torch.compile traces (opaque ops with fakes), the plain functions otherwise (the same
-    kernels without a custom op's dispatch)."""
-    return torch.ops.tmagemm_nn if torch.compiler.is_compiling() else _EAGER_OPS
+# The activation quantizers as the layers call them.
+activation_ops = custom_ops((quantize_activation, _fake_quantize), (rms_norm_quantize_activation, _fake_norm_quantize))
 
 
 # ----------------------------------------------------------------------------------- weights

@@ -30,7 +30,8 @@ from ..device import on_device
 from ..plan import call_for, tensor_key
 from .common import let_next_kernel_launch, wait_for_previous_kernel
 from .launch import A, B, OUT, SCALE_A, SCALE_B, KernelCall, pdl, pointer_plan
-from .quantize import SCALE_BLOCK, check_input, fp8_grid, fp8_rows, quantize_row_groups, quantize_whole_rows
+from .quantize import (SCALE_BLOCK, check_input, fp8_grid, fp8_rows, quantize_row_groups, quantize_whole_rows,
+                       rows_per_program)
 
 RECIPES = ("1x128", "row")
 ROUTE_NAME, QUANTIZE_NAME, COMBINE_NAME = "triton.moe_route", "triton.moe_quantize_pairs", "triton.moe_combine"
@@ -187,9 +188,7 @@ class _QuantizeCall:
         if pairs == 0 or k == 0:
             return
         q, scale, pos = self.outputs()
-        # As the quantizers (triton/quantize.py): 16 rows x one group per program, or whole rows in
-        # 1024-wide steps one per program; the interpreter runs fewer, larger programs.
-        block_r = (16 if per_group else 1) if x.is_cuda else 16
+        block_r = rows_per_program(per_group, x.is_cuda)
         values = dict(x_ptr=x, order_ptr=order, q_ptr=q, s_ptr=scale, pos_ptr=pos, S=pairs, K=k, TOP_K=top_k,
                       stride_x=x.stride(0), stride_q=q.stride(0), stride_s=scale.stride(0), stride_sk=scale.stride(1),
                       **fp8_grid(dtype), BLOCK_R=block_r, BLOCK_K=SCALE_BLOCK if per_group else 1024,

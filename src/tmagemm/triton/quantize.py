@@ -227,9 +227,7 @@ class _QuantizeCall:
         common = dict(x_ptr=x, q_ptr=q, s_ptr=scale, R=rows, K=k, stride_x=x.stride(0), stride_q=q.stride(0),
                       **fp8_grid(dtype), PDL=pdl(q))
         if kind == "row":
-            # One row per program on the GPU (decode has a few rows; each program streams its row
-            # in 1024-wide steps); the interpreter runs each program as numpy calls: fewer, larger.
-            block_r = 1 if x.is_cuda else 16
+            block_r = rows_per_program(False, x.is_cuda)
             call = KernelCall(_row_quantize_kernel, (triton.cdiv(rows, block_r),),
                               dict(common, BLOCK_R=block_r, BLOCK_K=1024), dict(num_warps=4), _OPERANDS)
         else:
@@ -269,11 +267,22 @@ class _QuantizeCall:
 _OPERANDS = {"x_ptr": A, "q_ptr": OUT, "s_ptr": SCALE_A}
 
 
+def rows_per_program(per_group: bool, on_gpu: bool) -> int:
+    """Rows one program of a row-by-row quantizing kernel takes (this module's row quantizer, the
+    MoE pairs quantizer, the SiLU quantizer): 16 rows x one 128-column group (many small programs
+    keep the most bytes in flight, as the 1x128 quantizer measured), or one whole row in
+    1024-wide steps per program (one scale per row; decode has a few rows). The interpreter runs
+    each program as numpy calls: 16 rows, fewer and larger ones."""
+    return (16 if per_group else 1) if on_gpu else 16
+
+
 def fp8_rows(rows: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An empty (rows, k) fp8 output whose row stride is k rounded up to 16 elements: the GEMM
     reads it through TMA, which needs 16-byte row strides (a no-op for every real checkpoint's
     K, all multiples of 16)."""
-    return torch.empty(rows, -(-k // 16) * 16, dtype=dtype, device=device)[:, :k]
+    padded = -(-k // 16) * 16
+    q = torch.empty(rows, padded, dtype=dtype, device=device)
+    return q if padded == k else q[:, :k]
 
 
 def check_input(x: torch.Tensor, dtype: torch.dtype, name: str, fn: str) -> None:
@@ -298,8 +307,8 @@ def _quantize(x, dtype, pow2_scale, per_row: bool, fn: str, name: str, check_fin
     call = call_for(lambda: (BLOCKS_NAME, tensor_key(x), dtype, kind, bool(pow2_scale), m_major),
                     lambda: _QuantizeCall(x, dtype, kind, pow2_scale, m_major, fn, name))
     q, scale = call(x)
-    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    if check_finite and not capturing and not bool(torch.isfinite(scale).all()):
+    if check_finite and not (x.is_cuda and torch.cuda.is_current_stream_capturing()) \
+            and not bool(torch.isfinite(scale).all()):
         raise ValueError(_non_finite_message(x, scale, per_row, fn, name))
     return q, scale
 

@@ -29,6 +29,7 @@ from .quantize import (
     fp8_values,
     magnitude,
     quantize_row_groups,
+    rows_per_program,
     scale_of,
 )
 
@@ -161,10 +162,7 @@ class _Call:
         if rows == 0 or inner == 0:
             return
         q, scale = self.outputs()
-        # As the quantizers: 16 rows x one group per program (many small programs keep the most
-        # bytes in flight); whole rows in 1024-wide steps for one scale per row, one row per
-        # program on the GPU. The interpreter runs each program as numpy calls: fewer, larger ones.
-        block_r = (16 if per_group else 1) if h.is_cuda else 16
+        block_r = rows_per_program(per_group, h.is_cuda)
         values = dict(h_ptr=h, q_ptr=q, s_ptr=scale, w_ptr=scale if row_scale is None else row_scale,
                       w_index_ptr=scale if row_scale_index is None else row_scale_index, R=rows, I=inner,
                       stride_h=h.stride(0), stride_q=q.stride(0), stride_s=scale.stride(0), stride_sk=scale.stride(1),
