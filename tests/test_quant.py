@@ -30,24 +30,46 @@ def test_round_trip_on_ragged_shapes(seeded, shape, granularity, dtype):
     assert worst <= 0, f"round trip off by {worst:.3g} beyond the bound"
 
 
+def _correctly_rounded(x: torch.Tensor, dtype: torch.dtype, dim=None):
+    """The quantization every path must give bit for bit: scale = max(amax / fp8_max, tiny) with
+    the quotient correctly rounded to fp32 (from float64: amax / fp8_max never lies near an fp32
+    rounding midpoint, fp8_max being 7 x 2^j), q = clamp(x / scale) (fp32 IEEE division of two
+    tensors) cast to fp8 with rounding to nearest even."""
+    fp8_max = torch.finfo(dtype).max
+    amax = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
+    scale = (amax.double() / fp8_max).float().clamp(min=torch.finfo(torch.float32).tiny).reshape(-1, 1)
+    return (x / scale).clamp(-fp8_max, fp8_max).to(dtype), scale
+
+
+@pytest.mark.anydevice
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
 @pytest.mark.parametrize("shape", [(1, 1), (3, 17), (17, 727), (5, 2100), (40, 96)])
-def test_row_kernel_matches_the_torch_arithmetic_bit_for_bit(seeded, shape, dtype):
-    """The fused row quantizer (GPU, interpreter) against the torch ops "tensor" uses, per row:
-    scale = max(amax / fp8_max, tiny), q = clamp(x / scale) rounded to nearest even. Rows with
-    tiny values exercise the subnormal grid; K = 2100 takes two column steps."""
+def test_row_kernel_matches_correctly_rounded_arithmetic_bit_for_bit(seeded, shape, dtype):
+    """The fused row quantizer (GPU, interpreter) per row against :func:`_correctly_rounded`.
+    Rows with tiny values exercise the subnormal grid; K = 2100 takes two column steps."""
     from tmagemm.triton.quantize import quantize_rows
 
     x = torch.randn(*shape, device=DEVICE) * 3
     x[0] *= 1e-30  # a row that quantizes into subnormals
     q, scale = quantize_rows(x, dtype)
-    fp8_max = torch.finfo(dtype).max
-    amax = x.abs().amax(dim=1, keepdim=True)
-    want_scale = (amax / fp8_max).clamp(min=torch.finfo(torch.float32).tiny)
-    want_q = (x / want_scale).clamp(-fp8_max, fp8_max).to(dtype)
+    want_q, want_scale = _correctly_rounded(x, dtype, dim=1)
     assert torch.equal(scale, want_scale)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
     assert q.stride(0) % 16 == 0 and q.stride(1) == 1
+
+
+@pytest.mark.anydevice
+@pytest.mark.parametrize("granularity", ["tensor", "row"])
+@pytest.mark.parametrize("shape", [(3, 17), (17, 727), (40, 96)])
+def test_quantize_fp8_scales_are_correctly_rounded_on_every_device(seeded, shape, granularity):
+    """quantize_fp8's "tensor" path (torch ops) and "row" path (the kernel on the GPU) give the
+    correctly rounded scale, as the CPU does: torch's division of a CUDA tensor by a Python
+    number multiplies by the reciprocal, one ulp off on most of these rows."""
+    x = torch.randn(*shape, device=DEVICE) * 3
+    q, scale = quantize_fp8(x, granularity)
+    want_q, want_scale = _correctly_rounded(x, E4M3, dim=None if granularity == "tensor" else 1)
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
 
 def test_integer_values_are_exact():

@@ -93,7 +93,10 @@ def quantize_fp8(
         amax = xf.abs().amax(dim=1, keepdim=True) if x.shape[1] else xf.new_zeros(x.shape[0], 1)
     if check_finite and not _capturing(x) and not bool(torch.isfinite(amax).all()):
         raise ValueError(_non_finite_message(xf, amax, granularity))
-    scale = (amax / fp8_max).clamp(min=torch.finfo(torch.float32).tiny)
+    # Tensor by tensor: torch divides a CUDA tensor by a Python number as a multiplication by its
+    # reciprocal, one ulp off the correctly rounded quotient the quantizing kernels (div_rn) and
+    # the CPU give.
+    scale = (amax / amax.new_full((1, 1), fp8_max)).clamp(min=torch.finfo(torch.float32).tiny)
     x_fp8 = (xf / scale).clamp(-fp8_max, fp8_max).to(dtype)
     return x_fp8, scale
 
