@@ -22,7 +22,7 @@ def reference(a, b, scale_a=None, scale_b=None, bias=None) -> torch.Tensor:
 def assert_close(out: torch.Tensor, ref: torch.Tensor, rel: float, what: str = "") -> None:
     """Relative Frobenius error <= rel, every element written (no poison left), and a readable
     failure that names the worst element."""
-    got = out.double().cpu()
+    got, ref = out.double().cpu(), ref.double().cpu()
     assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
     if got.numel() == 0:
         return

@@ -13,6 +13,9 @@ from tmagemm import api
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
+# Every test here runs on the GPU when there is one (the GPU job selects "gpu or anydevice").
+pytestmark = pytest.mark.anydevice
+
 def _fp8(m=32, n=48, k=64):
     a, b = fp8_operands(m, n, k, DEVICE)
     return a, b, torch.tensor([0.5], device=DEVICE), torch.tensor([2.0], device=DEVICE)
@@ -407,13 +410,20 @@ def test_block_scaled_mixes_with_row_and_per_channel_scales(seeded):
     kb = -(-k // 128)
     per_channel = 10 ** (torch.rand(n, kb, device=DEVICE) * 3 - 2)
     row = torch.rand(m, 1, device=DEVICE) + 0.5
+    a_abs, w_abs = a.double().abs(), w.double().abs()
     cases = [
-        (sa, per_channel, _block_reference(a, w, sa, per_channel, per_channel=True)),
-        (row, sb, _block_reference(a, w, row.expand(m, kb), sb)),
+        (sa, per_channel, _block_reference(a, w, sa, per_channel, per_channel=True),
+         _block_reference(a_abs, w_abs, sa, per_channel, per_channel=True)),
+        (row, sb, _block_reference(a, w, row.expand(m, kb), sb), _block_reference(a_abs, w_abs, row.expand(m, kb), sb)),
     ]
-    for scale_a, scale_b, ref in cases:
+    for scale_a, scale_b, ref, mag in cases:
         out = tmagemm.scaled_mm(a, w.t(), scale_a, scale_b, out_dtype=torch.float32)
-        assert_close(out, ref, 1e-5, f"scale_a {tuple(scale_a.shape)} scale_b {tuple(scale_b.shape)}")
+        # fp8 wgmma sums each 128-deep k-block's products in fewer bits than fp32 (DeepSeek-V3's
+        # report: about 14): bounded by the sum of the products' magnitudes, not by |ref|.
+        err = (out.double() - ref).abs()
+        bound = 2e-4 * mag + 1e-6 * ref.abs()
+        assert bool((err <= bound).all()), (f"scale_a {tuple(scale_a.shape)} scale_b {tuple(scale_b.shape)}: "
+                                            f"max err / bound {float((err / bound).max()):.3f}")
 
 
 def test_scale_checks_do_not_specialise_compiled_graphs_on_m():

@@ -218,6 +218,58 @@ def test_block_scaled_builds_for_sm90a(scales, tokens):
         decode.compile_module(decode.DecodeConfig(8, 8), torch.bfloat16, torch.bfloat16, scales=scales)
 
 
+@needs_nvrtc
+@pytest.mark.parametrize("x_dtype", list(decode.QUANTIZE_TYPES))
+@pytest.mark.parametrize("tokens, split", [(8, 1), (16, 4)])
+@pytest.mark.parametrize("scales", [decode.SCALES_BLOCK_128X128, decode.SCALES_BLOCK_PER_ROW],
+                         ids=["128x128", "per_row"])
+def test_quantizing_builds_for_sm90a(scales, tokens, split, x_dtype):
+    """The quantizing form: the 16-bit tokens land unswizzled (no 128B box for them), each value
+    divided correctly rounded and converted with round-to-nearest-even saturation, the e4m3 box
+    published to wgmma by a proxy fence and a consumers' barrier; no spills; only a's scale
+    copies are gone (b's still come by cp.async)."""
+    config = decode.DecodeConfig(tokens, 6, split)
+    module = decode.compile_module(config, FP8, torch.bfloat16, scales=scales, quantize_from=x_dtype)
+    s = inspection.summarize(inspection.artifacts_from_binary("decode", module.ptx, module.cubin))
+    assert s["sass QGMMA"] % 4 == 0 and s["sass LDL"] == 0 and s["sass STL"] == 0
+    body = module.ptx[module.ptx.index(".entry"):]
+    assert "cvt.rn.satfinite.e4m3x2.f32" in body and "div.rn.f32" in body
+    assert "fence.proxy.async.shared::cta" in body and "bar.sync" in body
+    assert "cp.async.ca.shared.global" in body
+    plain = decode.compile_module(config, FP8, torch.bfloat16, scales=scales).ptx
+    assert "cvt.rn.satfinite.e4m3x2.f32" not in plain[plain.index(".entry"):]
+    with pytest.raises(Exception, match="quantizing the activation"):
+        decode.compile_module(config, FP8, torch.bfloat16, quantize_from=x_dtype)  # tensor-wise scales
+    with pytest.raises(Exception, match="quantizing the activation"):
+        decode.compile_module(decode.DecodeConfig(8, 2), FP8, torch.bfloat16, scales=scales, quantize_from=x_dtype)
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 4096, 4096), (16, 4096, 14336), (8, 2112, 7168), (3, 36864, 7168)])
+def test_quantizing_config_keeps_the_fp8_split_in_less_shared_memory(m, n, k, monkeypatch):
+    """The quantizing form takes the fp8 problem's K split (the same sums) and ring depth, cut
+    to QUANTIZE_SMEM and never below 3 stages."""
+    monkeypatch.setattr(decode._device, "sms_of", lambda dev: 132)
+    for slow in (False, True):
+        monkeypatch.setattr(decode, "slow_memory", lambda dev, slow=slow: slow)
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        args = GemmArgs(torch.empty(m, k, dtype=torch.bfloat16), torch.empty(n, k, dtype=FP8).t(), out, None,
+                        torch.empty(-(-n // 128), -(-k // 128)), None, True, BLOCK_128)
+        fp8 = decode.choose_config(m, n, k, 1, 132, decode.rule_of(1, True, out.device))
+        got = decode.quantizing_config(args)
+        assert (got.tokens, got.split) == (fp8.tokens, fp8.split)
+        assert 3 <= got.stages <= fp8.stages and got.smem_bytes(True) <= decode.QUANTIZE_SMEM
+        assert got.stages == fp8.stages or (got.stages + 1) * got.smem_bytes(True) // got.stages > decode.QUANTIZE_SMEM
+
+
+def test_quantizing_form_refuses_cpu_tensors_with_a_reason():
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    args = GemmArgs(x, torch.empty(256, 256, dtype=FP8).t(), torch.empty(4, 256, dtype=torch.bfloat16), None,
+                    torch.ones(2, 2), None, True, BLOCK_128)
+    assert "Hopper" in decode.quantizing_reason(args)
+    with pytest.raises(ValueError, match="quantizing a"):
+        decode.build_quantizing(args)
+
+
 # ------------------------------------------------------------------------------------------ GPU
 
 DEV = "cuda"
@@ -439,3 +491,99 @@ def test_chain_and_a_weight_the_previous_kernel_writes(m, pdl_mode, seeded):
         torch.cuda.synchronize()
         check_product(y, x, w.t(), what=f"{pdl_mode} fresh weight", accumulation=2.0**-12)
         p.add_(0.5)
+
+
+# Tokens around the n8 / n16 tiles; N ragged against the 64-row tiles and the 128-row scale
+# blocks; K off the 128-deep groups (a partial last group, still 16-byte rows).
+QUANTIZING_SHAPES = [(1, 4096, 4096), (3, 264, 144), (5, 2112, 7168), (9, 200, 1040), (13, 3072, 2064),
+                     (16, 4160, 14352)]
+
+
+def _quantizing_input(m, k, dtype):
+    """Fresh activations with a row of tiny values (the e4m3 subnormal grid) and a row spanning
+    six decades (most of a group far below its amax)."""
+    x = torch.randn(m, k, device=DEV) * 3
+    x[0] *= 1e-3
+    if m > 2:
+        x[2] *= 10 ** (torch.rand(k, device=DEV) * 6 - 3)
+    return x.to(dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", QUANTIZING_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("x_dtype", list(decode.QUANTIZE_TYPES))
+@pytest.mark.parametrize("recipe", [BLOCK_128, PER_ROW], ids=["128x128", "per_row"])
+@pytest.mark.parametrize("out_dtype, bias", [(torch.bfloat16, False), (torch.float32, True)])
+def test_quantizing_form_is_quantize_then_gemm_bit_for_bit(out_dtype, bias, recipe, x_dtype, shape, seeded):
+    """One launch quantizing x in the kernel gives exactly what tmagemm's 1x128 quantizer and the
+    decode kernel give in two (every split the heuristic takes), which is the float64 product of
+    the quantized operands within wgmma's accumulation; nothing written outside the output."""
+    m, n, k = shape
+    x = _quantizing_input(m, k, x_dtype)
+    _, w, _, sb = block_operands(m, n, k, recipe, device=DEV)
+    b = torch.randn(n, device=DEV).to(torch.bfloat16) if bias else None
+    xq, xs = tmagemm.quantize_fp8(x, "1x128")
+    two = torch.full((m, n), float("nan"), device=DEV, dtype=out_dtype)
+    unfused = GemmArgs(xq, w.t(), two, xs, sb, b, True, recipe)
+    plan.build(unfused, variant="cuda.decode")(unfused)
+    big, out = _poisoned_out(m, n, out_dtype)
+    fused = GemmArgs(x, w.t(), out, None, sb, b, True, recipe)
+    built = decode.build_quantizing(fused)
+    built(fused)
+    torch.cuda.synchronize()
+    assert built.config.split == decode.choose_config(m, n, k, 1, torch.cuda.get_device_properties(0).multi_processor_count,
+                                                      decode.rule_of(1, True, out.device)).split
+    assert torch.equal(out, two), f"max difference {float((out.double() - two.double()).abs().max())}"
+    assert_close(out, block_reference(xq, w, xs, sb, recipe, b), WGMMA_TOL[out_dtype], f"{recipe[1].name} {shape}")
+    _check_untouched(big, m, n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", decode.SPLITS)
+def test_quantizing_form_every_split_and_non_finite_groups(split, seeded):
+    """Every cluster split, 8- and 16-token tiles; an Inf in one group gives that token an
+    infinite scale (as the quantizer does) and leaves the other tokens' outputs finite and equal."""
+    m, n, k = 12, 2048, 4096
+    x = _quantizing_input(m, k, torch.bfloat16)
+    _, w, _, sb = block_operands(m, n, k, BLOCK_128, device=DEV)
+    for tokens in (8, 16):
+        config = decode.DecodeConfig(tokens, 4, split)
+        for poison in (False, True):
+            xin = x.clone()
+            if poison:
+                xin[5, 300] = float("inf")
+            xq, xs = tmagemm.quantize_fp8(xin, "1x128", check_finite=False)
+            two = torch.empty(m, n, device=DEV, dtype=torch.bfloat16)
+            unfused = GemmArgs(xq, w.t(), two, xs, sb, None, True, BLOCK_128)
+            plan.build(unfused, variant="cuda.decode", config=config)(unfused)
+            out = torch.full((m, n), float("nan"), device=DEV, dtype=torch.bfloat16)
+            fused = GemmArgs(xin, w.t(), out, None, sb, None, True, BLOCK_128)
+            decode.build_quantizing(fused, config)(fused)
+            torch.cuda.synchronize()
+            keep = torch.arange(m, device=DEV) != 5
+            assert torch.equal(out[keep], two[keep]) and torch.isfinite(out[keep]).all()
+            assert torch.equal(out[5].isnan(), two[5].isnan())
+
+
+@pytest.mark.gpu
+def test_quantizing_form_refusals():
+    x = torch.randn(4, 4096, device=DEV, dtype=torch.bfloat16)
+    w = (torch.randn(4096, 4096, device=DEV) * 2).to(FP8)
+    out = torch.empty(4, 4096, device=DEV, dtype=torch.bfloat16)
+    sb = torch.ones(32, 32, device=DEV)
+
+    def reason(a=x, b=w.t(), scale_a=None, scale_b=sb, scaling=BLOCK_128, o=out):
+        return decode.quantizing_reason(GemmArgs(a, b, o, scale_a, scale_b, None, True, scaling))
+
+    assert reason() is None
+    assert "bfloat16 or float16" in reason(a=x.float())
+    assert "computes a's 1x128 scales itself" in reason(scale_a=torch.ones(4, 32, device=DEV))
+    assert "computes a's 1x128 scales itself" in reason(scaling=None)
+    assert "scale_b must be float32 (32, 32)" in reason(scale_b=torch.ones(4096, 32, device=DEV))
+    assert decode.quantizing_reason(GemmArgs(x, w.t(), out, None, torch.ones(4096, 32, device=DEV), None, True,
+                                             PER_ROW)) is None
+    assert "K-major" in reason(b=w.t().contiguous())
+    assert "M=65" in reason(a=torch.randn(65, 4096, device=DEV, dtype=torch.bfloat16),
+                            o=torch.empty(65, 4096, device=DEV, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"cuda.decode \(quantizing a\): a must be"):
+        decode.build_quantizing(GemmArgs(x.float(), w.t(), out, None, sb, None, True, BLOCK_128))

@@ -715,6 +715,42 @@ def test_tensor_parallel_mlp(recipe, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_gpu_block_layer_quantizes_inside_the_decode_gemm(m, seeded):
+    """At decode token counts a "block" FP8Linear runs one kernel, the decode GEMM quantizing
+    its input (nn.quantize.block_linear), whose output is the two-launch path's bit for bit:
+    eagerly, in a CUDA graph replayed with new inputs, and compiled."""
+    from tmagemm import plan
+    from tmagemm.nn import quantize as quantize_module
+
+    layer = tnn.FP8Linear.from_linear(torch.nn.Linear(4096, 4096, device="cuda", dtype=torch.bfloat16))
+
+    def two_launches(x):
+        return layer.quantized_input_mm(*quantize_module.quantize_activation(x, "block"), layer.bias, x.dtype)
+
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+    plan.clear_plans()
+    with torch.no_grad():
+        y, want = layer(x), two_launches(x)
+    fused = [c for c in plan.cached_calls() if isinstance(c, quantize_module._BlockLinear)]
+    assert len(fused) == 1 and fused[0].plan is not None and fused[0].plan.variant == "cuda.decode"
+    assert torch.equal(y, want)
+    static_x = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        static_y = layer(static_x)
+    for _ in range(2):
+        static_x.copy_(torch.randn_like(static_x))
+        static_y.fill_(float("nan"))
+        graph.replay()
+        with torch.no_grad():
+            assert torch.equal(static_y, two_launches(static_x))
+    torch.compiler.reset()
+    with torch.no_grad():
+        assert torch.equal(torch.compile(layer, fullgraph=True)(x), want)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 16, 64, 300])
 def test_gpu_gated_mlp_against_unfused(m, seeded):
     """A 1024 -> 2816 -> 1024 MLP on the GPU: fused against the float64 emulation, the unfused

@@ -8,6 +8,9 @@ from tmagemm import quantize_fp8
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
+# Every test here runs on the GPU when there is one (the GPU job selects "gpu or anydevice").
+pytestmark = pytest.mark.anydevice
+
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
@@ -41,7 +44,6 @@ def _correctly_rounded(x: torch.Tensor, dtype: torch.dtype, dim=None):
     return (x / scale).clamp(-fp8_max, fp8_max).to(dtype), scale
 
 
-@pytest.mark.anydevice
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
 @pytest.mark.parametrize("shape", [(1, 1), (3, 17), (17, 727), (5, 2100), (40, 96)])
 def test_row_kernel_matches_correctly_rounded_arithmetic_bit_for_bit(seeded, shape, dtype):
@@ -58,7 +60,6 @@ def test_row_kernel_matches_correctly_rounded_arithmetic_bit_for_bit(seeded, sha
     assert q.stride(0) % 16 == 0 and q.stride(1) == 1
 
 
-@pytest.mark.anydevice
 @pytest.mark.parametrize("granularity", ["tensor", "row"])
 @pytest.mark.parametrize("shape", [(3, 17), (17, 727), (40, 96)])
 def test_quantize_fp8_scales_are_correctly_rounded_on_every_device(seeded, shape, granularity):

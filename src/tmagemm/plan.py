@@ -249,19 +249,9 @@ DECODE_MAX_TILES_PER_SM = 1
 
 
 def _decode_first(args: GemmArgs) -> bool:
-    if not (args.n >= DECODE_MIN_N and args.k >= DECODE_MIN_K):
-        return False
-    from .cuda.decode import WEIGHT_ROWS, choose_config, rule_for  # backend modules: imported lazily
-    from .cuda.gemm import k_blocks
+    from .cuda.decode import takes  # backend modules: imported lazily
 
-    rule = rule_for(args)
-    if args.m > rule.max_m:
-        return False
-    sms = device.sms_of(args.out.device)
-    itemsize = args.a.element_size()
-    split = choose_config(args.m, args.n, args.k, itemsize, sms, rule).split
-    return (-(-args.n // WEIGHT_ROWS) <= DECODE_MAX_TILES_PER_SM * sms
-            and k_blocks(args.k, itemsize) <= rule.max_share * split)
+    return takes(args.m, args.n, args.k, args.a.element_size(), args.block_scaling is not None, args.out.device)
 
 
 # fp8 from 17 to 32 tokens on weights FP8_TILE_MIN_N to FP8_TILE_MAX_N wide: the tile kernel (its

@@ -15,6 +15,11 @@ tensor- or row-wise scales with fast accumulation, or block scales (1x128 activa
 128x128 or per-row 1x128 weight scales, each k-block's product scaled and added in fp32); 16-bit
 operands with either weight layout; bias; bf16 / fp16 / fp32 output with contiguous columns.
 Everything else is refused with its reason.
+
+Quantizing form (:func:`build_quantizing`): a bf16 / fp16 activation quantized per 1x128 group
+inside the kernel, each k-block's tokens turned into e4m3 and their scales in shared memory as
+they land, with the arithmetic of tmagemm's 1x128 quantizer: one launch where
+``quantize_fp8(x, "1x128")`` and the block-scaled GEMM took two, bit for bit the same output.
 """
 
 from __future__ import annotations
@@ -65,11 +70,12 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.stages={self.stages}: must be >= 2 and fit "
                              f"{_device.SM90_SMEM_PER_BLOCK} bytes of shared memory")
 
-    def smem_bytes(self) -> int:
+    def smem_bytes(self, quantizing: bool = False) -> int:
         """Dynamic shared memory: the ring plus 1 KB to align it for the 128-byte swizzle (a
         split CTA's fragment buffer and two chunks of block scales are static shared memory, at
-        most 32 KB more)."""
-        return self.stages * (WEIGHT_ROWS + self.tokens) * _ROW_BYTES + 1024
+        most 32 KB more); quantizing, each stage also holds its tokens' 16-bit values."""
+        raw = self.tokens * QUANTIZE_GROUP * 2 if quantizing else 0
+        return self.stages * ((WEIGHT_ROWS + self.tokens) * _ROW_BYTES + raw) + 1024
 
     def label(self) -> str:
         return f"decode64x{self.tokens}s{self.stages}" + (f"k{self.split}" if self.split > 1 else "")
@@ -82,6 +88,11 @@ class DecodeConfig:
 STAGES = 16
 STAGES_SHORT = 8
 STAGES_64 = 12  # 64-token tiles: 16 KB stages, 12 fit shared memory
+QUANTIZE_GROUP = 128  # the quantizing form's activation group: one k-block of e4m3
+# The quantizing form keeps the ring depth of the fp8 problem's config (the same k-blocks in the
+# same order: the same sums), in at most this much dynamic shared memory (two CTAs still share an
+# SM where the 8-stage ring let them), and at least 3 stages (the kernel's rule for its scales).
+QUANTIZE_SMEM = 100 * 1024
 
 
 @dataclass(frozen=True)
@@ -174,10 +185,31 @@ def rule_for(args: GemmArgs) -> DecodeRule:
     scales and RULE_SLOW_MEMORY_BLOCK for block scales. 16-bit operands keep RULE: in the decode
     stacks (H100, M = 1-16, BENCHMARKS.md) they measured level to 1% slower under
     RULE_SLOW_MEMORY."""
-    block = args.block_scaling is not None
-    if args.a.element_size() != 1 or not slow_memory(args.out.device):
+    return rule_of(args.b.element_size(), args.block_scaling is not None, args.out.device)
+
+
+def rule_of(itemsize: int, block: bool, dev: torch.device) -> DecodeRule:
+    """:func:`rule_for` of a problem with ``itemsize``-byte weights, block-scaled or not, on ``dev``."""
+    if itemsize != 1 or not slow_memory(dev):
         return RULE_BLOCK if block else RULE
     return RULE_SLOW_MEMORY_BLOCK if block else RULE_SLOW_MEMORY
+
+
+def takes(m: int, n: int, k: int, itemsize: int, block: bool, dev: torch.device) -> bool:
+    """Whether the dispatcher runs an (m, n, k) problem of ``itemsize``-byte operands
+    (block-scaled or not) on this kernel first (``plan._decode_first``): weights of at least
+    ``plan.DECODE_MIN_N`` x ``DECODE_MIN_K``, at most ``DECODE_MAX_TILES_PER_SM`` weight tiles per
+    SM, up to the rule's tokens and share of K per CTA."""
+    from ..plan import DECODE_MAX_TILES_PER_SM, DECODE_MIN_K, DECODE_MIN_N
+
+    if not (n >= DECODE_MIN_N and k >= DECODE_MIN_K):
+        return False
+    rule = rule_of(itemsize, block, dev)
+    if m > rule.max_m:
+        return False
+    sms = _device.sms_of(dev)
+    split = choose_config(m, n, k, itemsize, sms, rule).split
+    return -(-n // WEIGHT_ROWS) <= DECODE_MAX_TILES_PER_SM * sms and k_blocks(k, itemsize) <= rule.max_share * split
 
 
 def choose_config(m: int, n: int, k: int, itemsize: int, sms: int, rule: DecodeRule = RULE) -> DecodeConfig:
@@ -252,26 +284,32 @@ class _DecodeParams(ctypes.Structure):
     ]
 
 
+# TMAGEMM_DECODE_QUANTIZE of the quantizing form's activation dtypes (0: the activation is fp8).
+QUANTIZE_TYPES = {torch.bfloat16: 1, torch.float16: 2}
+
+
 def defines(config: DecodeConfig, ab_dtype: torch.dtype, out_dtype: torch.dtype, b_k_major: bool = True,
-            scales: int = SCALES_EPILOGUE) -> dict[str, int]:
-    """NVRTC -D flags of one build."""
+            scales: int = SCALES_EPILOGUE, quantize_from: torch.dtype | None = None) -> dict[str, int]:
+    """NVRTC -D flags of one build; ``quantize_from``: the 16-bit activation dtype the quantizing
+    form reads (``ab_dtype`` is then the weight's, e4m3)."""
     return {"TMAGEMM_AB_TYPE": _AB_TYPES[ab_dtype], "TMAGEMM_OUT_TYPE": _OUT_TYPES[out_dtype],
             "TMAGEMM_DECODE_TOKENS": config.tokens, "TMAGEMM_STAGES": config.stages,
-            "TMAGEMM_B_KMAJOR": int(b_k_major), "TMAGEMM_DECODE_SPLIT": config.split, "TMAGEMM_DECODE_SCALES": scales}
+            "TMAGEMM_B_KMAJOR": int(b_k_major), "TMAGEMM_DECODE_SPLIT": config.split, "TMAGEMM_DECODE_SCALES": scales,
+            "TMAGEMM_DECODE_QUANTIZE": QUANTIZE_TYPES[quantize_from] if quantize_from is not None else 0}
 
 
 def compile_module(config: DecodeConfig, ab_dtype: torch.dtype, out_dtype: torch.dtype, b_k_major: bool = True,
-                   scales: int = SCALES_EPILOGUE):
+                   scales: int = SCALES_EPILOGUE, quantize_from: torch.dtype | None = None):
     """The NVRTC module of one build (no GPU needed; tests inspect its SASS)."""
     from .. import jit
 
-    return jit.compile(SOURCE, defines=defines(config, ab_dtype, out_dtype, b_k_major, scales))
+    return jit.compile(SOURCE, defines=defines(config, ab_dtype, out_dtype, b_k_major, scales, quantize_from))
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(config: DecodeConfig, ab_dtype: torch.dtype, out_dtype: torch.dtype, b_k_major: bool, scales: int,
-            device_index: int):
-    module = compile_module(config, ab_dtype, out_dtype, b_k_major, scales)
+            quantize_from: torch.dtype | None, device_index: int):
+    module = compile_module(config, ab_dtype, out_dtype, b_k_major, scales, quantize_from)
     with torch.cuda.device(device_index):
         return module.function(KERNEL)
 
@@ -280,8 +318,8 @@ class _DecodeLaunch:
     """What a decode plan resolves once: the weight's and the activation's tensor maps (cached by
     address), the parameter block and the packed launcher; a call points them at the operands."""
 
-    def __init__(self, args: GemmArgs, config: DecodeConfig):
-        block_k = _ROW_BYTES // args.a.element_size()
+    def __init__(self, args: GemmArgs, config: DecodeConfig, quantizing: bool = False):
+        block_k = _ROW_BYTES // args.b.element_size()
         k_major = tma.b_is_k_major(args.b)
         # K-major: boxes of 64 weight rows x one k-block of the (N, K) weight; N-major: boxes of one
         # k-block of rows x 64 columns of the (K, N) matrix b itself.
@@ -289,23 +327,29 @@ class _DecodeLaunch:
             self._w_maps = MapsByAddress(params_for_tensor(args.b.t(), (WEIGHT_ROWS, block_k)))
         else:
             self._w_maps = MapsByAddress(params_for_tensor(args.b, (block_k, WEIGHT_ROWS)))
-        self._x_maps = MapsByAddress(params_for_tensor(args.a, (config.tokens, block_k)))
+        # Quantizing: boxes of the 16-bit tokens' k-block, 256 bytes wide, unswizzled (the kernel
+        # writes the e4m3 box wgmma reads).
+        self._x_maps = MapsByAddress(params_for_tensor(args.a, (config.tokens, block_k),
+                                                       swizzle="none" if quantizing else "128B"))
         p = self.params = _DecodeParams()
         p.m, p.n, p.k = args.m, args.n, args.k
         scales = scales_mode(args)
         if scales == SCALES_EPILOGUE:
             p.scale_a_rowwise = int(Scaling.of(args.scale_a) == Scaling.ROW)
             p.scale_b_colwise = int(Scaling.of(args.scale_b) == Scaling.ROW)
-        else:  # 2-D block scales, any strides (fixed per plan signature)
-            (p.sa_row, p.sa_k), (p.sb_row, p.sb_k) = args.scale_a.stride(), args.scale_b.stride()
+        else:  # 2-D block scales, any strides (fixed per plan signature); quantizing: no scale_a
+            if not quantizing:
+                p.sa_row, p.sa_k = args.scale_a.stride()
+            p.sb_row, p.sb_k = args.scale_b.stride()
         p.bias_type = _OUT_TYPES[args.bias.dtype] if args.bias is not None else 0
         p.ldo = args.out.stride(0) if args.m > 1 else args.n
         self._pointers = (ctypes.c_void_p * 3)()
         self._pointers[2] = ctypes.addressof(p)
         self.device_index = args.out.get_device()
-        kernel = _kernel(config, args.a.dtype, args.out.dtype, k_major, scales, self.device_index)
+        kernel = _kernel(config, args.b.dtype, args.out.dtype, k_major, scales, args.a.dtype if quantizing else None,
+                         self.device_index)
         grid = (-(-args.n // WEIGHT_ROWS), -(-args.m // config.tokens), config.split)
-        self._launch = kernel.packed(grid, (THREADS, 1, 1), config.smem_bytes(), self._pointers,
+        self._launch = kernel.packed(grid, (THREADS, 1, 1), config.smem_bytes(quantizing), self._pointers,
                                      cluster=(1, 1, config.split), pdl=use_pdl(args.out.device))
         self._stream = stream_getter()
         self._lock = threading.Lock()  # the maps and the parameter block are shared by every call
@@ -330,6 +374,67 @@ def build(args: GemmArgs, config: DecodeConfig | None = None) -> Plan:
     config = config or choose_config(args.m, args.n, args.k, args.a.element_size(), _device.sms_of(args.out.device),
                                      rule_for(args))
     launch = _DecodeLaunch(args, config)
+    return Plan(NAME, config, launch, launch.device_index, direct=True)
+
+
+def quantizing_reason(args: GemmArgs) -> str | None:
+    """None when the quantizing form computes ``args``, else why not: ``args.a`` (M, K) bf16 or
+    fp16 (row-major, quantized here per 1x128 group), ``scale_a`` None, ``block_scaling``
+    (BLOCK_1X128, BLOCK_128X128 or BLOCK_1X128) with its scale_b, a K-major e4m3 ``b``."""
+    if not _device.is_hopper(args.a.device):
+        return f"native kernels need CUDA tensors on a Hopper GPU (sm_90), got {args.a.device}"
+    if args.a.dtype not in QUANTIZE_TYPES:
+        return f"a must be bfloat16 or float16 (quantized per 1x128 group in the kernel), got {args.a.dtype}"
+    if args.scale_a is not None or args.block_scaling is None or args.block_scaling[0] != Scaling.BLOCK_1X128:
+        return "the quantizing form computes a's 1x128 scales itself: scale_a None, block_scaling (BLOCK_1X128, ...)"
+    if args.block_scaling[1] not in (Scaling.BLOCK_128X128, Scaling.BLOCK_1X128):
+        return f"weight scaling {Scaling(args.block_scaling[1]).name} is not BLOCK_128X128 or BLOCK_1X128"
+    if args.b.dtype != torch.float8_e4m3fn:
+        return f"b must be float8_e4m3fn, got {args.b.dtype}"
+    m, n, k = args.m, args.n, args.k
+    if m == 0 or n == 0 or k == 0:
+        return "zero-size problems are handled before dispatch"
+    if m > MAX_M:
+        return f"M={m} > {MAX_M}: the decode kernel puts the tokens in wgmma's N slot (n8 to n64)"
+    if max(m, n, k) >= 2**31:
+        return "dimensions must fit in int32"
+    if args.out.dtype not in _OUT_TYPES:
+        return f"out dtype {args.out.dtype} not supported (bf16, fp16, fp32)"
+    if n > 1 and args.out.stride(1) != 1:
+        return f"out columns must be contiguous, got stride {tuple(args.out.stride())}"
+    if args.bias is not None and (args.bias.dtype not in _OUT_TYPES or tuple(args.bias.shape) != (n,)
+                                  or (n > 1 and args.bias.stride(0) != 1)):
+        return f"bias must be a contiguous bf16, fp16 or fp32 ({n},) vector, got {args.bias.dtype} {tuple(args.bias.shape)}"
+    kb = -(-k // QUANTIZE_GROUP)
+    rows = n if args.block_scaling[1] == Scaling.BLOCK_1X128 else -(-n // QUANTIZE_GROUP)
+    sb = args.scale_b
+    if sb is None or sb.dtype != torch.float32 or tuple(sb.shape) != (rows, kb) or sb.device != args.a.device:
+        got = "None" if sb is None else f"{sb.dtype} {tuple(sb.shape)} on {sb.device}"
+        return f"scale_b must be float32 ({rows}, {kb}) on {args.a.device}, got {got}"
+    if not tma.b_is_k_major(args.b):
+        return "b must be K-major (b = w.t() of a row-major (N, K) weight): fp8 wgmma reads K-major operands"
+    return tma.operand_reason(args.a, "a", True) or tma.operand_reason(args.b, "b", False)
+
+
+def quantizing_config(args: GemmArgs) -> DecodeConfig:
+    """The fp8 problem's config (:func:`choose_config` under its rule: the same K split and so
+    the same sums), its ring cut to QUANTIZE_SMEM (at least 3 stages)."""
+    config = choose_config(args.m, args.n, args.k, 1, _device.sms_of(args.out.device),
+                           rule_of(1, True, args.out.device))
+    per_stage = config.smem_bytes(True) // config.stages
+    return replace(config, stages=max(3, min(config.stages, (QUANTIZE_SMEM - 1024) // per_stage)))
+
+
+def build_quantizing(args: GemmArgs, config: DecodeConfig | None = None) -> Plan:
+    """The plan of the quantizing form (:func:`quantizing_reason`): ``launch(a, b, out, None,
+    scale_b, bias)`` with a 16-bit ``a``; :func:`quantizing_config` unless ``config`` is given."""
+    reason = quantizing_reason(args)
+    if reason is not None:
+        raise ValueError(f"{NAME} (quantizing a): {reason}")
+    config = config or quantizing_config(args)
+    if config.smem_bytes(True) > _device.SM90_SMEM_PER_BLOCK:
+        raise ValueError(f"{NAME} (quantizing a): {config} needs {config.smem_bytes(True)} bytes of shared memory")
+    launch = _DecodeLaunch(args, config, quantizing=True)
     return Plan(NAME, config, launch, launch.device_index, direct=True)
 
 

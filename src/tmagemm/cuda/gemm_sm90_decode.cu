@@ -26,6 +26,11 @@
 //   TMAGEMM_B_KMAJOR  1: the weight is (N, K) row-major (b = w.t()); 0: (K, N) row-major (16-bit only)
 //   TMAGEMM_DECODE_SPLIT  1, 2 or 4: CTAs per cluster along K (launched as cluster (1, 1, split))
 //   TMAGEMM_DECODE_SCALES 0: tensor/row-wise (or none); 1: a 1x128, w 128x128; 2: a 1x128, w 1x128
+//   TMAGEMM_DECODE_QUANTIZE 0: a is e4m3; 1: a is bf16, 2: fp16, quantized here per 1x128 group
+//                         (block scales only; the same values and scales as tmagemm's 1x128 quantizer)
+#ifndef TMAGEMM_DECODE_QUANTIZE
+#define TMAGEMM_DECODE_QUANTIZE 0
+#endif
 #include "tmagemm/ptx.cuh"
 #include "tmagemm/wgmma.cuh"
 
@@ -48,6 +53,8 @@ constexpr int kStages = TMAGEMM_STAGES;
 constexpr int kSplit = TMAGEMM_DECODE_SPLIT;
 constexpr int kScales = TMAGEMM_DECODE_SCALES;
 constexpr bool kBlockScales = kScales != 0;
+constexpr int kQuantize = TMAGEMM_DECODE_QUANTIZE;
+constexpr bool kQuantizeA = kQuantize != 0;
 constexpr int kScaleChunk = kBlockScales ? 16 : 1;  // k-blocks of scales per shared-memory chunk
 constexpr int kScaleRows = kScales == 2 ? 64 : 1;   // weight scale rows per k-block: per row, or one block
 // A K-major weight box is 64 weight rows of 128 bytes of K; an N-major one is 64 rows of K (one
@@ -58,6 +65,9 @@ constexpr int kRowBytes = 128;    // one k-block: a 128-byte swizzle row (64 16-
 constexpr int kBlockK = kRowBytes / (kAbType == wgmma::kE4M3 ? 1 : 2);
 constexpr int kWeightBytes = kRows * kRowBytes;
 constexpr int kTokenBytes = kTokens * kRowBytes;
+// Quantizing: a stage's 16-bit tokens (tokens x 128 values, unswizzled) land beside its e4m3 box.
+constexpr int kRawBytes = kQuantizeA ? kTokens * kBlockK * 2 : 0;
+constexpr int kLoadedTokenBytes = kQuantizeA ? kRawBytes : kTokenBytes;
 constexpr int kAccRegs = kTokens / 2;  // a thread's share of the 64 x kTokens fp32 fragment
 constexpr int kConsumerThreads = 128;  // one warpgroup; the producer warp follows it
 static_assert(kTokens == 8 || kTokens == 16 || kTokens == 32 || kTokens == 64,
@@ -67,6 +77,9 @@ static_assert(kStages >= 2, "at least two stages");
 static_assert(kSplit == 1 || kSplit == 2 || kSplit == 4, "K split: 1, 2 or 4 CTAs per cluster");
 static_assert(kWeightKMajor || kAbType != wgmma::kE4M3, "fp8 wgmma reads K-major operands only");
 static_assert(!kBlockScales || (kAbType == wgmma::kE4M3 && kBlockK == 128), "block scales: fp8, one scale block per k-block");
+static_assert(!kQuantizeA || (kBlockScales && kStages >= 3),
+              "quantizing the activation: block scales, and a ring of 3+ stages (a stage's token scales "
+              "are rewritten two k-blocks after their last read)");
 
 // Mirrored by a ctypes.Structure in decode.py: keep the field order and types in step.
 struct DecodeParams {
@@ -130,6 +143,39 @@ __device__ __forceinline__ void mma(float (&d)[kAccRegs], u64 desc_w, u64 desc_x
   }
 }
 #undef TMAGEMM_DECODE_MMA
+
+// One 1x128 group of 16-bit activation values as tmagemm's 1x128 quantizer makes it
+// (triton/quantize.py): magnitudes with NaN as +Inf, scale = max(amax / 448 correctly rounded, the
+// smallest normal), q = x / scale correctly rounded, clamped to +-448 and rounded to nearest even
+// on the e4m3 grid (cvt.rn.satfinite). A warp holds one token's group, 4 values per lane.
+__device__ __forceinline__ float to_float16bit(unsigned short bits) {
+  if constexpr (kQuantize == 1) return __uint_as_float(static_cast<u32>(bits) << 16);
+  float out;
+  asm("cvt.f32.f16 %0, %1;\n" : "=f"(out) : "h"(bits));
+  return out;
+}
+
+__device__ __forceinline__ float quantize_group(uint2 bits, u32& q) {
+  float v[4];
+  v[0] = to_float16bit(static_cast<unsigned short>(bits.x & 0xffffu));
+  v[1] = to_float16bit(static_cast<unsigned short>(bits.x >> 16));
+  v[2] = to_float16bit(static_cast<unsigned short>(bits.y & 0xffffu));
+  v[3] = to_float16bit(static_cast<unsigned short>(bits.y >> 16));
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) amax = fmaxf(amax, v[i] == v[i] ? fabsf(v[i]) : __int_as_float(0x7f800000));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float scale = fmaxf(__fdiv_rn(amax, 448.0f), 1.17549435e-38f);
+  float c[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) c[i] = fminf(fmaxf(__fdiv_rn(v[i], scale), -448.0f), 448.0f);
+  unsigned short lo, hi;  // cvt packs its first source into the upper byte
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(c[1]), "f"(c[0]));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(c[3]), "f"(c[2]));
+  q = static_cast<u32>(lo) | (static_cast<u32>(hi) << 16);
+  return scale;
+}
 #undef TMAGEMM_DECODE_F32
 #undef TMAGEMM_DECODE_F16
 #undef TMAGEMM_DECODE_F8
@@ -146,6 +192,7 @@ extern "C" __global__ void __launch_bounds__(kConsumerThreads + 32, 1)
   unsigned char* weights =
       reinterpret_cast<unsigned char*>((reinterpret_cast<u64>(smem_raw) + 1023) & ~static_cast<u64>(1023));
   unsigned char* tokens = weights + kStages * kWeightBytes;
+  unsigned char* raw = tokens + kStages * kTokenBytes;  // quantizing: the 16-bit tokens as loaded
   __shared__ alignas(8) u64 full[kStages];   // producer arrival + both boxes' bytes
   __shared__ alignas(8) u64 empty[kStages];  // the consumer warpgroup released the stage
   // A split CTA's fragment, float4 q of thread t at [q * 128 + t]: 16-byte accesses, no conflicts.
@@ -154,6 +201,8 @@ extern "C" __global__ void __launch_bounds__(kConsumerThreads + 32, 1)
   // row (or for the one 128 x 128 block the CTA's 64 rows sit in).
   __shared__ float scale_a_s[kBlockScales ? 2 : 1][kScaleChunk][kTokens];
   __shared__ float scale_b_s[kBlockScales ? 2 : 1][kScaleChunk][kScaleRows];
+  // Quantizing: each stage's token scales, computed here.
+  __shared__ float scale_x_s[kQuantizeA ? kStages : 1][kTokens];
 
   const int n0 = blockIdx.x * kRows;
   const int m0 = blockIdx.y * kTokens;
@@ -185,11 +234,12 @@ extern "C" __global__ void __launch_bounds__(kConsumerThreads + 32, 1)
         // The (kt / kStages)-th refill of stage s waits for its previous k-block's release (the
         // first pass finds the phase before phase 0 complete).
         ptx::mbarrier_wait(&empty[s], ((kt / kStages) & 1) ^ 1);
-        ptx::mbarrier_arrive_expect_tx(&full[s], kWeightBytes + kTokenBytes);
+        ptx::mbarrier_arrive_expect_tx(&full[s], kWeightBytes + kLoadedTokenBytes);
         const int k = (kt0 + kt) * kBlockK;
         if constexpr (kWeightKMajor) ptx::tma_load_2d(weights + s * kWeightBytes, &map_w, &full[s], k, n0);
         else ptx::tma_load_2d(weights + s * kWeightBytes, &map_w, &full[s], n0, k);
-        ptx::tma_load_2d(tokens + s * kTokenBytes, &map_x, &full[s], k, m0);
+        if constexpr (kQuantizeA) ptx::tma_load_2d(raw + s * kRawBytes, &map_x, &full[s], k, m0);
+        else ptx::tma_load_2d(tokens + s * kTokenBytes, &map_x, &full[s], k, m0);
       }
     }
     // A split cluster's barriers wait for non-exited threads only: the producer warp may leave.
@@ -213,10 +263,11 @@ extern "C" __global__ void __launch_bounds__(kConsumerThreads + 32, 1)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     auto load_chunk = [&](int chunk) {  // k-blocks kt0 + chunk * kScaleChunk ... of this CTA's share
       const int buf = chunk & 1;
-      for (int i = threadIdx.x; i < kScaleChunk * (kTokens + kScaleRows); i += kConsumerThreads) {
-        const bool is_a = i < kScaleChunk * kTokens;
-        const int r = is_a ? i % kTokens : (i - kScaleChunk * kTokens) % kScaleRows;
-        const int c = is_a ? i / kTokens : (i - kScaleChunk * kTokens) / kScaleRows;
+      constexpr int kAEntries = kQuantizeA ? 0 : kScaleChunk * kTokens;  // quantizing: a's come from quantize_stage
+      for (int i = threadIdx.x; i < kAEntries + kScaleChunk * kScaleRows; i += kConsumerThreads) {
+        const bool is_a = i < kAEntries;
+        const int r = is_a ? i % kTokens : (i - kAEntries) % kScaleRows;
+        const int c = is_a ? i / kTokens : (i - kAEntries) / kScaleRows;
         const int kt = chunk * kScaleChunk + c;
         float* dst = is_a ? &scale_a_s[buf][c][r] : &scale_b_s[buf][c][r];
         const int row = is_a ? m0 + r : (kScales == 1 ? n0 / 128 : n0 + r);  // 64 rows sit in one 128-row block
@@ -229,11 +280,26 @@ extern "C" __global__ void __launch_bounds__(kConsumerThreads + 32, 1)
       }
       ptx::cp_async_commit();
     };
+    // Quantizing: the stage's 16-bit tokens become its e4m3 box (128B-swizzled, as TMA would
+    // have written it) and their scales; warp w takes tokens w, w + 4, ... The proxy fence and
+    // the barrier make every token's bytes visible to wgmma.
+    auto quantize_stage = [&](int s) {
+      for (int t = warp; t < kTokens; t += kConsumerThreads / 32) {
+        u32 q;
+        const float scale =
+            quantize_group(*reinterpret_cast<const uint2*>(raw + s * kRawBytes + t * kBlockK * 2 + lane * 8), q);
+        *reinterpret_cast<u32*>(tokens + s * kTokenBytes + ptx::swizzle_offset<128>(t * kRowBytes + lane * 4)) = q;
+        if (lane == 0) scale_x_s[s][t] = scale;
+      }
+      ptx::fence_proxy_async_shared();
+      ptx::named_barrier_sync(2, kConsumerThreads);
+    };
     // Two fragments take turns, so one k-block's wgmma runs while the one before it is scaled.
     float part0[kAccRegs], part1[kAccRegs];
     auto issue = [&](int kt, float(&part)[kAccRegs]) {
       const int s = kt % kStages;
       ptx::mbarrier_wait(&full[s], (kt / kStages) & 1);
+      if constexpr (kQuantizeA) quantize_stage(s);
 #pragma unroll
       for (int i = 0; i < kAccRegs; ++i) part[i] = 0.0f;
       const u64 desc_w = wgmma::desc_k_major(ptx::smem_u32(weights + s * kWeightBytes));
@@ -244,6 +310,9 @@ extern "C" __global__ void __launch_bounds__(kConsumerThreads + 32, 1)
       for (int kk = 0; kk < kRowBytes / 32; ++kk)
         mma(part, wgmma::desc_advance(desc_w, kk * 32), wgmma::desc_advance(desc_x, kk * 32));
       wgmma::commit_group();
+    };
+    auto token_scale = [&](int kt, int buf, int c, int token) {
+      return kQuantizeA ? scale_x_s[kt % kStages][token] : scale_a_s[buf][c][token];
     };
     // k-block kt's wgmma has retired (the caller waited): scale it into acc, free its stage.
     auto retire = [&](int kt, float(&part)[kAccRegs]) {
@@ -263,7 +332,7 @@ extern "C" __global__ void __launch_bounds__(kConsumerThreads + 32, 1)
         for (int j = 0; j < kTokens / 8; ++j)
 #pragma unroll
           for (int e = 0; e < 2; ++e)
-            acc[4 * j + 2 * h + e] += part[4 * j + 2 * h + e] * (scale_a_s[buf][c][8 * j + 2 * (lane % 4) + e] * sb);
+            acc[4 * j + 2 * h + e] += part[4 * j + 2 * h + e] * (token_scale(kt, buf, c, 8 * j + 2 * (lane % 4) + e) * sb);
       }
       if (threadIdx.x == 0) ptx::mbarrier_arrive(&empty[kt % kStages]);
     };

@@ -4,7 +4,9 @@ The layer keeps the Hugging Face FP8 checkpoint layout: an e4m3 ``weight`` (N, K
 ``weight_scale_inv`` (the dequantization scale: ``w ~= weight * weight_scale_inv`` per recipe,
 see :mod:`tmagemm.nn.quantize`), both buffers, plus an optional ``bias`` parameter. Forward is
 quantize(x) -> ``tmagemm.scaled_mm``, two launches with no host synchronization and no branch
-on data, so it runs under ``torch.compile(fullgraph=True)`` and inside CUDA graphs.
+on data, so it runs under ``torch.compile(fullgraph=True)`` and inside CUDA graphs; the "block"
+recipe at decode token counts is one launch, the decode GEMM quantizing x itself
+(:func:`tmagemm.nn.quantize.block_linear`, the same output bit for bit).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from .quantize import (
     SCALED_MM_RECIPES,
     activation_ops,
     check_recipe,
+    linear_ops,
     dequantize_weight,
     quantize_weight,
     weight_scale_shape,
@@ -173,8 +176,16 @@ class FP8Linear(nn.Module):
         """x (..., K) quantized per the recipe, times the fp8 weight, plus ``bias``: (..., N).
         weight / weight_scale_inv: another (N, K) weight of this recipe and its scales (a stack
         of layers sharing this input, :mod:`tmagemm.nn.stacked`) instead of the layer's own."""
-        xq, xs = quantize_input(x, self.in_features, self.recipe, self.input_norm)
-        y = self.quantized_input_mm(xq, xs, bias, x.dtype, weight, weight_scale_inv)
+        handed = None if self.input_norm is None else self.input_norm.handoff.take(x)
+        if handed is None and self.recipe == "block":
+            # Quantized inside the GEMM where the decode kernel runs it (nn.quantize.block_linear).
+            if weight is None:
+                weight, weight_scale_inv = self.weight, self.weight_scale_inv
+            y = linear_ops().block_linear(as_rows(x, self.in_features), weight, weight_scale_inv, bias, x.dtype)
+        else:
+            if handed is None:
+                handed = activation_ops().quantize_activation(as_rows(x, self.in_features), self.recipe)
+            y = self.quantized_input_mm(*handed, bias, x.dtype, weight, weight_scale_inv)
         return y.reshape(*x.shape[:-1], y.shape[1])
 
     def quantized_input_mm(self, xq: torch.Tensor, xs: torch.Tensor, bias: torch.Tensor | None,

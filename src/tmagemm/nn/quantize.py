@@ -28,7 +28,7 @@ from types import SimpleNamespace
 import torch
 
 from .. import envs
-from ..plan import activation_scales_m_major
+from ..plan import GemmArgs, Scaling, activation_scales_m_major, call_for, tensor_key
 from ..quant import quantize_fp8
 from ..tma import aligned_empty
 from ..triton.norm_quantize import rms_norm_quantize
@@ -141,6 +141,56 @@ def custom_ops(*steps):
 
 # The activation quantizers as the layers call them.
 activation_ops = custom_ops((quantize_activation, _fake_quantize), (rms_norm_quantize_activation, _fake_norm_quantize))
+
+
+def block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, bias: torch.Tensor | None,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    """The "block" recipe's product of a 2-D activation (contiguous last dimension, K % 16 == 0)
+    with an (N, K) e4m3 weight and its 128x128 scales, plus ``bias``: (M, N) of out_dtype.
+    :func:`quantize_activation` then ``tmagemm.scaled_mm``; or, where the dispatcher would run
+    that fp8 GEMM on the native decode kernel (decode token counts, ``cuda.decode.takes``), that
+    kernel quantizing x itself (``cuda.decode.build_quantizing``): one launch instead of two,
+    the same fp8 values, scales, sums and output bit for bit."""
+    check_device(x, "FP8Linear")
+    call = call_for(lambda: ("nn.block_linear", tensor_key(x), tensor_key(weight), tensor_key(weight_scale_inv),
+                             tensor_key(bias), out_dtype),
+                    lambda: _BlockLinear(x, weight, weight_scale_inv, bias, out_dtype))
+    return call(x, weight, weight_scale_inv, bias)
+
+
+class _BlockLinear:
+    """:func:`block_linear` for one signature: the quantizing decode plan, or None (two launches)."""
+
+    def __init__(self, x, weight, weight_scale_inv, bias, out_dtype):
+        from ..cuda import decode
+
+        self.shape, self.out_dtype, self.plan = (x.shape[0], weight.shape[0]), out_dtype, None
+        m, k = x.shape
+        if (x.is_cuda and x.dtype in decode.QUANTIZE_TYPES and envs.forced_backend() in (None, "auto", "cuda")
+                and m > 0 and decode.takes(m, weight.shape[0], k, 1, True, x.device)):
+            args = GemmArgs(x, weight.t(), x.new_empty(self.shape, dtype=out_dtype), None, weight_scale_inv, bias,
+                            True, (Scaling.BLOCK_1X128, Scaling.BLOCK_128X128))
+            if decode.quantizing_reason(args) is None:
+                self.plan = decode.build_quantizing(args)
+
+    def __call__(self, x, weight, weight_scale_inv, bias):
+        if self.plan is None:
+            from ..api import scaled_mm
+
+            xq, xs = quantize_activation(x, "block")
+            return scaled_mm(xq, weight.t(), xs, weight_scale_inv, bias=bias, out_dtype=self.out_dtype,
+                             scale_recipe_a="1x128", scale_recipe_b="128x128")
+        out = x.new_empty(self.shape, dtype=self.out_dtype)
+        self.plan.run(x, weight.t(), out, None, weight_scale_inv, bias)
+        return out
+
+
+def _fake_block_linear(x, weight, weight_scale_inv, bias, out_dtype):
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=out_dtype)
+
+
+# The block recipe's quantize-and-multiply as the layers call it.
+linear_ops = custom_ops((block_linear, _fake_block_linear))
 
 
 # ----------------------------------------------------------------------------------- weights
