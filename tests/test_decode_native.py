@@ -226,28 +226,26 @@ def test_block_scaled_builds_for_sm90a(scales, tokens):
 def test_quantizing_builds_for_sm90a(scales, tokens, split, x_dtype):
     """The quantizing form: the 16-bit tokens land unswizzled (no 128B box for them), each value
     divided correctly rounded and converted with round-to-nearest-even saturation, the e4m3 box
-    published to wgmma by a proxy fence and a consumers' barrier; no spills; only a's scale
-    copies are gone (b's still come by cp.async)."""
+    published to wgmma by a proxy fence and an mbarrier; no spills; only a's scale copies are
+    gone (b's still come by cp.async)."""
     config = decode.DecodeConfig(tokens, 6, split)
     module = decode.compile_module(config, FP8, torch.bfloat16, scales=scales, quantize_from=x_dtype)
     s = inspection.summarize(inspection.artifacts_from_binary("decode", module.ptx, module.cubin))
     assert s["sass QGMMA"] % 4 == 0 and s["sass LDL"] == 0 and s["sass STL"] == 0
     body = module.ptx[module.ptx.index(".entry"):]
     assert "cvt.rn.satfinite.e4m3x2.f32" in body and "div.rn.f32" in body
-    assert "fence.proxy.async.shared::cta" in body and "bar.sync" in body
+    assert "fence.proxy.async.shared::cta" in body and "shfl.sync.bfly" in body
     assert "cp.async.ca.shared.global" in body
     plain = decode.compile_module(config, FP8, torch.bfloat16, scales=scales).ptx
     assert "cvt.rn.satfinite.e4m3x2.f32" not in plain[plain.index(".entry"):]
     with pytest.raises(Exception, match="quantizing the activation"):
         decode.compile_module(config, FP8, torch.bfloat16, quantize_from=x_dtype)  # tensor-wise scales
-    with pytest.raises(Exception, match="quantizing the activation"):
-        decode.compile_module(decode.DecodeConfig(8, 2), FP8, torch.bfloat16, scales=scales, quantize_from=x_dtype)
 
 
 @pytest.mark.parametrize("m, n, k", [(1, 4096, 4096), (16, 4096, 14336), (8, 2112, 7168), (3, 36864, 7168)])
 def test_quantizing_config_keeps_the_fp8_split_in_less_shared_memory(m, n, k, monkeypatch):
     """The quantizing form takes the fp8 problem's K split (the same sums) and ring depth, cut
-    to QUANTIZE_SMEM and never below 3 stages."""
+    to QUANTIZE_SMEM and never below 2 stages."""
     monkeypatch.setattr(decode._device, "sms_of", lambda dev: 132)
     for slow in (False, True):
         monkeypatch.setattr(decode, "slow_memory", lambda dev, slow=slow: slow)
@@ -257,7 +255,7 @@ def test_quantizing_config_keeps_the_fp8_split_in_less_shared_memory(m, n, k, mo
         fp8 = decode.choose_config(m, n, k, 1, 132, decode.rule_of(1, True, out.device))
         got = decode.quantizing_config(args)
         assert (got.tokens, got.split) == (fp8.tokens, fp8.split)
-        assert 3 <= got.stages <= fp8.stages and got.smem_bytes(True) <= decode.QUANTIZE_SMEM
+        assert 2 <= got.stages <= fp8.stages and got.smem_bytes(True) <= decode.QUANTIZE_SMEM
         assert got.stages == fp8.stages or (got.stages + 1) * got.smem_bytes(True) // got.stages > decode.QUANTIZE_SMEM
 
 

@@ -185,3 +185,20 @@ def test_tensor_map_passed_by_value():
     image = tma_copy.probe(x, (8, 32), (8, 32), swizzle="none")
     expected = x[8:16, 32:64].contiguous().view(torch.uint8).flatten()
     assert torch.equal(image[: expected.numel()], expected)
+
+
+def test_static_shared_memory_counts_toward_the_48_kb_a_launch_takes_unasked(monkeypatch):
+    """A kernel's static shared memory and the launch's dynamic bytes share the 48 KB a launch
+    may take without the opt-in attribute: with 4 KB static, 46 KB dynamic needs the opt-in
+    (the launch fails with an invalid argument otherwise), 44 KB does not."""
+    from tmagemm.jit import runtime
+
+    asked = []
+    kernel = runtime.Kernel("k", None, 0)
+    monkeypatch.setattr(kernel, "attribute", lambda name: 4096 if name == "SHARED_SIZE_BYTES" else 0)
+    monkeypatch.setattr(kernel, "_opt_in_smem", asked.append)
+    kernel._function = object()  # a loaded function: its static bytes are read
+    kernel.reserve_shared_memory(44 * 1024)
+    assert asked == []
+    kernel.reserve_shared_memory(46 * 1024)
+    assert asked == [46 * 1024]

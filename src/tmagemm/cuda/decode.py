@@ -17,8 +17,9 @@ operands with either weight layout; bias; bf16 / fp16 / fp32 output with contigu
 Everything else is refused with its reason.
 
 Quantizing form (:func:`build_quantizing`): a bf16 / fp16 activation quantized per 1x128 group
-inside the kernel, each k-block's tokens turned into e4m3 and their scales in shared memory as
-they land, with the arithmetic of tmagemm's 1x128 quantizer: one launch where
+inside the kernel: a second warpgroup turns each k-block's tokens into e4m3 and their scales in
+shared memory as they land, ahead of the multiplying one, with the arithmetic of tmagemm's 1x128
+quantizer: one launch where
 ``quantize_fp8(x, "1x128")`` and the block-scaled GEMM took two, bit for bit the same output.
 """
 
@@ -44,6 +45,7 @@ KERNEL = "tmagemm_gemm_sm90_decode"
 MAX_M = 64  # tokens fill wgmma's N slot: n8, n16, n32 or n64
 WEIGHT_ROWS = 64  # weight rows per CTA: wgmma's M
 THREADS = 128 + 32  # one consumer warpgroup and the producer warp
+QUANTIZING_THREADS = THREADS + 128  # and the quantizing form's quantizer warpgroup
 
 
 TOKENS = (8, 16, 32, 64)
@@ -89,9 +91,9 @@ STAGES = 16
 STAGES_SHORT = 8
 STAGES_64 = 12  # 64-token tiles: 16 KB stages, 12 fit shared memory
 QUANTIZE_GROUP = 128  # the quantizing form's activation group: one k-block of e4m3
-# The quantizing form keeps the ring depth of the fp8 problem's config (the same k-blocks in the
-# same order: the same sums), in at most this much dynamic shared memory (two CTAs still share an
-# SM where the 8-stage ring let them), and at least 3 stages (the kernel's rule for its scales).
+# The quantizing form keeps the fp8 problem's K split (the same k-blocks in the same order: the
+# same sums) and its ring depth, cut to at most this much dynamic shared memory (two CTAs still
+# share an SM where the 8-stage ring let them).
 QUANTIZE_SMEM = 100 * 1024
 
 
@@ -349,7 +351,8 @@ class _DecodeLaunch:
         kernel = _kernel(config, args.b.dtype, args.out.dtype, k_major, scales, args.a.dtype if quantizing else None,
                          self.device_index)
         grid = (-(-args.n // WEIGHT_ROWS), -(-args.m // config.tokens), config.split)
-        self._launch = kernel.packed(grid, (THREADS, 1, 1), config.smem_bytes(quantizing), self._pointers,
+        threads = QUANTIZING_THREADS if quantizing else THREADS
+        self._launch = kernel.packed(grid, (threads, 1, 1), config.smem_bytes(quantizing), self._pointers,
                                      cluster=(1, 1, config.split), pdl=use_pdl(args.out.device))
         self._stream = stream_getter()
         self._lock = threading.Lock()  # the maps and the parameter block are shared by every call
@@ -418,11 +421,11 @@ def quantizing_reason(args: GemmArgs) -> str | None:
 
 def quantizing_config(args: GemmArgs) -> DecodeConfig:
     """The fp8 problem's config (:func:`choose_config` under its rule: the same K split and so
-    the same sums), its ring cut to QUANTIZE_SMEM (at least 3 stages)."""
+    the same sums), its ring cut to QUANTIZE_SMEM (at least 2 stages)."""
     config = choose_config(args.m, args.n, args.k, 1, _device.sms_of(args.out.device),
                            rule_of(1, True, args.out.device))
     per_stage = config.smem_bytes(True) // config.stages
-    return replace(config, stages=max(3, min(config.stages, (QUANTIZE_SMEM - 1024) // per_stage)))
+    return replace(config, stages=max(2, min(config.stages, (QUANTIZE_SMEM - 1024) // per_stage)))
 
 
 def build_quantizing(args: GemmArgs, config: DecodeConfig | None = None) -> Plan:

@@ -69,7 +69,12 @@ constexpr int kTokenBytes = kTokens * kRowBytes;
 constexpr int kRawBytes = kQuantizeA ? kTokens * kBlockK * 2 : 0;
 constexpr int kLoadedTokenBytes = kQuantizeA ? kRawBytes : kTokenBytes;
 constexpr int kAccRegs = kTokens / 2;  // a thread's share of the 64 x kTokens fp32 fragment
-constexpr int kConsumerThreads = 128;  // one warpgroup; the producer warp follows it
+constexpr int kConsumerThreads = 128;  // one warpgroup multiplies
+// Quantizing: a second warpgroup turns each stage's 16-bit tokens into its e4m3 box as it lands,
+// running ahead of the multiplying one by up to the ring's depth.
+constexpr int kQuantizerThreads = kQuantizeA ? 128 : 0;
+constexpr int kProducerThread = kConsumerThreads + kQuantizerThreads;  // the producer warp comes last
+constexpr int kThreads = kProducerThread + 32;
 static_assert(kTokens == 8 || kTokens == 16 || kTokens == 32 || kTokens == 64,
               "tokens per tile: 8, 16, 32 or 64 (wgmma n8 ... n64)");
 static_assert(kTokenBytes % 1024 == 0, "128B-swizzled boxes start 1 KB aligned");
@@ -77,9 +82,8 @@ static_assert(kStages >= 2, "at least two stages");
 static_assert(kSplit == 1 || kSplit == 2 || kSplit == 4, "K split: 1, 2 or 4 CTAs per cluster");
 static_assert(kWeightKMajor || kAbType != wgmma::kE4M3, "fp8 wgmma reads K-major operands only");
 static_assert(!kBlockScales || (kAbType == wgmma::kE4M3 && kBlockK == 128), "block scales: fp8, one scale block per k-block");
-static_assert(!kQuantizeA || (kBlockScales && kStages >= 3),
-              "quantizing the activation: block scales, and a ring of 3+ stages (a stage's token scales "
-              "are rewritten two k-blocks after their last read)");
+static_assert(!kQuantizeA || kBlockScales, "quantizing the activation: block scales only");
+static_assert(!kQuantizeA || kTokens % 8 == 0, "quantizing: 16 threads per token, 8 tokens per pass");
 
 // Mirrored by a ctypes.Structure in decode.py: keep the field order and types in step.
 struct DecodeParams {
@@ -147,44 +151,44 @@ __device__ __forceinline__ void mma(float (&d)[kAccRegs], u64 desc_w, u64 desc_x
 // One 1x128 group of 16-bit activation values as tmagemm's 1x128 quantizer makes it
 // (triton/quantize.py): magnitudes with NaN as +Inf, scale = max(amax / 448 correctly rounded, the
 // smallest normal), q = x / scale correctly rounded, clamped to +-448 and rounded to nearest even
-// on the e4m3 grid (cvt.rn.satfinite). A warp holds one token's group, 4 values per lane.
-__device__ __forceinline__ float to_float16bit(unsigned short bits) {
-  if constexpr (kQuantize == 1) return __uint_as_float(static_cast<u32>(bits) << 16);
+// on the e4m3 grid (cvt.rn.satfinite). The 16 lanes of a half-warp hold a token's group, 8 values
+// (16 bytes) each; returns the scale and the lane's 8 e4m3 values.
+__device__ __forceinline__ float to_float16bit(u32 bits) {
+  if constexpr (kQuantize == 1) return __uint_as_float(bits << 16);
   float out;
-  asm("cvt.f32.f16 %0, %1;\n" : "=f"(out) : "h"(bits));
+  asm("cvt.f32.f16 %0, %1;\n" : "=f"(out) : "h"(static_cast<unsigned short>(bits)));
   return out;
 }
 
-__device__ __forceinline__ float quantize_group(uint2 bits, u32& q) {
-  float v[4];
-  v[0] = to_float16bit(static_cast<unsigned short>(bits.x & 0xffffu));
-  v[1] = to_float16bit(static_cast<unsigned short>(bits.x >> 16));
-  v[2] = to_float16bit(static_cast<unsigned short>(bits.y & 0xffffu));
-  v[3] = to_float16bit(static_cast<unsigned short>(bits.y >> 16));
+__device__ __forceinline__ float quantize_chunk(uint4 bits, uint2& q) {
+  const u32 words[4] = {bits.x, bits.y, bits.z, bits.w};
+  float v[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    v[2 * i] = to_float16bit(words[i] & 0xffffu);
+    v[2 * i + 1] = to_float16bit(words[i] >> 16);
+  }
   float amax = 0.0f;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) amax = fmaxf(amax, v[i] == v[i] ? fabsf(v[i]) : __int_as_float(0x7f800000));
+  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, v[i] == v[i] ? fabsf(v[i]) : __int_as_float(0x7f800000));
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   const float scale = fmaxf(__fdiv_rn(amax, 448.0f), 1.17549435e-38f);
-  float c[4];
+  u32 pairs[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) c[i] = fminf(fmaxf(__fdiv_rn(v[i], scale), -448.0f), 448.0f);
-  unsigned short lo, hi;  // cvt packs its first source into the upper byte
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(c[1]), "f"(c[0]));
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(c[3]), "f"(c[2]));
-  q = static_cast<u32>(lo) | (static_cast<u32>(hi) << 16);
+  for (int i = 0; i < 4; ++i) {
+    const float lo = fminf(fmaxf(__fdiv_rn(v[2 * i], scale), -448.0f), 448.0f);
+    const float hi = fminf(fmaxf(__fdiv_rn(v[2 * i + 1], scale), -448.0f), 448.0f);
+    unsigned short packed;  // cvt packs its first source into the upper byte
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(packed) : "f"(hi), "f"(lo));
+    pairs[i] = packed;
+  }
+  q = make_uint2(pairs[0] | (pairs[1] << 16), pairs[2] | (pairs[3] << 16));
   return scale;
 }
-#undef TMAGEMM_DECODE_F32
-#undef TMAGEMM_DECODE_F16
-#undef TMAGEMM_DECODE_F8
-#undef TMAGEMM_DECODE_F4
-#undef TMAGEMM_DECODE_TRANSPOSE
-#undef TMAGEMM_DECODE_WGMMA
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(kConsumerThreads + 32, 1)
+extern "C" __global__ void __launch_bounds__(kThreads, 1)
     tmagemm_gemm_sm90_decode(const __grid_constant__ CUtensorMap map_w, const __grid_constant__ CUtensorMap map_x,
                              const __grid_constant__ DecodeParams p) {
   // ---- shared memory: STAGES weight boxes (64 x 128 B), then STAGES token boxes, 1 KB aligned
@@ -195,6 +199,7 @@ extern "C" __global__ void __launch_bounds__(kConsumerThreads + 32, 1)
   unsigned char* raw = tokens + kStages * kTokenBytes;  // quantizing: the 16-bit tokens as loaded
   __shared__ alignas(8) u64 full[kStages];   // producer arrival + both boxes' bytes
   __shared__ alignas(8) u64 empty[kStages];  // the consumer warpgroup released the stage
+  __shared__ alignas(8) u64 quantized[kQuantizeA ? kStages : 1];  // the stage's e4m3 tokens are written
   // A split CTA's fragment, float4 q of thread t at [q * 128 + t]: 16-byte accesses, no conflicts.
   __shared__ alignas(16) float partial[kSplit > 1 ? kAccRegs * kConsumerThreads : 4];
   // Block scales of two chunks of k-blocks (this one and the next): per token, and per weight
@@ -213,21 +218,23 @@ extern "C" __global__ void __launch_bounds__(kConsumerThreads + 32, 1)
   const int k_tiles = k_all * (rank + 1) / kSplit - kt0;
 
   // Set-up touches no global memory: it may overlap the previous kernel.
-  if (threadIdx.x == kConsumerThreads) {
+  if (threadIdx.x == kProducerThread) {
     ptx::tma_prefetch_descriptor(&map_w);
     ptx::tma_prefetch_descriptor(&map_x);
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
       ptx::mbarrier_init(&full[s], 1);
-      ptx::mbarrier_init(&empty[s], 1);
+      // Quantizing, every consumer warp frees the stage: the token scales are read by each.
+      ptx::mbarrier_init(&empty[s], kQuantizeA ? kConsumerThreads / 32 : 1);
+      if constexpr (kQuantizeA) ptx::mbarrier_init(&quantized[s], kQuantizerThreads);
     }
     ptx::fence_barrier_init();
   }
   __syncthreads();
 
-  if (threadIdx.x >= kConsumerThreads) {
+  if (threadIdx.x >= kProducerThread) {
     // ---- producer: one thread of the last warp streams the k-blocks
-    if (threadIdx.x == kConsumerThreads) {
+    if (threadIdx.x == kProducerThread) {
       ptx::griddep_wait();  // the activation, or even the weight, may be the previous kernel's output
       for (int kt = 0; kt < k_tiles; ++kt) {
         const int s = kt % kStages;
@@ -244,6 +251,33 @@ extern "C" __global__ void __launch_bounds__(kConsumerThreads + 32, 1)
     }
     // A split cluster's barriers wait for non-exited threads only: the producer warp may leave.
     return;
+  }
+
+  if constexpr (kQuantizeA) {
+    if (threadIdx.x >= kConsumerThreads) {
+      // ---- quantizer warpgroup: thread i takes 8 values (16 bytes) of token i / 16 (and + 8,
+      // ... for larger tiles), the 16 lanes of a half-warp one token's group. Tokens of a pass
+      // wholly past M are skipped: they only feed outputs that are never stored.
+      const int i = threadIdx.x - kConsumerThreads, chunk = i % 16;
+      const int rows = p.m - m0;
+      for (int kt = 0; kt < k_tiles; ++kt) {
+        const int s = kt % kStages;
+        ptx::mbarrier_wait(&full[s], (kt / kStages) & 1);
+#pragma unroll
+        for (int pass = 0; pass < kTokens / 8; ++pass) {
+          if (pass * 8 >= rows) break;
+          const int t = pass * 8 + i / 16;
+          uint2 q;
+          const float scale = quantize_chunk(
+              *reinterpret_cast<const uint4*>(raw + s * kRawBytes + t * kBlockK * 2 + chunk * 16), q);
+          *reinterpret_cast<uint2*>(tokens + s * kTokenBytes + ptx::swizzle_offset<128>(t * kRowBytes + chunk * 8)) = q;
+          if (chunk == 0) scale_x_s[s][t] = scale;
+        }
+        ptx::fence_proxy_async_shared();  // the e4m3 box is read by wgmma (the async proxy)
+        ptx::mbarrier_arrive(&quantized[s]);
+      }
+      return;
+    }
   }
 
   // ---- consumer warpgroup
@@ -263,7 +297,7 @@ extern "C" __global__ void __launch_bounds__(kConsumerThreads + 32, 1)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     auto load_chunk = [&](int chunk) {  // k-blocks kt0 + chunk * kScaleChunk ... of this CTA's share
       const int buf = chunk & 1;
-      constexpr int kAEntries = kQuantizeA ? 0 : kScaleChunk * kTokens;  // quantizing: a's come from quantize_stage
+      constexpr int kAEntries = kQuantizeA ? 0 : kScaleChunk * kTokens;  // quantizing: a's come from the quantizer warpgroup
       for (int i = threadIdx.x; i < kAEntries + kScaleChunk * kScaleRows; i += kConsumerThreads) {
         const bool is_a = i < kAEntries;
         const int r = is_a ? i % kTokens : (i - kAEntries) % kScaleRows;
@@ -280,26 +314,12 @@ extern "C" __global__ void __launch_bounds__(kConsumerThreads + 32, 1)
       }
       ptx::cp_async_commit();
     };
-    // Quantizing: the stage's 16-bit tokens become its e4m3 box (128B-swizzled, as TMA would
-    // have written it) and their scales; warp w takes tokens w, w + 4, ... The proxy fence and
-    // the barrier make every token's bytes visible to wgmma.
-    auto quantize_stage = [&](int s) {
-      for (int t = warp; t < kTokens; t += kConsumerThreads / 32) {
-        u32 q;
-        const float scale =
-            quantize_group(*reinterpret_cast<const uint2*>(raw + s * kRawBytes + t * kBlockK * 2 + lane * 8), q);
-        *reinterpret_cast<u32*>(tokens + s * kTokenBytes + ptx::swizzle_offset<128>(t * kRowBytes + lane * 4)) = q;
-        if (lane == 0) scale_x_s[s][t] = scale;
-      }
-      ptx::fence_proxy_async_shared();
-      ptx::named_barrier_sync(2, kConsumerThreads);
-    };
     // Two fragments take turns, so one k-block's wgmma runs while the one before it is scaled.
     float part0[kAccRegs], part1[kAccRegs];
     auto issue = [&](int kt, float(&part)[kAccRegs]) {
       const int s = kt % kStages;
       ptx::mbarrier_wait(&full[s], (kt / kStages) & 1);
-      if constexpr (kQuantizeA) quantize_stage(s);
+      if constexpr (kQuantizeA) ptx::mbarrier_wait(&quantized[s], (kt / kStages) & 1);
 #pragma unroll
       for (int i = 0; i < kAccRegs; ++i) part[i] = 0.0f;
       const u64 desc_w = wgmma::desc_k_major(ptx::smem_u32(weights + s * kWeightBytes));
@@ -334,7 +354,12 @@ extern "C" __global__ void __launch_bounds__(kConsumerThreads + 32, 1)
           for (int e = 0; e < 2; ++e)
             acc[4 * j + 2 * h + e] += part[4 * j + 2 * h + e] * (token_scale(kt, buf, c, 8 * j + 2 * (lane % 4) + e) * sb);
       }
-      if (threadIdx.x == 0) ptx::mbarrier_arrive(&empty[kt % kStages]);
+      if constexpr (kQuantizeA) {
+        __syncwarp();
+        if (lane == 0) ptx::mbarrier_arrive(&empty[kt % kStages]);
+      } else if (threadIdx.x == 0) {
+        ptx::mbarrier_arrive(&empty[kt % kStages]);
+      }
     };
     // Even k-blocks go to part0, odd ones to part1 (register arrays cannot be picked at run
     // time); each step issues one and retires the one before it.

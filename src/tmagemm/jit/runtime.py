@@ -151,7 +151,7 @@ class Kernel:
         self.device_index = device_index
         self._function = function
         self._handle = int(function) if function is not None else 0  # raw CUfunction for ctypes
-        self._smem_opt_in = _DEFAULT_SMEM_LIMIT
+        self._smem_opt_in = None  # dynamic bytes a launch may take unasked: 48 KB less the static ones
         self._lock = threading.Lock()
 
     def attribute(self, attribute: str) -> int:
@@ -163,14 +163,18 @@ class Kernel:
         return int(value)
 
     def reserve_shared_memory(self, smem_bytes: int) -> None:
-        """Opt in to ``smem_bytes`` of dynamic shared memory (needed above 48 KB) ahead of
-        :meth:`packed`."""
+        """Opt in to ``smem_bytes`` of dynamic shared memory ahead of :meth:`packed`: needed once
+        the kernel's static and dynamic shared memory together pass 48 KB (the launch fails
+        with an invalid argument otherwise)."""
+        if self._smem_opt_in is None:
+            static = self.attribute("SHARED_SIZE_BYTES") if self._function is not None else 0
+            self._smem_opt_in = _DEFAULT_SMEM_LIMIT - static
         if smem_bytes > self._smem_opt_in:
             self._opt_in_smem(smem_bytes)
 
     def _opt_in_smem(self, smem_bytes: int) -> None:
         with self._lock:
-            if smem_bytes <= self._smem_opt_in:
+            if self._smem_opt_in is not None and smem_bytes <= self._smem_opt_in:
                 return
             driver = _driver()
             attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -201,8 +205,7 @@ class Kernel:
         bx, by, bz = _dim3(block, "block")
         if smem_bytes < 0:
             raise ValueError(f"smem_bytes must be >= 0, got {smem_bytes}")
-        if smem_bytes > self._smem_opt_in:
-            self._opt_in_smem(smem_bytes)
+        self.reserve_shared_memory(smem_bytes)
 
         keep = []  # ctypes holders that must outlive the launch call
         pointers = _pointer_array(len(args))()
