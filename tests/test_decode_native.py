@@ -259,6 +259,16 @@ def test_quantizing_config_keeps_the_fp8_split_in_less_shared_memory(m, n, k, mo
         assert got.stages == fp8.stages or (got.stages + 1) * got.smem_bytes(True) // got.stages > decode.QUANTIZE_SMEM
 
 
+def test_quantizing_form_takes_one_or_two_tokens_where_the_fp8_problem_runs_here(monkeypatch):
+    monkeypatch.setattr(decode._device, "sms_of", lambda dev: 132)
+    monkeypatch.setattr(decode, "slow_memory", lambda dev: True)
+    dev = torch.device("cpu")
+    assert decode.takes_quantizing(1, 4096, 4096, dev) and decode.takes_quantizing(2, 28672, 4096, dev)
+    assert not decode.takes_quantizing(3, 4096, 4096, dev)  # its quantizer warps' work grows with the tokens
+    assert not decode.takes_quantizing(1, 1024, 4096, dev)  # the fp8 problem goes to split-K
+    assert decode.QUANTIZE_MAX_M <= decode.RULE_SLOW_MEMORY_BLOCK.max_m
+
+
 def test_quantizing_form_refuses_cpu_tensors_with_a_reason():
     x = torch.randn(4, 256, dtype=torch.bfloat16)
     args = GemmArgs(x, torch.empty(256, 256, dtype=FP8).t(), torch.empty(4, 256, dtype=torch.bfloat16), None,

@@ -95,6 +95,13 @@ QUANTIZE_GROUP = 128  # the quantizing form's activation group: one k-block of e
 # same sums) and its ring depth, cut to at most this much dynamic shared memory (two CTAs still
 # share an SM where the 8-stage ring let them).
 QUANTIZE_SMEM = 100 * 1024
+# Tokens up to which the quantizing form replaces the quantizer and the GEMM (:func:`takes_quantizing`).
+# Its quantizer warps take a k-block each and its tokens' groups in turn, so their work grows
+# with the tokens. H100, 8 distinct weights chained in one CUDA graph, per GEMM against
+# quantize_fp8(x, "1x128") + this kernel: at one token 10.1 / 25.6 / 45.5 us against 13.2 / 28.5 /
+# 47.7 (4096 x 4096, 4096 x 14336, 28672 x 4096; the GEMM alone 10.4 / 24.9 / 44.3), at four
+# 12.6 / 30.4 / 47.5 against 13.0 / 29.1 / 47.5, at sixteen 2.3-3.0x slower.
+QUANTIZE_MAX_M = 2
 
 
 @dataclass(frozen=True)
@@ -378,6 +385,13 @@ def build(args: GemmArgs, config: DecodeConfig | None = None) -> Plan:
                                      rule_for(args))
     launch = _DecodeLaunch(args, config)
     return Plan(NAME, config, launch, launch.device_index, direct=True)
+
+
+def takes_quantizing(m: int, n: int, k: int, dev: torch.device) -> bool:
+    """Whether a block-scaled (m, n, k) problem with a 16-bit activation runs as the quantizing
+    form (``nn.quantize.block_linear``): up to QUANTIZE_MAX_M tokens where the dispatcher takes
+    this kernel for the fp8 problem (:func:`takes`)."""
+    return m <= QUANTIZE_MAX_M and takes(m, n, k, 1, True, dev)
 
 
 def quantizing_reason(args: GemmArgs) -> str | None:

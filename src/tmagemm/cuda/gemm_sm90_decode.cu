@@ -83,7 +83,6 @@ static_assert(kSplit == 1 || kSplit == 2 || kSplit == 4, "K split: 1, 2 or 4 CTA
 static_assert(kWeightKMajor || kAbType != wgmma::kE4M3, "fp8 wgmma reads K-major operands only");
 static_assert(!kBlockScales || (kAbType == wgmma::kE4M3 && kBlockK == 128), "block scales: fp8, one scale block per k-block");
 static_assert(!kQuantizeA || kBlockScales, "quantizing the activation: block scales only");
-static_assert(!kQuantizeA || kTokens % 8 == 0, "quantizing: 16 threads per token, 8 tokens per pass");
 
 // Mirrored by a ctypes.Structure in decode.py: keep the field order and types in step.
 struct DecodeParams {
@@ -148,11 +147,11 @@ __device__ __forceinline__ void mma(float (&d)[kAccRegs], u64 desc_w, u64 desc_x
 }
 #undef TMAGEMM_DECODE_MMA
 
-// One 1x128 group of 16-bit activation values as tmagemm's 1x128 quantizer makes it
+// One token's 1x128 group of 16-bit activation values as tmagemm's 1x128 quantizer makes it
 // (triton/quantize.py): magnitudes with NaN as +Inf, scale = max(amax / 448 correctly rounded, the
 // smallest normal), q = x / scale correctly rounded, clamped to +-448 and rounded to nearest even
-// on the e4m3 grid (cvt.rn.satfinite). The 16 lanes of a half-warp hold a token's group, 8 values
-// (16 bytes) each; returns the scale and the lane's 8 e4m3 values.
+// on the e4m3 grid (cvt.rn.satfinite). A warp holds the group, 4 values (8 bytes) per lane;
+// returns the scale and the lane's 4 e4m3 values.
 __device__ __forceinline__ float to_float16bit(u32 bits) {
   if constexpr (kQuantize == 1) return __uint_as_float(bits << 16);
   float out;
@@ -160,30 +159,33 @@ __device__ __forceinline__ float to_float16bit(u32 bits) {
   return out;
 }
 
-__device__ __forceinline__ float quantize_chunk(uint4 bits, uint2& q) {
-  const u32 words[4] = {bits.x, bits.y, bits.z, bits.w};
-  float v[8];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    v[2 * i] = to_float16bit(words[i] & 0xffffu);
-    v[2 * i + 1] = to_float16bit(words[i] >> 16);
-  }
+__device__ __forceinline__ float quantize_group(uint2 bits, u32& q) {
+  float v[4] = {to_float16bit(bits.x & 0xffffu), to_float16bit(bits.x >> 16), to_float16bit(bits.y & 0xffffu),
+                to_float16bit(bits.y >> 16)};
   float amax = 0.0f;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, v[i] == v[i] ? fabsf(v[i]) : __int_as_float(0x7f800000));
+  for (int i = 0; i < 4; ++i) amax = fmaxf(amax, v[i] == v[i] ? fabsf(v[i]) : __int_as_float(0x7f800000));
 #pragma unroll
-  for (int o = 8; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   const float scale = fmaxf(__fdiv_rn(amax, 448.0f), 1.17549435e-38f);
-  u32 pairs[4];
+  // x / scale correctly rounded with one division per group: from the correctly rounded
+  // reciprocal r, q0 = x r is within an ulp and q0 + r (x - q0 scale), the remainder exact by
+  // fma, rounds to the quotient (Markstein). A zero keeps its sign as the division would; an
+  // infinite scale (a non-finite value in the group) takes the division itself.
+  const float r = __fdiv_rn(1.0f, scale);
+  const bool finite = scale < __int_as_float(0x7f800000);
+  float c[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float lo = fminf(fmaxf(__fdiv_rn(v[2 * i], scale), -448.0f), 448.0f);
-    const float hi = fminf(fmaxf(__fdiv_rn(v[2 * i + 1], scale), -448.0f), 448.0f);
-    unsigned short packed;  // cvt packs its first source into the upper byte
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(packed) : "f"(hi), "f"(lo));
-    pairs[i] = packed;
+    const float q0 = v[i] * r;
+    float quotient = v[i] == 0.0f ? q0 : fmaf(fmaf(-q0, scale, v[i]), r, q0);
+    if (!finite) quotient = __fdiv_rn(v[i], scale);
+    c[i] = fminf(fmaxf(quotient, -448.0f), 448.0f);
   }
-  q = make_uint2(pairs[0] | (pairs[1] << 16), pairs[2] | (pairs[3] << 16));
+  unsigned short lo, hi;  // cvt packs its first source into the upper byte
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(c[1]), "f"(c[0]));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(c[3]), "f"(c[2]));
+  q = static_cast<u32>(lo) | (static_cast<u32>(hi) << 16);
   return scale;
 }
 }  // namespace
@@ -226,7 +228,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       ptx::mbarrier_init(&full[s], 1);
       // Quantizing, every consumer warp frees the stage: the token scales are read by each.
       ptx::mbarrier_init(&empty[s], kQuantizeA ? kConsumerThreads / 32 : 1);
-      if constexpr (kQuantizeA) ptx::mbarrier_init(&quantized[s], kQuantizerThreads);
+      if constexpr (kQuantizeA) ptx::mbarrier_init(&quantized[s], 1);
     }
     ptx::fence_barrier_init();
   }
@@ -255,26 +257,24 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 
   if constexpr (kQuantizeA) {
     if (threadIdx.x >= kConsumerThreads) {
-      // ---- quantizer warpgroup: thread i takes 8 values (16 bytes) of token i / 16 (and + 8,
-      // ... for larger tiles), the 16 lanes of a half-warp one token's group. Tokens of a pass
-      // wholly past M are skipped: they only feed outputs that are never stored.
-      const int i = threadIdx.x - kConsumerThreads, chunk = i % 16;
-      const int rows = p.m - m0;
-      for (int kt = 0; kt < k_tiles; ++kt) {
+      // ---- quantizer warpgroup: warp w takes k-blocks w, w + 4, ... (four in flight), each
+      // token's group in turn, 4 values per lane. Tokens past M are left as they are: they only
+      // feed outputs that are never stored.
+      const int w = (threadIdx.x - kConsumerThreads) / 32, lane = threadIdx.x % 32;
+      const int rows = min(kTokens, p.m - m0);
+      for (int kt = w; kt < k_tiles; kt += kQuantizerThreads / 32) {
         const int s = kt % kStages;
         ptx::mbarrier_wait(&full[s], (kt / kStages) & 1);
-#pragma unroll
-        for (int pass = 0; pass < kTokens / 8; ++pass) {
-          if (pass * 8 >= rows) break;
-          const int t = pass * 8 + i / 16;
-          uint2 q;
-          const float scale = quantize_chunk(
-              *reinterpret_cast<const uint4*>(raw + s * kRawBytes + t * kBlockK * 2 + chunk * 16), q);
-          *reinterpret_cast<uint2*>(tokens + s * kTokenBytes + ptx::swizzle_offset<128>(t * kRowBytes + chunk * 8)) = q;
-          if (chunk == 0) scale_x_s[s][t] = scale;
+        for (int t = 0; t < rows; ++t) {
+          u32 q;
+          const float scale =
+              quantize_group(*reinterpret_cast<const uint2*>(raw + s * kRawBytes + t * kBlockK * 2 + lane * 8), q);
+          *reinterpret_cast<u32*>(tokens + s * kTokenBytes + ptx::swizzle_offset<128>(t * kRowBytes + lane * 4)) = q;
+          if (lane == 0) scale_x_s[s][t] = scale;
         }
         ptx::fence_proxy_async_shared();  // the e4m3 box is read by wgmma (the async proxy)
-        ptx::mbarrier_arrive(&quantized[s]);
+        __syncwarp();
+        if (lane == 0) ptx::mbarrier_arrive(&quantized[s]);
       }
       return;
     }

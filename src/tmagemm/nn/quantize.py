@@ -147,10 +147,11 @@ def block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.
                  out_dtype: torch.dtype) -> torch.Tensor:
     """The "block" recipe's product of a 2-D activation (contiguous last dimension, K % 16 == 0)
     with an (N, K) e4m3 weight and its 128x128 scales, plus ``bias``: (M, N) of out_dtype.
-    :func:`quantize_activation` then ``tmagemm.scaled_mm``; or, where the dispatcher would run
-    that fp8 GEMM on the native decode kernel (decode token counts, ``cuda.decode.takes``), that
-    kernel quantizing x itself (``cuda.decode.build_quantizing``): one launch instead of two,
-    the same fp8 values, scales, sums and output bit for bit."""
+    :func:`quantize_activation` then ``tmagemm.scaled_mm``; or, at one or two tokens where the
+    dispatcher would run that fp8 GEMM on the native decode kernel
+    (``cuda.decode.takes_quantizing``), that kernel quantizing x itself
+    (``cuda.decode.build_quantizing``): one launch instead of two, the same fp8 values, scales,
+    sums and output bit for bit."""
     check_device(x, "FP8Linear")
     call = call_for(lambda: ("nn.block_linear", tensor_key(x), tensor_key(weight), tensor_key(weight_scale_inv),
                              tensor_key(bias), out_dtype),
@@ -167,7 +168,7 @@ class _BlockLinear:
         self.shape, self.out_dtype, self.plan = (x.shape[0], weight.shape[0]), out_dtype, None
         m, k = x.shape
         if (x.is_cuda and x.dtype in decode.QUANTIZE_TYPES and envs.forced_backend() in (None, "auto", "cuda")
-                and m > 0 and decode.takes(m, weight.shape[0], k, 1, True, x.device)):
+                and m > 0 and decode.takes_quantizing(m, weight.shape[0], k, x.device)):
             args = GemmArgs(x, weight.t(), x.new_empty(self.shape, dtype=out_dtype), None, weight_scale_inv, bias,
                             True, (Scaling.BLOCK_1X128, Scaling.BLOCK_128X128))
             if decode.quantizing_reason(args) is None:
