@@ -13,6 +13,11 @@
 // With no split (1) a CTA streams 64 x K alone. A producer warp keeps TMAGEMM_STAGES k-blocks in
 // flight (16 x 9 KB); one consumer warpgroup multiplies.
 //
+// Quantizing form (TMAGEMM_DECODE_QUANTIZE): the activation arrives in bf16 / fp16 and a second
+// warpgroup quantizes each landed k-block of tokens into the e4m3 box wgmma reads, with the 1x128
+// quantizer's arithmetic (scales kept in shared memory), ahead of the multiplying warpgroup:
+// one launch where quantizer and GEMM took two, the same output bit for bit.
+//
 // Programmatic dependent launch: everything before the grid dependency wait is set-up (barriers,
 // descriptor prefetch), so it overlaps the previous kernel's tail; every load, the weight's
 // included (the previous kernel may write it), comes after the wait. The consumers signal the
@@ -188,12 +193,19 @@ __device__ __forceinline__ float quantize_group(uint2 bits, u32& q) {
   q = static_cast<u32>(lo) | (static_cast<u32>(hi) << 16);
   return scale;
 }
+#undef TMAGEMM_DECODE_F32
+#undef TMAGEMM_DECODE_F16
+#undef TMAGEMM_DECODE_F8
+#undef TMAGEMM_DECODE_F4
+#undef TMAGEMM_DECODE_TRANSPOSE
+#undef TMAGEMM_DECODE_WGMMA
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
     tmagemm_gemm_sm90_decode(const __grid_constant__ CUtensorMap map_w, const __grid_constant__ CUtensorMap map_x,
                              const __grid_constant__ DecodeParams p) {
-  // ---- shared memory: STAGES weight boxes (64 x 128 B), then STAGES token boxes, 1 KB aligned
+  // ---- shared memory: STAGES weight boxes (64 x 128 B), then STAGES token boxes, 1 KB aligned,
+  // then (quantizing) STAGES boxes of the 16-bit tokens as loaded
   extern __shared__ unsigned char smem_raw[];
   unsigned char* weights =
       reinterpret_cast<unsigned char*>((reinterpret_cast<u64>(smem_raw) + 1023) & ~static_cast<u64>(1023));
