@@ -20,8 +20,8 @@ from .quantize import (
     SCALED_MM_RECIPES,
     activation_ops,
     check_recipe,
-    linear_ops,
     dequantize_weight,
+    linear_ops,
     quantize_weight,
     weight_scale_shape,
 )
