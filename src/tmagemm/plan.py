@@ -77,6 +77,9 @@ class GemmArgs(NamedTuple):
         ``BLOCK_1X128``; scale_b (ceil(N/128), ceil(K/128)) with ``BLOCK_128X128`` or (N,
         ceil(K/128)) with ``BLOCK_1X128``; both 2-D fp32 with any strides (kernels take them).
         Block-scaled products always add each k-block's sum into fp32 (fast_accum is ignored).
+        One family also takes a bf16/fp16 ``a`` with scale_a None and (BLOCK_1X128, ...): a
+        quantized per 1x128 group inside the kernel (``cuda.decode.build_quantizing``, called
+        directly, never through the dispatcher).
     (A NamedTuple: it is built on a first call, and that costs a fraction of a dataclass.)
     """
 
