@@ -146,11 +146,13 @@ class QKV(torch.nn.Module):
 
 @pytest.fixture
 def count_quantizers(monkeypatch):
-    """Calls of the layers' standalone activation quantizer since the fixture."""
+    """Inputs the layers quantized themselves since the fixture: through the standalone
+    activation quantizer, or (block recipe) ``block_linear``, which quantizes its input before
+    or inside its GEMM."""
     import tmagemm.nn.linear as linear_module
 
     calls = []
-    real = linear_module.activation_ops
+    real, real_linear = linear_module.activation_ops, linear_module.linear_ops
 
     class Ops:
         def __getattr__(self, name):
@@ -160,7 +162,13 @@ def count_quantizers(monkeypatch):
             calls.append(tuple(x.shape))
             return real().quantize_activation(x, recipe)
 
+    class LinearOps:
+        def block_linear(self, x, *args):
+            calls.append(tuple(x.shape))
+            return real_linear().block_linear(x, *args)
+
     monkeypatch.setattr(linear_module, "activation_ops", Ops)
+    monkeypatch.setattr(linear_module, "linear_ops", LinearOps)
     return calls
 
 
@@ -309,7 +317,7 @@ def test_compile_traces_no_quantizer_for_linked_layers(seeded):
     out, code = traced(block, x)
     assert torch.equal(out, want)
     assert code.count("tmagemm_nn.rms_norm_quantize_activation(") == 2, code
-    assert "tmagemm_nn.quantize_activation(" not in code, code
+    assert "tmagemm_nn.quantize_activation(" not in code and "tmagemm_nn.block_linear(" not in code, code
     assert not any(norm.handoff.holding() for norm in (block.input_layernorm, block.post_attention_layernorm))
 
 

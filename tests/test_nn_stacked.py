@@ -50,10 +50,18 @@ def stacked(module, recipe="block"):
 
 @pytest.fixture
 def count_own_gemms(monkeypatch):
-    """The FP8 layers' GEMMs (their scaled_mm calls, a stack's included) made since the fixture."""
+    """The FP8 layers' GEMMs (their scaled_mm and, block recipe, block_linear calls, a stack's
+    included) made since the fixture."""
     calls = []
-    real = linear_module.scaled_mm
+    real, real_linear = linear_module.scaled_mm, linear_module.linear_ops
+
+    class LinearOps:
+        def block_linear(self, *args):
+            calls.append(1)
+            return real_linear().block_linear(*args)
+
     monkeypatch.setattr(linear_module, "scaled_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(linear_module, "linear_ops", LinearOps)
     return calls
 
 
@@ -160,8 +168,9 @@ def test_refusals():
 
 
 def test_compile_traces_one_gemm_for_the_stack(seeded):
-    """torch.compile(fullgraph=True): the traced graph holds one scaled_mm for q/k/v (the
-    members' hand-off is resolved while tracing), and runs to the eager result."""
+    """torch.compile(fullgraph=True): the traced graph holds one GEMM for q/k/v (the block
+    recipe's block_linear op; the members' hand-off is resolved while tracing), and runs to the
+    eager result."""
     fused = stacked(Attention())
     x = torch.randn(4, 256, device=DEVICE, dtype=HALF)
     with torch.no_grad():
@@ -169,7 +178,7 @@ def test_compile_traces_one_gemm_for_the_stack(seeded):
     out, code = traced(fused, x)
     for got, w in zip(out, want):
         assert torch.equal(got, w)
-    assert code.count("tmagemm.scaled_mm") == 1, code
+    assert code.count("tmagemm_nn.block_linear") == 1 and "tmagemm.scaled_mm" not in code, code
     assert not fused.q_proj.handoff.holding()
 
 
