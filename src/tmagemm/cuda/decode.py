@@ -97,7 +97,7 @@ QUANTIZE_GROUP = 128  # the quantizing form's activation group: one k-block of e
 QUANTIZE_SMEM = 100 * 1024
 # Tokens up to which the quantizing form replaces the quantizer and the GEMM (:func:`takes_quantizing`).
 # Its quantizer warps take a k-block each and its tokens' groups in turn, so their work grows
-# with the tokens. H100, 8 distinct weights chained in one CUDA graph, per GEMM against
+# with the tokens. H100, 8 GEMMs with distinct weights in one CUDA graph, per GEMM against
 # quantize_fp8(x, "1x128") + this kernel: at one token 10.1 / 25.6 / 45.5 us against 13.2 / 28.5 /
 # 47.7 (4096 x 4096, 4096 x 14336, 28672 x 4096; the GEMM alone 10.4 / 24.9 / 44.3), at four
 # 12.6 / 30.4 / 47.5 against 13.0 / 29.1 / 47.5, at sixteen 2.3-3.0x slower.
