@@ -35,7 +35,7 @@ import torch
 from .. import device as _device
 from .. import tma
 from ..jit.runtime import stream_getter
-from ..plan import GemmArgs, Plan, Scaling, Variant
+from ..plan import DECODE_MAX_TILES_PER_SM, DECODE_MIN_K, DECODE_MIN_N, GemmArgs, Plan, Scaling, Variant
 from ..tma import MapsByAddress, params_for_tensor
 from .gemm import _AB_TYPES, _OUT_TYPES, _ROW_BYTES, k_blocks, use_pdl
 
@@ -209,8 +209,6 @@ def takes(m: int, n: int, k: int, itemsize: int, block: bool, dev: torch.device)
     (block-scaled or not) on this kernel first (``plan._decode_first``): weights of at least
     ``plan.DECODE_MIN_N`` x ``DECODE_MIN_K``, at most ``DECODE_MAX_TILES_PER_SM`` weight tiles per
     SM, up to the rule's tokens and share of K per CTA."""
-    from ..plan import DECODE_MAX_TILES_PER_SM, DECODE_MIN_K, DECODE_MIN_N
-
     if not (n >= DECODE_MIN_N and k >= DECODE_MIN_K):
         return False
     rule = rule_of(itemsize, block, dev)
@@ -246,29 +244,39 @@ def supports(args: GemmArgs) -> str | None:
         layout = layout_of(args)
         if isinstance(layout, str):
             return layout
-    if args.m == 0 or args.n == 0 or args.k == 0:
-        return "zero-size problems are handled before dispatch"
-    if args.m > MAX_M:
-        return f"M={args.m} > {MAX_M}: the decode kernel puts the tokens in wgmma's N slot (n8 to n64)"
+    reason = _problem_reason(args)
+    if reason:
+        return reason
     if args.a.dtype not in _AB_TYPES or args.b.dtype != args.a.dtype:
         return f"a/b dtypes {args.a.dtype}/{args.b.dtype} not supported (fp16, bf16 or float8_e4m3fn, both equal)"
-    if args.out.dtype not in _OUT_TYPES:
-        return f"out dtype {args.out.dtype} not supported (bf16, fp16, fp32)"
     if args.is_fp8 and not args.fast_accum and args.block_scaling is None:
         return ("use_fast_accum=False needs fp32 promotion of the fp8 partial sums, which the decode kernel "
                 "does not do (triton.splitk does)")
     if (args.scale_a is not None or args.scale_b is not None) and not args.is_fp8:
         return "scales are only applied to fp8 problems"
-    if max(args.m, args.n, args.k) >= 2**31:
-        return "dimensions must fit in int32"
-    if args.bias is not None and args.bias.dtype not in _OUT_TYPES:
-        return f"bias dtype {args.bias.dtype} not supported (bf16, fp16, fp32)"
     k_major = tma.b_is_k_major(args.b)
     if args.is_fp8 and not k_major:
         return "fp8 b must be K-major (b = w.t() of a row-major (N, K) weight): fp8 wgmma reads K-major operands"
-    if args.n > 1 and args.out.stride(1) != 1:
-        return f"out columns must be contiguous, got stride {tuple(args.out.stride())}"
     return tma.operand_reason(args.a, "a", True) or tma.operand_reason(args.b, "b", not k_major)
+
+
+def _problem_reason(args: GemmArgs) -> str | None:
+    """The shape, output and bias rules both forms share (:func:`supports`,
+    :func:`quantizing_reason`)."""
+    m, n, k = args.m, args.n, args.k
+    if m == 0 or n == 0 or k == 0:
+        return "zero-size problems are handled before dispatch"
+    if m > MAX_M:
+        return f"M={m} > {MAX_M}: the decode kernel puts the tokens in wgmma's N slot (n8 to n64)"
+    if max(m, n, k) >= 2**31:
+        return "dimensions must fit in int32"
+    if args.out.dtype not in _OUT_TYPES:
+        return f"out dtype {args.out.dtype} not supported (bf16, fp16, fp32)"
+    if n > 1 and args.out.stride(1) != 1:
+        return f"out columns must be contiguous, got stride {tuple(args.out.stride())}"
+    if args.bias is not None and args.bias.dtype not in _OUT_TYPES:
+        return f"bias dtype {args.bias.dtype} not supported (bf16, fp16, fp32)"
+    return None
 
 
 class _DecodeParams(ctypes.Structure):
@@ -408,22 +416,11 @@ def quantizing_reason(args: GemmArgs) -> str | None:
         return f"weight scaling {Scaling(args.block_scaling[1]).name} is not BLOCK_128X128 or BLOCK_1X128"
     if args.b.dtype != torch.float8_e4m3fn:
         return f"b must be float8_e4m3fn, got {args.b.dtype}"
-    m, n, k = args.m, args.n, args.k
-    if m == 0 or n == 0 or k == 0:
-        return "zero-size problems are handled before dispatch"
-    if m > MAX_M:
-        return f"M={m} > {MAX_M}: the decode kernel puts the tokens in wgmma's N slot (n8 to n64)"
-    if max(m, n, k) >= 2**31:
-        return "dimensions must fit in int32"
-    if args.out.dtype not in _OUT_TYPES:
-        return f"out dtype {args.out.dtype} not supported (bf16, fp16, fp32)"
-    if n > 1 and args.out.stride(1) != 1:
-        return f"out columns must be contiguous, got stride {tuple(args.out.stride())}"
-    if args.bias is not None and (args.bias.dtype not in _OUT_TYPES or tuple(args.bias.shape) != (n,)
-                                  or (n > 1 and args.bias.stride(0) != 1)):
-        return f"bias must be a contiguous bf16, fp16 or fp32 ({n},) vector, got {args.bias.dtype} {tuple(args.bias.shape)}"
-    kb = -(-k // QUANTIZE_GROUP)
-    rows = n if args.block_scaling[1] == Scaling.BLOCK_1X128 else -(-n // QUANTIZE_GROUP)
+    reason = _problem_reason(args)
+    if reason:
+        return reason
+    kb = -(-args.k // QUANTIZE_GROUP)
+    rows = args.n if args.block_scaling[1] == Scaling.BLOCK_1X128 else -(-args.n // QUANTIZE_GROUP)
     sb = args.scale_b
     if sb is None or sb.dtype != torch.float32 or tuple(sb.shape) != (rows, kb) or sb.device != args.a.device:
         got = "None" if sb is None else f"{sb.dtype} {tuple(sb.shape)} on {sb.device}"

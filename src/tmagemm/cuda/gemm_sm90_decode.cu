@@ -331,6 +331,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     auto issue = [&](int kt, float(&part)[kAccRegs]) {
       const int s = kt % kStages;
       ptx::mbarrier_wait(&full[s], (kt / kStages) & 1);
+      // Quantizing, the weight box is seen landed (full, above) and the quantizer's e4m3 box here.
       if constexpr (kQuantizeA) ptx::mbarrier_wait(&quantized[s], (kt / kStages) & 1);
 #pragma unroll
       for (int i = 0; i < kAccRegs; ++i) part[i] = 0.0f;

@@ -174,7 +174,7 @@ class Kernel:
 
     def _opt_in_smem(self, smem_bytes: int) -> None:
         with self._lock:
-            if self._smem_opt_in is not None and smem_bytes <= self._smem_opt_in:
+            if smem_bytes <= self._smem_opt_in:
                 return
             driver = _driver()
             attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES

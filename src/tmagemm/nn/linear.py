@@ -183,9 +183,8 @@ class FP8Linear(nn.Module):
                 weight, weight_scale_inv = self.weight, self.weight_scale_inv
             y = linear_ops().block_linear(as_rows(x, self.in_features), weight, weight_scale_inv, bias, x.dtype)
         else:
-            if handed is None:
-                handed = activation_ops().quantize_activation(as_rows(x, self.in_features), self.recipe)
-            y = self.quantized_input_mm(*handed, bias, x.dtype, weight, weight_scale_inv)
+            xq, xs = handed if handed is not None else quantize_input(x, self.in_features, self.recipe)
+            y = self.quantized_input_mm(xq, xs, bias, x.dtype, weight, weight_scale_inv)
         return y.reshape(*x.shape[:-1], y.shape[1])
 
     def quantized_input_mm(self, xq: torch.Tensor, xs: torch.Tensor, bias: torch.Tensor | None,

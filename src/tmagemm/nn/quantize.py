@@ -28,6 +28,7 @@ from types import SimpleNamespace
 import torch
 
 from .. import envs
+from ..cuda import decode
 from ..plan import GemmArgs, Scaling, activation_scales_m_major, call_for, tensor_key
 from ..quant import quantize_fp8
 from ..tma import aligned_empty
@@ -152,19 +153,27 @@ def block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.
     (``cuda.decode.takes_quantizing``), that kernel quantizing x itself
     (``cuda.decode.build_quantizing``): one launch instead of two, the same fp8 values, scales,
     sums and output bit for bit."""
-    check_device(x, "FP8Linear")
+    if x.shape[0] > decode.QUANTIZE_MAX_M:  # no signature to look up: the two launches
+        return _quantize_then_multiply(x, weight, weight_scale_inv, bias, out_dtype)
     call = call_for(lambda: ("nn.block_linear", tensor_key(x), tensor_key(weight), tensor_key(weight_scale_inv),
                              tensor_key(bias), out_dtype),
                     lambda: _BlockLinear(x, weight, weight_scale_inv, bias, out_dtype))
     return call(x, weight, weight_scale_inv, bias)
 
 
+def _quantize_then_multiply(x, weight, weight_scale_inv, bias, out_dtype) -> torch.Tensor:
+    from ..api import scaled_mm
+
+    xq, xs = quantize_activation(x, "block")
+    return scaled_mm(xq, weight.t(), xs, weight_scale_inv, bias=bias, out_dtype=out_dtype, scale_recipe_a="1x128",
+                     scale_recipe_b="128x128")
+
+
 class _BlockLinear:
-    """:func:`block_linear` for one signature: the quantizing decode plan, or None (two launches)."""
+    """:func:`block_linear` for one signature of at most QUANTIZE_MAX_M tokens: the quantizing
+    decode plan, or None (the two launches)."""
 
     def __init__(self, x, weight, weight_scale_inv, bias, out_dtype):
-        from ..cuda import decode
-
         self.shape, self.out_dtype, self.plan = (x.shape[0], weight.shape[0]), out_dtype, None
         m, k = x.shape
         # A capture cannot load the kernel's module: a signature first seen while capturing takes
@@ -179,11 +188,7 @@ class _BlockLinear:
 
     def __call__(self, x, weight, weight_scale_inv, bias):
         if self.plan is None:
-            from ..api import scaled_mm
-
-            xq, xs = quantize_activation(x, "block")
-            return scaled_mm(xq, weight.t(), xs, weight_scale_inv, bias=bias, out_dtype=self.out_dtype,
-                             scale_recipe_a="1x128", scale_recipe_b="128x128")
+            return _quantize_then_multiply(x, weight, weight_scale_inv, bias, self.out_dtype)
         out = x.new_empty(self.shape, dtype=self.out_dtype)
         self.plan.run(x, weight.t(), out, None, weight_scale_inv, bias)
         return out

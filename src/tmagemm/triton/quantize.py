@@ -273,7 +273,7 @@ def rows_per_program(per_group: bool, on_gpu: bool) -> int:
     keep the most bytes in flight, as the 1x128 quantizer measured), or one whole row in
     1024-wide steps per program (one scale per row; decode has a few rows). The interpreter runs
     each program as numpy calls: 16 rows, fewer and larger ones."""
-    return (16 if per_group else 1) if on_gpu else 16
+    return 1 if on_gpu and not per_group else 16
 
 
 def fp8_rows(rows: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
