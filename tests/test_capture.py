@@ -321,3 +321,67 @@ def test_compile_default_mode(kind, fresh_dynamo, seeded):
             for _ in range(2):
                 inputs = model.inputs(m)
                 model.check(inputs, compiled(*inputs, *model.weights), "compiled")
+
+
+COLD_CAPTURE = r"""
+import sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from gemm_ref import FP8, check_product
+import tmagemm
+from tmagemm import nn as tnn
+
+torch.manual_seed(0)
+w8, sw8 = tmagemm.quantize_fp8(torch.randn(4096, 4096, device="cuda"), "row")
+w16 = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+layer = tnn.FP8Linear.from_linear(torch.nn.Linear(4096, 4096, device="cuda", dtype=torch.bfloat16))
+cases = []
+for m in (1, 16, 100):
+    x8, sx8 = tmagemm.quantize_fp8(torch.randn(m, 4096, device="cuda"), "row")
+    cases.append(("fp8", m, (x8, sx8), torch.full((m, 4096), float("nan"), device="cuda", dtype=torch.bfloat16)))
+    cases.append(("bf16", m, (torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16),),
+                  torch.full((m, 4096), float("nan"), device="cuda", dtype=torch.bfloat16)))
+x_layer = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+torch.cuda.synchronize()
+graph = torch.cuda.CUDAGraph()
+with torch.no_grad(), torch.cuda.graph(graph):  # no call of any of these ran before
+    for kind, m, inputs, out in cases:
+        if kind == "fp8":
+            tmagemm.scaled_mm(inputs[0], w8.t(), inputs[1], sw8.reshape(1, -1), out=out)
+        else:
+            tmagemm.matmul(inputs[0], w16.t(), out=out)
+    y_layer = layer(x_layer)
+for replay in range(2):
+    for kind, m, inputs, out in cases:
+        inputs[0].copy_(torch.randn(m, 4096, device="cuda").to(inputs[0].dtype))
+        out.fill_(float("nan"))
+    x_layer.copy_(torch.randn_like(x_layer))
+    graph.replay()
+    torch.cuda.synchronize()
+    for kind, m, inputs, out in cases:
+        if kind == "fp8":
+            check_product(out, inputs[0], w8.t(), inputs[1], sw8.reshape(1, -1), f"fp8 M={m} replay {replay}")
+        else:
+            check_product(out, inputs[0], w16.t(), what=f"bf16 M={m} replay {replay}")
+    with torch.no_grad():
+        want = layer.quantized_input_mm(*tnn.quantize.quantize_activation(x_layer, "block"), layer.bias, x_layer.dtype)
+    assert torch.equal(y_layer, want), f"block FP8Linear replay {replay}"
+print("cold capture ok")
+"""
+
+
+def test_capture_without_warm_up(tmp_path, seeded):
+    """A process whose very first tmagemm calls are inside ``torch.cuda.graph`` (empty Triton and
+    tmagemm compile caches, so kernels are compiled and modules loaded during the capture): fp8
+    and bf16 GEMMs at M = 1, 16, 100 and a block-recipe FP8Linear at one token, replayed twice
+    with new inputs against float64 / the layer's two-launch path."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"), TMAGEMM_CACHE_DIR=str(tmp_path / "tmagemm"),
+               TMAGEMM_AUTOTUNE="0")
+    done = subprocess.run([sys.executable, "-c", COLD_CAPTURE, str(Path(__file__).parent)], env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0 and "cold capture ok" in done.stdout, done.stdout[-3000:] + done.stderr[-6000:]
