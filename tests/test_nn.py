@@ -715,9 +715,9 @@ def test_tensor_parallel_mlp(recipe, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 2, 5])
+@pytest.mark.parametrize("m", [1, 2, 3, 5])
 def test_gpu_block_layer_quantizes_inside_the_decode_gemm(m, seeded):
-    """At one or two tokens a "block" FP8Linear runs one kernel, the decode GEMM quantizing its
+    """At one to four tokens a "block" FP8Linear runs one kernel, the decode GEMM quantizing its
     input (nn.quantize.block_linear), whose output is the two-launch path's bit for bit:
     eagerly, in a CUDA graph replayed with new inputs, and compiled; at five it quantizes first."""
     from tmagemm.cuda import decode

@@ -96,12 +96,12 @@ QUANTIZE_GROUP = 128  # the quantizing form's activation group: one k-block of e
 # share an SM where the 8-stage ring let them).
 QUANTIZE_SMEM = 100 * 1024
 # Tokens up to which the quantizing form replaces the quantizer and the GEMM (:func:`takes_quantizing`).
-# Its quantizer warps take a k-block each and its tokens' groups in turn, so their work grows
-# with the tokens. H100, 8 GEMMs with distinct weights in one CUDA graph, per GEMM against
-# quantize_fp8(x, "1x128") + this kernel: at one token 10.1 / 25.6 / 45.5 us against 13.2 / 28.5 /
-# 47.7 (4096 x 4096, 4096 x 14336, 28672 x 4096; the GEMM alone 10.4 / 24.9 / 44.3), at four
-# 12.6 / 30.4 / 47.5 against 13.0 / 29.1 / 47.5, at sixteen 2.3-3.0x slower.
-QUANTIZE_MAX_M = 2
+# Every CTA quantizes its share of K for all its tokens, so the quantizer warps' work grows with
+# the tokens. H100, 8 GEMMs with distinct weights in one CUDA graph, per GEMM (4096 x 4096,
+# 4096 x 14336, 6144 x 4096) against quantize_fp8(x, "1x128") + this kernel: one token 10.0 /
+# 25.3 / 13.2 us against 13.1 / 28.6 / 15.1, four 10.2 / 27.4 / 14.2 against 12.8 / 29.3 / 14.9;
+# eight 11.4 / 30.0 / 15.2 against 12.9 / 29.4 / 15.1 (mixed), sixteen 1.3-1.4x slower.
+QUANTIZE_MAX_M = 4
 
 
 @dataclass(frozen=True)

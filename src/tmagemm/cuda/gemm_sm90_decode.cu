@@ -152,11 +152,6 @@ __device__ __forceinline__ void mma(float (&d)[kAccRegs], u64 desc_w, u64 desc_x
 }
 #undef TMAGEMM_DECODE_MMA
 
-// One token's 1x128 group of 16-bit activation values as tmagemm's 1x128 quantizer makes it
-// (triton/quantize.py): magnitudes with NaN as +Inf, scale = max(amax / 448 correctly rounded, the
-// smallest normal), q = x / scale correctly rounded, clamped to +-448 and rounded to nearest even
-// on the e4m3 grid (cvt.rn.satfinite). A warp holds the group, 4 values (8 bytes) per lane;
-// returns the scale and the lane's 4 e4m3 values.
 __device__ __forceinline__ float to_float16bit(u32 bits) {
   if constexpr (kQuantize == 1) return __uint_as_float(bits << 16);
   float out;
@@ -164,34 +159,95 @@ __device__ __forceinline__ float to_float16bit(u32 bits) {
   return out;
 }
 
-__device__ __forceinline__ float quantize_group(uint2 bits, u32& q) {
-  float v[4] = {to_float16bit(bits.x & 0xffffu), to_float16bit(bits.x >> 16), to_float16bit(bits.y & 0xffffu),
-                to_float16bit(bits.y >> 16)};
-  float amax = 0.0f;
+// One stage's tokens quantized per 1x128 group as tmagemm's 1x128 quantizer does
+// (triton/quantize.py): magnitudes with NaN as +Inf, scale = max(amax / 448 correctly rounded, the
+// smallest normal), q = x / scale correctly rounded, clamped to +-448 and rounded to nearest even
+// on the e4m3 grid (cvt.rn.satfinite). A group is spread over 128 / kValues lanes, kValues of its
+// values each, so a warp takes kValues / 4 tokens at a time: few values per lane keep a lone
+// token's latency short (the ring waits on it), more share each lane's two divisions among more
+// values when many tokens must be quantized per k-block.
+// raw: the stage's 16-bit tokens (rows of 2 kBlockK bytes); box: its e4m3 box (128B-swizzled
+// rows); scales: its token scales; rows: the CTA's real tokens. Tokens past them are left as
+// they are: they only feed outputs that are never stored.
+template <int kValues>
+__device__ __forceinline__ void quantize_stage(const unsigned char* raw, unsigned char* box, float* scales, int rows,
+                                               int lane) {
+  constexpr int kLanes = kBlockK / kValues;    // lanes per group
+  constexpr int kGroups = 32 / kLanes;         // groups per warp at a time
+  constexpr int kRun = kValues < 8 ? kValues : 8;  // values per load: 16 bytes, 8 for kValues = 4
+  static_assert(kValues == 4 || kValues == 8 || kValues == 16 || kValues == 32, "4 to 32 values per lane");
+  const int sub = lane / kLanes, part = lane % kLanes;
+  for (int t0 = 0; t0 < rows; t0 += kGroups) {
+    // Only real tokens' groups: an all-zero group's scale (the smallest normal) would send its
+    // reciprocal down the division's slow path. Their lanes shuffle among themselves only.
+    const int groups = min(kGroups, rows - t0);
+    if (sub >= groups) break;
+    const u32 taking = groups == kGroups ? 0xffffffffu : (1u << (groups * kLanes)) - 1;
+    const int t = t0 + sub;
+    // Run j of a lane holds values j * kRun * kLanes + part * kRun ...: a group's lanes read
+    // contiguous bytes per load (no bank conflict).
+    float v[kValues];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) amax = fmaxf(amax, v[i] == v[i] ? fabsf(v[i]) : __int_as_float(0x7f800000));
+    for (int j = 0; j < kValues / kRun; ++j) {
+      const unsigned char* at = raw + t * kBlockK * 2 + (j * kLanes + part) * kRun * 2;
+      u32 words[kRun / 2];
+      if constexpr (kRun == 8) {
+        const uint4 w = *reinterpret_cast<const uint4*>(at);
+        words[0] = w.x, words[1] = w.y, words[2] = w.z, words[3] = w.w;
+      } else {
+        const uint2 w = *reinterpret_cast<const uint2*>(at);
+        words[0] = w.x, words[1] = w.y;
+      }
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  const float scale = fmaxf(__fdiv_rn(amax, 448.0f), 1.17549435e-38f);
-  // x / scale correctly rounded with one division per group: from the correctly rounded
-  // reciprocal r, q0 = x r is within an ulp and q0 + r (x - q0 scale), the remainder exact by
-  // fma, rounds to the quotient (Markstein). A zero keeps its sign as the division would; an
-  // infinite scale (a non-finite value in the group) takes the division itself.
-  const float r = __fdiv_rn(1.0f, scale);
-  const bool finite = scale < __int_as_float(0x7f800000);
-  float c[4];
+      for (int i = 0; i < kRun / 2; ++i) {
+        v[j * kRun + 2 * i] = to_float16bit(words[i] & 0xffffu);
+        v[j * kRun + 2 * i + 1] = to_float16bit(words[i] >> 16);
+      }
+    }
+    float amax = 0.0f;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float q0 = v[i] * r;
-    float quotient = v[i] == 0.0f ? q0 : fmaf(fmaf(-q0, scale, v[i]), r, q0);
-    if (!finite) quotient = __fdiv_rn(v[i], scale);
-    c[i] = fminf(fmaxf(quotient, -448.0f), 448.0f);
+    for (int i = 0; i < kValues; ++i) amax = fmaxf(amax, v[i] == v[i] ? fabsf(v[i]) : __int_as_float(0x7f800000));
+#pragma unroll
+    for (int o = kLanes / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(taking, amax, o));
+    const float scale = fmaxf(__fdiv_rn(amax, 448.0f), 1.17549435e-38f);
+    // x / scale correctly rounded with one division per group: from the correctly rounded
+    // reciprocal r, q0 = x r is within an ulp and q0 + r (x - q0 scale), the remainder exact by
+    // fma, rounds to the quotient (Markstein). A zero keeps its sign as the division would; an
+    // infinite scale (a non-finite value in the group) takes the division itself. One branch
+    // per group, not one per value.
+    float c[kValues];
+    if (scale < __int_as_float(0x7f800000)) {
+      const float r = __fdiv_rn(1.0f, scale);
+#pragma unroll
+      for (int i = 0; i < kValues; ++i) {
+        const float q0 = v[i] * r;
+        c[i] = v[i] == 0.0f ? q0 : fmaf(fmaf(-q0, scale, v[i]), r, q0);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kValues; ++i) c[i] = __fdiv_rn(v[i], scale);
+    }
+#pragma unroll
+    for (int j = 0; j < kValues / kRun; ++j) {
+      u32 packed[kRun / 4];
+#pragma unroll
+      for (int i = 0; i < kRun / 4; ++i) {
+        const float* f = c + j * kRun + 4 * i;
+        unsigned short lo, hi;  // cvt packs its first source into the upper byte
+        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n"
+            : "=h"(lo)
+            : "f"(fminf(fmaxf(f[1], -448.0f), 448.0f)), "f"(fminf(fmaxf(f[0], -448.0f), 448.0f)));
+        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n"
+            : "=h"(hi)
+            : "f"(fminf(fmaxf(f[3], -448.0f), 448.0f)), "f"(fminf(fmaxf(f[2], -448.0f), 448.0f)));
+        packed[i] = static_cast<u32>(lo) | (static_cast<u32>(hi) << 16);
+      }
+      unsigned char* to = box + ptx::swizzle_offset<128>(t * kRowBytes + (j * kLanes + part) * kRun);
+      if constexpr (kRun == 8) *reinterpret_cast<uint2*>(to) = make_uint2(packed[0], packed[1]);
+      else *reinterpret_cast<u32*>(to) = packed[0];
+    }
+    if (part == 0) scales[t] = scale;
   }
-  unsigned short lo, hi;  // cvt packs its first source into the upper byte
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(c[1]), "f"(c[0]));
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(c[3]), "f"(c[2]));
-  q = static_cast<u32>(lo) | (static_cast<u32>(hi) << 16);
-  return scale;
 }
 #undef TMAGEMM_DECODE_F32
 #undef TMAGEMM_DECODE_F16
@@ -269,21 +325,19 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 
   if constexpr (kQuantizeA) {
     if (threadIdx.x >= kConsumerThreads) {
-      // ---- quantizer warpgroup: warp w takes k-blocks w, w + 4, ... (four in flight), each
-      // token's group in turn, 4 values per lane. Tokens past M are left as they are: they only
-      // feed outputs that are never stored.
+      // ---- quantizer warpgroup: warp w takes k-blocks w, w + 4, ... (four in flight); per CTA
+      // its tokens set how many values of a group each lane takes (measured: 4 for one token, 8
+      // for two, 16 from three on).
       const int w = (threadIdx.x - kConsumerThreads) / 32, lane = threadIdx.x % 32;
       const int rows = min(kTokens, p.m - m0);
       for (int kt = w; kt < k_tiles; kt += kQuantizerThreads / 32) {
         const int s = kt % kStages;
         ptx::mbarrier_wait(&full[s], (kt / kStages) & 1);
-        for (int t = 0; t < rows; ++t) {
-          u32 q;
-          const float scale =
-              quantize_group(*reinterpret_cast<const uint2*>(raw + s * kRawBytes + t * kBlockK * 2 + lane * 8), q);
-          *reinterpret_cast<u32*>(tokens + s * kTokenBytes + ptx::swizzle_offset<128>(t * kRowBytes + lane * 4)) = q;
-          if (lane == 0) scale_x_s[s][t] = scale;
-        }
+        const unsigned char* stage = raw + s * kRawBytes;
+        unsigned char* box = tokens + s * kTokenBytes;
+        if (rows == 1) quantize_stage<4>(stage, box, scale_x_s[s], rows, lane);
+        else if (rows == 2) quantize_stage<8>(stage, box, scale_x_s[s], rows, lane);
+        else quantize_stage<16>(stage, box, scale_x_s[s], rows, lane);
         ptx::fence_proxy_async_shared();  // the e4m3 box is read by wgmma (the async proxy)
         __syncwarp();
         if (lane == 0) ptx::mbarrier_arrive(&quantized[s]);
