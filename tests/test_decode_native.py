@@ -224,8 +224,9 @@ def test_block_scaled_builds_for_sm90a(scales, tokens):
 @pytest.mark.parametrize("scales", [decode.SCALES_BLOCK_128X128, decode.SCALES_BLOCK_PER_ROW],
                          ids=["128x128", "per_row"])
 def test_quantizing_builds_for_sm90a(scales, tokens, split, x_dtype):
-    """The quantizing form: the 16-bit tokens land unswizzled (no 128B box for them), each value
-    divided correctly rounded and converted with round-to-nearest-even saturation, the e4m3 box
+    """The quantizing form: the 16-bit tokens land unswizzled (no 128B box for them) and are read
+    and written back with shared-memory instructions (not generic ones), each value divided
+    correctly rounded and converted with round-to-nearest-even saturation, the e4m3 box
     published to wgmma by a proxy fence and an mbarrier; no spills; only a's scale copies are
     gone (b's still come by cp.async)."""
     config = decode.DecodeConfig(tokens, 6, split)
@@ -235,6 +236,7 @@ def test_quantizing_builds_for_sm90a(scales, tokens, split, x_dtype):
     body = module.ptx[module.ptx.index(".entry"):]
     assert "cvt.rn.satfinite.e4m3x2.f32" in body and "div.rn.f32" in body
     assert "fence.proxy.async.shared::cta" in body and "shfl.sync.bfly" in body
+    assert "ld.shared.v4.b32" in body and "ld.shared.v2.b32" in body and "st.shared.v2.b32" in body
     assert "cp.async.ca.shared.global" in body
     plain = decode.compile_module(config, FP8, torch.bfloat16, scales=scales).ptx
     assert "cvt.rn.satfinite.e4m3x2.f32" not in plain[plain.index(".entry"):]

@@ -166,12 +166,11 @@ __device__ __forceinline__ float to_float16bit(u32 bits) {
 // values each, so a warp takes kValues / 4 tokens at a time: few values per lane keep a lone
 // token's latency short (the ring waits on it), more share each lane's two divisions among more
 // values when many tokens must be quantized per k-block.
-// raw: the stage's 16-bit tokens (rows of 2 kBlockK bytes); box: its e4m3 box (128B-swizzled
-// rows); scales: its token scales; rows: the CTA's real tokens. Tokens past them are left as
-// they are: they only feed outputs that are never stored.
+// raw: the stage's 16-bit tokens (rows of 2 kBlockK bytes) and box: its e4m3 box (128B-swizzled
+// rows), as shared-window addresses; scales: its token scales; rows: the CTA's real tokens.
+// Tokens past them are left as they are: they only feed outputs that are never stored.
 template <int kValues>
-__device__ __forceinline__ void quantize_stage(const unsigned char* raw, unsigned char* box, float* scales, int rows,
-                                               int lane) {
+__device__ __forceinline__ void quantize_stage(u32 raw, u32 box, float* scales, int rows, int lane) {
   constexpr int kLanes = kBlockK / kValues;    // lanes per group
   constexpr int kGroups = 32 / kLanes;         // groups per warp at a time
   constexpr int kRun = kValues < 8 ? kValues : 8;  // values per load: 16 bytes, 8 for kValues = 4
@@ -189,13 +188,13 @@ __device__ __forceinline__ void quantize_stage(const unsigned char* raw, unsigne
     float v[kValues];
 #pragma unroll
     for (int j = 0; j < kValues / kRun; ++j) {
-      const unsigned char* at = raw + t * kBlockK * 2 + (j * kLanes + part) * kRun * 2;
+      const u32 at = raw + t * kBlockK * 2 + (j * kLanes + part) * kRun * 2;
       u32 words[kRun / 2];
       if constexpr (kRun == 8) {
-        const uint4 w = *reinterpret_cast<const uint4*>(at);
+        const uint4 w = ptx::ld_shared_v4(at);
         words[0] = w.x, words[1] = w.y, words[2] = w.z, words[3] = w.w;
       } else {
-        const uint2 w = *reinterpret_cast<const uint2*>(at);
+        const uint2 w = ptx::ld_shared_v2(at);
         words[0] = w.x, words[1] = w.y;
       }
 #pragma unroll
@@ -242,9 +241,9 @@ __device__ __forceinline__ void quantize_stage(const unsigned char* raw, unsigne
             : "f"(fminf(fmaxf(f[3], -448.0f), 448.0f)), "f"(fminf(fmaxf(f[2], -448.0f), 448.0f)));
         packed[i] = static_cast<u32>(lo) | (static_cast<u32>(hi) << 16);
       }
-      unsigned char* to = box + ptx::swizzle_offset<128>(t * kRowBytes + (j * kLanes + part) * kRun);
-      if constexpr (kRun == 8) *reinterpret_cast<uint2*>(to) = make_uint2(packed[0], packed[1]);
-      else *reinterpret_cast<u32*>(to) = packed[0];
+      const u32 to = box + ptx::swizzle_offset<128>(t * kRowBytes + (j * kLanes + part) * kRun);
+      if constexpr (kRun == 8) ptx::st_shared_v2(to, make_uint2(packed[0], packed[1]));
+      else ptx::st_shared_u32(to, packed[0]);
     }
     if (part == 0) scales[t] = scale;
   }
@@ -333,8 +332,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       for (int kt = w; kt < k_tiles; kt += kQuantizerThreads / 32) {
         const int s = kt % kStages;
         ptx::mbarrier_wait(&full[s], (kt / kStages) & 1);
-        const unsigned char* stage = raw + s * kRawBytes;
-        unsigned char* box = tokens + s * kTokenBytes;
+        const u32 stage = ptx::smem_u32(raw + s * kRawBytes), box = ptx::smem_u32(tokens + s * kTokenBytes);
         if (rows == 1) quantize_stage<4>(stage, box, scale_x_s[s], rows, lane);
         else if (rows == 2) quantize_stage<8>(stage, box, scale_x_s[s], rows, lane);
         else quantize_stage<16>(stage, box, scale_x_s[s], rows, lane);

@@ -52,6 +52,30 @@ __device__ __forceinline__ void ld_shared_cluster_v4(float (&v)[4], unsigned clu
                : "memory");
 }
 
+// 16 or 8 bytes at a shared-window address (smem_u32). For buffers whose pointer the compiler
+// cannot trace to shared memory (one aligned through an integer): it would emit generic loads
+// and stores, slower than ld/st.shared.
+__device__ __forceinline__ uint4 ld_shared_v4(unsigned addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint2 ld_shared_v2(unsigned addr) {
+  uint2 v;
+  asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_shared_v2(unsigned addr, uint2 v) {
+  asm volatile("st.shared.v2.b32 [%0], {%1, %2};" ::"r"(addr), "r"(v.x), "r"(v.y) : "memory");
+}
+
+__device__ __forceinline__ void st_shared_u32(unsigned addr, unsigned v) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+
 // Byte offset inside a tile -> byte offset in shared memory under the TMA swizzle modes.
 // SPAN is the swizzle span in bytes (0 = none, 32, 64, 128). The 16-byte chunk index inside the
 // span (bits 4..) is XORed with the 128-byte row index (bits 7..) modulo SPAN/16. Valid when the
