@@ -99,8 +99,8 @@ QUANTIZE_SMEM = 100 * 1024
 # Every CTA quantizes its share of K for all its tokens, so the quantizer warps' work grows with
 # the tokens. H100, 8 GEMMs with distinct weights in one CUDA graph, per GEMM (4096 x 4096,
 # 4096 x 14336, 6144 x 4096) against quantize_fp8(x, "1x128") + this kernel: one token 10.0 /
-# 25.3 / 13.2 us against 13.1 / 28.6 / 15.1, four 10.2 / 27.4 / 14.2 against 12.8 / 29.3 / 14.9;
-# eight 11.4 / 30.0 / 15.2 against 12.9 / 29.4 / 15.1 (mixed), sixteen 1.3-1.4x slower.
+# 25.2 / 13.1 us against 13.1 / 29.0 / 15.1, four 10.2 / 27.2 / 14.1 against 12.8 / 29.1 / 14.9;
+# eight 11.2 / 29.7 / 15.2 against 12.9 / 29.3 / 15.1 (mixed), sixteen 1.2-1.4x slower.
 QUANTIZE_MAX_M = 4
 
 
