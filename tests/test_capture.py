@@ -342,6 +342,10 @@ for m in (1, 16, 100):
     cases.append(("bf16", m, (torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16),),
                   torch.full((m, 4096), float("nan"), device="cuda", dtype=torch.bfloat16)))
 x_layer = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+from tmagemm.cuda import decode
+built = []
+build_quantizing = decode.build_quantizing
+decode.build_quantizing = lambda args, config=None: built.append(args.m) or build_quantizing(args, config)
 torch.cuda.synchronize()
 graph = torch.cuda.CUDAGraph()
 with torch.no_grad(), torch.cuda.graph(graph):  # no call of any of these ran before
@@ -351,6 +355,7 @@ with torch.no_grad(), torch.cuda.graph(graph):  # no call of any of these ran be
         else:
             tmagemm.matmul(inputs[0], w16.t(), out=out)
     y_layer = layer(x_layer)
+assert built == [1], f"the block layer's one-launch form was not built in the capture: {built}"
 for replay in range(2):
     for kind, m, inputs, out in cases:
         inputs[0].copy_(torch.randn(m, 4096, device="cuda").to(inputs[0].dtype))
@@ -373,8 +378,9 @@ print("cold capture ok")
 def test_capture_without_warm_up(tmp_path, seeded):
     """A process whose very first tmagemm calls are inside ``torch.cuda.graph`` (empty Triton and
     tmagemm compile caches, so kernels are compiled and modules loaded during the capture): fp8
-    and bf16 GEMMs at M = 1, 16, 100 and a block-recipe FP8Linear at one token, replayed twice
-    with new inputs against float64 / the layer's two-launch path."""
+    and bf16 GEMMs at M = 1, 16, 100 and a block-recipe FP8Linear at one token (its one-launch
+    form, the decode kernel quantizing x), replayed twice with new inputs against float64 / the
+    layer's two-launch path."""
     import os
     import subprocess
     import sys

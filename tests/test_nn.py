@@ -715,11 +715,11 @@ def test_tensor_parallel_mlp(recipe, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 2, 3, 5])
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 9])
 def test_gpu_block_layer_quantizes_inside_the_decode_gemm(m, seeded):
-    """At one to four tokens a "block" FP8Linear runs one kernel, the decode GEMM quantizing its
+    """At one to eight tokens a "block" FP8Linear runs one kernel, the decode GEMM quantizing its
     input (nn.quantize.block_linear), whose output is the two-launch path's bit for bit:
-    eagerly, in a CUDA graph replayed with new inputs, and compiled; at five it quantizes first."""
+    eagerly, in a CUDA graph replayed with new inputs, and compiled; at nine it quantizes first."""
     from tmagemm.cuda import decode
     from tmagemm import plan
     from tmagemm.nn import quantize as quantize_module

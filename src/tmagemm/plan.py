@@ -633,8 +633,8 @@ def run_gemm(key, a, b, out, scale_a, scale_b, bias, fast_accum: bool, backend: 
     """Write the checked GEMM into ``out`` and return it, planning once per ``key`` (None: do not
     remember). Block-scaled calls pass ``block_scales`` (the user's scales -> the kernels' 2-D
     views) and the resulting ``block_scaling``. Plans made while a CUDA graph is being captured
-    are not kept: a capture cannot load modules, so they launch through Triton's launcher, and
-    later eager calls deserve the direct launch."""
+    are not kept: their Triton kernels launch through Triton's launcher there, and later eager
+    calls deserve the direct launch."""
     user = (scale_a, scale_b, bias)
     if block_scales is not None:
         scale_a, scale_b = block_scales(scale_a, scale_b)

@@ -98,10 +98,10 @@ QUANTIZE_SMEM = 100 * 1024
 # Tokens up to which the quantizing form replaces the quantizer and the GEMM (:func:`takes_quantizing`).
 # Every CTA quantizes its share of K for all its tokens, so the quantizer warps' work grows with
 # the tokens. H100, 8 GEMMs with distinct weights in one CUDA graph, per GEMM (4096 x 4096,
-# 4096 x 14336, 6144 x 4096) against quantize_fp8(x, "1x128") + this kernel: one token 10.0 /
-# 25.2 / 13.1 us against 13.1 / 29.0 / 15.1, four 10.2 / 27.2 / 14.1 against 12.8 / 29.1 / 14.9;
-# eight 11.2 / 29.7 / 15.2 against 12.9 / 29.3 / 15.1 (mixed), sixteen 1.2-1.4x slower.
-QUANTIZE_MAX_M = 4
+# 4096 x 14336, 6144 x 4096) against quantize_fp8(x, "1x128") + this kernel: one token 9.9 /
+# 25.1 / 13.0 us against 13.2 / 28.7 / 15.1, four 10.1 / 26.4 / 13.8 against 12.9 / 29.4 / 14.9,
+# eight 10.7 / 28.2 / 14.7 against 12.9 / 29.4 / 15.0; sixteen 1.1-1.3x slower.
+QUANTIZE_MAX_M = 8
 
 
 @dataclass(frozen=True)

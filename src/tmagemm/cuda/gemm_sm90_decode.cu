@@ -152,6 +152,8 @@ __device__ __forceinline__ void mma(float (&d)[kAccRegs], u64 desc_w, u64 desc_x
 }
 #undef TMAGEMM_DECODE_MMA
 
+constexpr u32 kInfBits = kQuantize == 2 ? 0x7c00u : 0x7f80u;  // +Inf of the 16-bit activation type
+
 __device__ __forceinline__ float to_float16bit(u32 bits) {
   if constexpr (kQuantize == 1) return __uint_as_float(bits << 16);
   float out;
@@ -186,6 +188,7 @@ __device__ __forceinline__ void quantize_stage(u32 raw, u32 box, float* scales, 
     // Run j of a lane holds values j * kRun * kLanes + part * kRun ...: a group's lanes read
     // contiguous bytes per load (no bank conflict).
     float v[kValues];
+    u32 magnitudes = 0;  // per 16-bit half: the largest |x| bits so far (unsigned order = magnitude order)
 #pragma unroll
     for (int j = 0; j < kValues / kRun; ++j) {
       const u32 at = raw + t * kBlockK * 2 + (j * kLanes + part) * kRun * 2;
@@ -201,19 +204,21 @@ __device__ __forceinline__ void quantize_stage(u32 raw, u32 box, float* scales, 
       for (int i = 0; i < kRun / 2; ++i) {
         v[j * kRun + 2 * i] = to_float16bit(words[i] & 0xffffu);
         v[j * kRun + 2 * i + 1] = to_float16bit(words[i] >> 16);
+        magnitudes = __vmaxu2(magnitudes, words[i] & 0x7fff7fffu);
       }
     }
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kValues; ++i) amax = fmaxf(amax, v[i] == v[i] ? fabsf(v[i]) : __int_as_float(0x7f800000));
+    // A NaN's magnitude bits lie above Inf's: capped there, NaN counts as +Inf.
+    float amax = to_float16bit(min(max(magnitudes & 0xffffu, magnitudes >> 16), kInfBits));
 #pragma unroll
     for (int o = kLanes / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(taking, amax, o));
     const float scale = fmaxf(__fdiv_rn(amax, 448.0f), 1.17549435e-38f);
     // x / scale correctly rounded with one division per group: from the correctly rounded
     // reciprocal r, q0 = x r is within an ulp and q0 + r (x - q0 scale), the remainder exact by
-    // fma, rounds to the quotient (Markstein). A zero keeps its sign as the division would; an
-    // infinite scale (a non-finite value in the group) takes the division itself. One branch
-    // per group, not one per value.
+    // fma, rounds to the quotient (Markstein). A zero keeps its sign as the division would.
+    // Finite quotients need no clamp to +-448: satfinite saturates them there as the clamp
+    // would. An infinite scale (a non-finite value in the group) takes the division itself and
+    // the clamp (a NaN quotient becomes -448, as the clamp makes it). One branch per group, not
+    // one per value.
     float c[kValues];
     if (scale < __int_as_float(0x7f800000)) {
       const float r = __fdiv_rn(1.0f, scale);
@@ -224,7 +229,7 @@ __device__ __forceinline__ void quantize_stage(u32 raw, u32 box, float* scales, 
       }
     } else {
 #pragma unroll
-      for (int i = 0; i < kValues; ++i) c[i] = __fdiv_rn(v[i], scale);
+      for (int i = 0; i < kValues; ++i) c[i] = fminf(fmaxf(__fdiv_rn(v[i], scale), -448.0f), 448.0f);
     }
 #pragma unroll
     for (int j = 0; j < kValues / kRun; ++j) {
@@ -233,12 +238,8 @@ __device__ __forceinline__ void quantize_stage(u32 raw, u32 box, float* scales, 
       for (int i = 0; i < kRun / 4; ++i) {
         const float* f = c + j * kRun + 4 * i;
         unsigned short lo, hi;  // cvt packs its first source into the upper byte
-        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n"
-            : "=h"(lo)
-            : "f"(fminf(fmaxf(f[1], -448.0f), 448.0f)), "f"(fminf(fmaxf(f[0], -448.0f), 448.0f)));
-        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n"
-            : "=h"(hi)
-            : "f"(fminf(fmaxf(f[3], -448.0f), 448.0f)), "f"(fminf(fmaxf(f[2], -448.0f), 448.0f)));
+        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(f[1]), "f"(f[0]));
+        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(f[3]), "f"(f[2]));
         packed[i] = static_cast<u32>(lo) | (static_cast<u32>(hi) << 16);
       }
       const u32 to = box + ptx::swizzle_offset<128>(t * kRowBytes + (j * kLanes + part) * kRun);

@@ -176,11 +176,8 @@ class _BlockLinear:
     def __init__(self, x, weight, weight_scale_inv, bias, out_dtype):
         self.shape, self.out_dtype, self.plan = (x.shape[0], weight.shape[0]), out_dtype, None
         m, k = x.shape
-        # A capture cannot load the kernel's module: a signature first seen while capturing takes
-        # the two launches (call_for keeps nothing made during a capture).
         if (x.is_cuda and x.dtype in decode.QUANTIZE_TYPES and envs.forced_backend() in (None, "auto", "cuda")
-                and m > 0 and decode.takes_quantizing(m, weight.shape[0], k, x.device)
-                and not torch.cuda.is_current_stream_capturing()):
+                and m > 0 and decode.takes_quantizing(m, weight.shape[0], k, x.device)):
             args = GemmArgs(x, weight.t(), x.new_empty(self.shape, dtype=out_dtype), None, weight_scale_inv, bias,
                             True, (Scaling.BLOCK_1X128, Scaling.BLOCK_128X128))
             if decode.quantizing_reason(args) is None:

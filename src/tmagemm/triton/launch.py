@@ -138,7 +138,7 @@ def direct_launch(name: str, call: KernelCall) -> "DirectLaunch | None":
     out = out.base if isinstance(out, TensorDescriptor) else out
     if out is None or not out.is_cuda or envs.interpret() or not envs.direct_launch_enabled():
         return None
-    if torch.cuda.is_current_stream_capturing():  # loading a module is not a capturable call
+    if torch.cuda.is_current_stream_capturing():  # the plan is not kept (plan.run_gemm): Triton's launcher serves it
         return None
     built = DirectLaunch.build(call.fn, call.grid, call.positional, call.operand_slots, call.unspecialized,
                                **call.constexprs, **call.launch_options)
