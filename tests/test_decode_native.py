@@ -261,14 +261,21 @@ def test_quantizing_config_keeps_the_fp8_split_in_less_shared_memory(m, n, k, mo
         assert got.stages == fp8.stages or (got.stages + 1) * got.smem_bytes(True) // got.stages > decode.QUANTIZE_SMEM
 
 
-def test_quantizing_form_takes_up_to_eight_tokens_where_the_fp8_problem_runs_here(monkeypatch):
+@pytest.mark.parametrize("slow, most", [(True, 8), (False, 2)], ids=["slow_memory", "fast_memory"])
+def test_quantizing_form_takes_the_rules_tokens_where_the_fp8_problem_runs_here(slow, most, monkeypatch):
+    """Up to 8 tokens on GPUs with slow memory per SM (an H100), 2 elsewhere (an H200), where the
+    dispatcher runs the fp8 problem on the decode kernel."""
     monkeypatch.setattr(decode._device, "sms_of", lambda dev: 132)
-    monkeypatch.setattr(decode, "slow_memory", lambda dev: True)
+    monkeypatch.setattr(decode, "slow_memory", lambda dev: slow)
     dev = torch.device("cpu")
-    assert decode.takes_quantizing(1, 4096, 4096, dev) and decode.takes_quantizing(8, 6144, 4096, dev)
-    assert not decode.takes_quantizing(9, 4096, 4096, dev)  # its quantizer warps' work grows with the tokens
-    assert not decode.takes_quantizing(1, 1024, 4096, dev) and not decode.takes_quantizing(1, 28672, 4096, dev)  # split-K
-    assert decode.QUANTIZE_MAX_M <= decode.RULE_SLOW_MEMORY_BLOCK.max_m
+    assert decode.takes_quantizing(1, 4096, 4096, dev) and decode.takes_quantizing(most, 6144, 4096, dev)
+    assert not decode.takes_quantizing(most + 1, 4096, 4096, dev)  # its quantizer warps' work grows with the tokens
+    assert not decode.takes_quantizing(1, 1024, 4096, dev)  # split-K
+    if slow:
+        assert not decode.takes_quantizing(1, 28672, 4096, dev)  # split-K under this rule
+    for rule in (decode.RULE_BLOCK, decode.RULE_SLOW_MEMORY_BLOCK):
+        assert 0 < rule.quantize_max_m <= min(rule.max_m, decode.QUANTIZE_MAX_M)
+    assert decode.QUANTIZE_MAX_M == max(decode.RULE_BLOCK.quantize_max_m, decode.RULE_SLOW_MEMORY_BLOCK.quantize_max_m)
 
 
 def test_quantizing_form_refuses_cpu_tensors_with_a_reason():

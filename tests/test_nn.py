@@ -717,9 +717,10 @@ def test_tensor_parallel_mlp(recipe, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 9])
 def test_gpu_block_layer_quantizes_inside_the_decode_gemm(m, seeded):
-    """At one to eight tokens a "block" FP8Linear runs one kernel, the decode GEMM quantizing its
-    input (nn.quantize.block_linear), whose output is the two-launch path's bit for bit:
-    eagerly, in a CUDA graph replayed with new inputs, and compiled; at nine it quantizes first."""
+    """Up to the decode rule's token count (8 on an H100, 2 on an H200) a "block" FP8Linear runs
+    one kernel, the decode GEMM quantizing its input (nn.quantize.block_linear), whose output is
+    the two-launch path's bit for bit: eagerly, in a CUDA graph replayed with new inputs, and
+    compiled; past it (at nine tokens everywhere) it quantizes first."""
     from tmagemm.cuda import decode
     from tmagemm import plan
     from tmagemm.nn import quantize as quantize_module
@@ -734,8 +735,10 @@ def test_gpu_block_layer_quantizes_inside_the_decode_gemm(m, seeded):
     with torch.no_grad():
         y, want = layer(x), two_launches(x)
     fused = [c for c in plan.cached_calls() if isinstance(c, quantize_module._BlockLinear)]
-    if m <= decode.QUANTIZE_MAX_M:
+    if decode.takes_quantizing(m, 4096, 4096, x.device):  # up to 8 tokens on an H100, 2 on an H200
         assert len(fused) == 1 and fused[0].plan is not None and fused[0].plan.variant == "cuda.decode"
+    elif m <= decode.QUANTIZE_MAX_M:
+        assert len(fused) == 1 and fused[0].plan is None
     else:  # past QUANTIZE_MAX_M tokens block_linear goes straight to the two launches
         assert fused == []
     assert torch.equal(y, want)

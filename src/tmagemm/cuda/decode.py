@@ -95,9 +95,9 @@ QUANTIZE_GROUP = 128  # the quantizing form's activation group: one k-block of e
 # same sums) and its ring depth, cut to at most this much dynamic shared memory (two CTAs still
 # share an SM where the 8-stage ring let them).
 QUANTIZE_SMEM = 100 * 1024
-# Tokens up to which the quantizing form replaces the quantizer and the GEMM (:func:`takes_quantizing`).
-# Every CTA quantizes its share of K for all its tokens, so the quantizer warps' work grows with
-# the tokens. H100, 8 GEMMs with distinct weights in one CUDA graph, per GEMM (4096 x 4096,
+# Tokens up to which the quantizing form replaces the quantizer and the GEMM on any GPU (the most
+# of the block rules' quantize_max_m; :func:`takes_quantizing`). Every CTA quantizes its share of
+# K for all its tokens, so the quantizer warps' work grows with the tokens. H100, 8 GEMMs with distinct weights in one CUDA graph, per GEMM (4096 x 4096,
 # 4096 x 14336, 6144 x 4096) against quantize_fp8(x, "1x128") + this kernel: one token 9.9 /
 # 25.1 / 13.0 us against 13.2 / 28.7 / 15.1, four 10.1 / 26.4 / 13.8 against 12.9 / 29.4 / 14.9,
 # eight 10.7 / 28.2 / 14.7 against 12.9 / 29.4 / 15.0; sixteen 1.1-1.3x slower.
@@ -113,12 +113,14 @@ class DecodeRule:
     the CTAs fill at most this share of the SMs (0: never), or None for the long-share rule (16
     stages when the CTAs fit one per SM and each keeps at least LONG_SHARE k-blocks); the
     dispatcher takes the kernel up to max_m tokens and up to max_share k-blocks per CTA after the
-    split."""
+    split; block-scaled rules: the quantizing form replaces quantizer + GEMM up to quantize_max_m
+    tokens (:func:`takes_quantizing`)."""
 
     split_fill: float
     deep_ring_fill: float | None
     max_share: int
     max_m: int
+    quantize_max_m: int = 0
 
 
 # The heuristic (H200, 8 chained GEMMs with their own weights in one CUDA graph, per GEMM, M = 1
@@ -134,8 +136,11 @@ class DecodeRule:
 RULE = DecodeRule(split_fill=1.25, deep_ring_fill=None, max_share=112, max_m=16)
 # Block-scaled (1x128 x 128x128 or per-row), the same rule up to 8 tokens (H200): the decode-stack
 # layers at M = 1 and 8 0.4-4% faster than on split-K, single kernels at one token 2% faster
-# (flushed) on the block preset's shapes the rule takes; at 16 tokens 1-9% slower.
-RULE_BLOCK = replace(RULE, max_m=8)
+# (flushed) on the block preset's shapes the rule takes; at 16 tokens 1-9% slower. The quantizing
+# form up to 2 tokens (H200, QUANTIZE_MAX_M's study: one and two tokens 0.6-2.4 us per GEMM ahead
+# of quantizer + GEMM; at four 4096 x 14336 1.5 us behind, at eight 0.6-4.2 us behind on two of
+# the three weights: with faster memory the quantizer's latency shows on long shares of K).
+RULE_BLOCK = replace(RULE, max_m=8, quantize_max_m=2)
 LONG_SHARE = 48
 MIN_SHARE = 8  # a split never leaves a CTA fewer k-blocks than this
 # GPUs with at most SLOW_MEMORY_PER_SM bytes/s of peak DRAM bandwidth per SM (an H100 SXM: 3.35
@@ -159,8 +164,8 @@ RULE_SLOW_MEMORY = DecodeRule(split_fill=0.65, deep_ring_fill=0.5, max_share=160
 # unsplit: 24.5 against 25.2 us at one token; 3584 x 18944 in pairs: 29.6 against 30.7); one
 # 4096 x 4096 pair ran 1% faster with 16. Unsplit CTAs of 128-144 k-blocks ran 7168 x 16384 and
 # 7168 x 18432 3.3-4.7% ahead of split-K. Up to 16 tokens: the decode stacks at 12 and 16 tokens
-# ran 0.7-3.3% faster per layer than on split-K.
-RULE_SLOW_MEMORY_BLOCK = DecodeRule(split_fill=1.25, deep_ring_fill=0.0, max_share=160, max_m=16)
+# ran 0.7-3.3% faster per layer than on split-K. The quantizing form up to 8 tokens (QUANTIZE_MAX_M).
+RULE_SLOW_MEMORY_BLOCK = DecodeRule(split_fill=1.25, deep_ring_fill=0.0, max_share=160, max_m=16, quantize_max_m=8)
 
 
 def _max_stages(tokens: int) -> int:
@@ -397,9 +402,10 @@ def build(args: GemmArgs, config: DecodeConfig | None = None) -> Plan:
 
 def takes_quantizing(m: int, n: int, k: int, dev: torch.device) -> bool:
     """Whether a block-scaled (m, n, k) problem with a 16-bit activation runs as the quantizing
-    form (``nn.quantize.block_linear``): up to QUANTIZE_MAX_M tokens where the dispatcher takes
-    this kernel for the fp8 problem (:func:`takes`)."""
-    return m <= QUANTIZE_MAX_M and takes(m, n, k, 1, True, dev)
+    form (``nn.quantize.block_linear``): up to the block rule's quantize_max_m tokens (8 on GPUs
+    with slow memory per SM, 2 elsewhere) where the dispatcher takes this kernel for the fp8
+    problem (:func:`takes`)."""
+    return m <= rule_of(1, True, dev).quantize_max_m and takes(m, n, k, 1, True, dev)
 
 
 def quantizing_reason(args: GemmArgs) -> str | None:

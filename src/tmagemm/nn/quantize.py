@@ -148,8 +148,8 @@ def block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.
                  out_dtype: torch.dtype) -> torch.Tensor:
     """The "block" recipe's product of a 2-D activation (contiguous last dimension, K % 16 == 0)
     with an (N, K) e4m3 weight and its 128x128 scales, plus ``bias``: (M, N) of out_dtype.
-    :func:`quantize_activation` then ``tmagemm.scaled_mm``; or, at up to QUANTIZE_MAX_M (8)
-    tokens where the dispatcher would run that fp8 GEMM on the native decode kernel
+    :func:`quantize_activation` then ``tmagemm.scaled_mm``; or, at up to 8 tokens (H100; 2 on an
+    H200) where the dispatcher would run that fp8 GEMM on the native decode kernel
     (``cuda.decode.takes_quantizing``), that kernel quantizing x itself
     (``cuda.decode.build_quantizing``): one launch instead of two, the same fp8 values, scales,
     sums and output bit for bit."""
