@@ -175,8 +175,8 @@ template <int kValues>
 __device__ __forceinline__ void quantize_stage(u32 raw, u32 box, float* scales, int rows, int lane) {
   constexpr int kLanes = kBlockK / kValues;    // lanes per group
   constexpr int kGroups = 32 / kLanes;         // groups per warp at a time
-  constexpr int kRun = kValues < 8 ? kValues : 8;  // values per load: 16 bytes, 8 for kValues = 4
-  static_assert(kValues == 4 || kValues == 8 || kValues == 16 || kValues == 32, "4 to 32 values per lane");
+  constexpr int kRun = kValues < 8 ? kValues : 8;  // values per load: 8 (16 bytes), or a lane's 4 (8 bytes)
+  static_assert(kValues == 4 || kValues == 8 || kValues == 16, "4, 8 or 16 values per lane");
   const int sub = lane / kLanes, part = lane % kLanes;
   for (int t0 = 0; t0 < rows; t0 += kGroups) {
     // Only real tokens' groups: an all-zero group's scale (the smallest normal) would send its
