@@ -10,6 +10,10 @@ float64 reference of 130 x 8192 x 8192 per M would dominate the runtime).
 """
 
 import gc
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -327,7 +331,7 @@ COLD_CAPTURE = r"""
 import sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from gemm_ref import FP8, check_product
+from gemm_ref import check_product
 import tmagemm
 from tmagemm import nn as tnn
 
@@ -348,7 +352,7 @@ build_quantizing = decode.build_quantizing
 decode.build_quantizing = lambda args, config=None: built.append(args.m) or build_quantizing(args, config)
 torch.cuda.synchronize()
 graph = torch.cuda.CUDAGraph()
-with torch.no_grad(), torch.cuda.graph(graph):  # no call of any of these ran before
+with torch.no_grad(), torch.cuda.graph(graph):  # no GEMM and no layer call ran before
     for kind, m, inputs, out in cases:
         if kind == "fp8":
             tmagemm.scaled_mm(inputs[0], w8.t(), inputs[1], sw8.reshape(1, -1), out=out)
@@ -375,17 +379,12 @@ print("cold capture ok")
 """
 
 
-def test_capture_without_warm_up(tmp_path, seeded):
+def test_capture_without_warm_up(tmp_path):
     """A process whose very first tmagemm calls are inside ``torch.cuda.graph`` (empty Triton and
     tmagemm compile caches, so kernels are compiled and modules loaded during the capture): fp8
     and bf16 GEMMs at M = 1, 16, 100 and a block-recipe FP8Linear at one token (its one-launch
     form, the decode kernel quantizing x), replayed twice with new inputs against float64 / the
     layer's two-launch path."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"), TMAGEMM_CACHE_DIR=str(tmp_path / "tmagemm"),
                TMAGEMM_AUTOTUNE="0")
     done = subprocess.run([sys.executable, "-c", COLD_CAPTURE, str(Path(__file__).parent)], env=env,
