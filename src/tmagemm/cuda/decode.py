@@ -95,13 +95,6 @@ QUANTIZE_GROUP = 128  # the quantizing form's activation group: one k-block of e
 # same sums) and its ring depth, cut to at most this much dynamic shared memory (two CTAs still
 # share an SM where the 8-stage ring let them).
 QUANTIZE_SMEM = 100 * 1024
-# Tokens up to which the quantizing form replaces the quantizer and the GEMM on any GPU (the most
-# of the block rules' quantize_max_m; :func:`takes_quantizing`). Every CTA quantizes its share of
-# K for all its tokens, so the quantizer warps' work grows with the tokens. H100, 8 GEMMs with distinct weights in one CUDA graph, per GEMM (4096 x 4096,
-# 4096 x 14336, 6144 x 4096) against quantize_fp8(x, "1x128") + this kernel: one token 9.9 /
-# 25.1 / 13.0 us against 13.2 / 28.7 / 15.1, four 10.1 / 26.4 / 13.8 against 12.9 / 29.4 / 14.9,
-# eight 10.7 / 28.2 / 14.7 against 12.9 / 29.4 / 15.0; sixteen 1.1-1.3x slower.
-QUANTIZE_MAX_M = 8
 
 
 @dataclass(frozen=True)
@@ -137,7 +130,7 @@ RULE = DecodeRule(split_fill=1.25, deep_ring_fill=None, max_share=112, max_m=16)
 # Block-scaled (1x128 x 128x128 or per-row), the same rule up to 8 tokens (H200): the decode-stack
 # layers at M = 1 and 8 0.4-4% faster than on split-K, single kernels at one token 2% faster
 # (flushed) on the block preset's shapes the rule takes; at 16 tokens 1-9% slower. The quantizing
-# form up to 2 tokens (H200, QUANTIZE_MAX_M's study: one and two tokens 0.6-2.4 us per GEMM ahead
+# form up to 2 tokens (H200, RULE_SLOW_MEMORY_BLOCK's study: one and two tokens 0.6-2.4 us per GEMM ahead
 # of quantizer + GEMM; at four 4096 x 14336 1.5 us behind, at eight 0.6-4.2 us behind on two of
 # the three weights: with faster memory the quantizer's latency shows on long shares of K).
 RULE_BLOCK = replace(RULE, max_m=8, quantize_max_m=2)
@@ -164,8 +157,16 @@ RULE_SLOW_MEMORY = DecodeRule(split_fill=0.65, deep_ring_fill=0.5, max_share=160
 # unsplit: 24.5 against 25.2 us at one token; 3584 x 18944 in pairs: 29.6 against 30.7); one
 # 4096 x 4096 pair ran 1% faster with 16. Unsplit CTAs of 128-144 k-blocks ran 7168 x 16384 and
 # 7168 x 18432 3.3-4.7% ahead of split-K. Up to 16 tokens: the decode stacks at 12 and 16 tokens
-# ran 0.7-3.3% faster per layer than on split-K. The quantizing form up to 8 tokens (QUANTIZE_MAX_M).
+# ran 0.7-3.3% faster per layer than on split-K. The quantizing form up to 8 tokens: every CTA
+# quantizes its share of K for all its tokens, so the quantizer warps' work grows with them (8
+# GEMMs with distinct weights in one CUDA graph, per GEMM, 4096 x 4096 / 4096 x 14336 / 6144 x 4096
+# against quantize_fp8(x, "1x128") + this kernel: one token 9.9 / 25.1 / 13.0 us against 13.2 /
+# 28.7 / 15.1, four 10.1 / 26.4 / 13.8 against 12.9 / 29.4 / 14.9, eight 10.7 / 28.2 / 14.7
+# against 12.9 / 29.4 / 15.0; sixteen 1.1-1.3x slower).
 RULE_SLOW_MEMORY_BLOCK = DecodeRule(split_fill=1.25, deep_ring_fill=0.0, max_share=160, max_m=16, quantize_max_m=8)
+# Tokens past which no GPU's rule takes the quantizing form (``nn.quantize.block_linear`` stops
+# looking there).
+QUANTIZE_MAX_M = max(RULE_BLOCK.quantize_max_m, RULE_SLOW_MEMORY_BLOCK.quantize_max_m)
 
 
 def _max_stages(tokens: int) -> int:
