@@ -44,7 +44,7 @@ SOURCE = "gemm_sm90_decode.cu"
 KERNEL = "tmagemm_gemm_sm90_decode"
 MAX_M = 64  # tokens fill wgmma's N slot: n8, n16, n32 or n64
 WEIGHT_ROWS = 64  # weight rows per CTA: wgmma's M
-THREADS = 128 + 32  # one consumer warpgroup and the producer warp
+THREADS = 128 + 32 + 32  # one consumer warpgroup, the producer warp and the loader warp
 QUANTIZING_THREADS = THREADS + 128  # and the quantizing form's quantizer warpgroup
 
 

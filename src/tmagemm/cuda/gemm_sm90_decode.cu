@@ -78,8 +78,9 @@ constexpr int kConsumerThreads = 128;  // one warpgroup multiplies
 // Quantizing: a second warpgroup turns each stage's 16-bit tokens into its e4m3 box as it lands,
 // running ahead of the multiplying one by up to the ring's depth.
 constexpr int kQuantizerThreads = kQuantizeA ? 128 : 0;
-constexpr int kProducerThread = kConsumerThreads + kQuantizerThreads;  // the producer warp comes last
-constexpr int kThreads = kProducerThread + 32;
+constexpr int kProducerThread = kConsumerThreads + kQuantizerThreads;  // then the producer warp
+constexpr int kLoaderThread = kProducerThread + 32;  // then the loader warp (epilogue operands)
+constexpr int kThreads = kLoaderThread + 32;
 static_assert(kTokens == 8 || kTokens == 16 || kTokens == 32 || kTokens == 64,
               "tokens per tile: 8, 16, 32 or 64 (wgmma n8 ... n64)");
 static_assert(kTokenBytes % 1024 == 0, "128B-swizzled boxes start 1 KB aligned");
@@ -278,6 +279,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   __shared__ float scale_b_s[kBlockScales ? 2 : 1][kScaleChunk][kScaleRows];
   // Quantizing: each stage's token scales, computed here.
   __shared__ float scale_x_s[kQuantizeA ? kStages : 1][kTokens];
+  // The epilogue's tensor/row/column-wise scales and bias (the loader warp's), and their barrier.
+  __shared__ float column_scale[kRows], column_bias[kRows], token_scale[kTokens];
+  __shared__ alignas(8) u64 epilogue_ready;
 
   const int n0 = blockIdx.x * kRows;
   const int m0 = blockIdx.y * kTokens;
@@ -298,12 +302,13 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       ptx::mbarrier_init(&empty[s], kQuantizeA ? kConsumerThreads / 32 : 1);
       if constexpr (kQuantizeA) ptx::mbarrier_init(&quantized[s], 1);
     }
+    ptx::mbarrier_init(&epilogue_ready, 1);
     ptx::fence_barrier_init();
   }
   __syncthreads();
 
   if (threadIdx.x >= kProducerThread) {
-    // ---- producer: one thread of the last warp streams the k-blocks
+    // ---- producer: one thread of its warp streams the k-blocks
     if (threadIdx.x == kProducerThread) {
       ptx::griddep_wait();  // the activation, or even the weight, may be the previous kernel's output
       for (int kt = 0; kt < k_tiles; ++kt) {
@@ -318,8 +323,31 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         if constexpr (kQuantizeA) ptx::tma_load_2d(raw + s * kRawBytes, &map_x, &full[s], k, m0);
         else ptx::tma_load_2d(tokens + s * kTokenBytes, &map_x, &full[s], k, m0);
       }
+    } else if (threadIdx.x >= kLoaderThread) {
+      // ---- loader warp: reads the epilogue's scales and bias now, so their latency passes under
+      // the stream; read in the epilogue they would add a round trip to memory (the weight stream
+      // evicts them from L2) to the kernel's tail. Measured slower: the same loads by the
+      // producer warp's idle lanes (they hold up the producer thread, a lane of the same warp),
+      // or into the consumers' registers (their main loop ran up to 40% slower at 16 tokens).
+      ptx::griddep_wait();  // the scales may be the previous kernel's output
+      const int lane = threadIdx.x - kLoaderThread;
+      float tensor_scale = 1.0f;  // block scales are applied in the main loop instead
+      if (p.scale_a && !p.scale_a_rowwise && !kBlockScales) tensor_scale = p.scale_a[0];
+      if (p.scale_b && !p.scale_b_colwise && !kBlockScales) tensor_scale = p.scale_b[0] * tensor_scale;
+      for (int r = lane; r < kRows; r += 32) {
+        const int col = n0 + r;
+        const bool in = col < p.n;
+        column_scale[r] = p.scale_b_colwise && in ? tensor_scale * p.scale_b[col] : tensor_scale;
+        column_bias[r] = p.bias && in ? wgmma::load_as_float(p.bias, col, p.bias_type) : 0.0f;
+      }
+      for (int t = lane; t < kTokens; t += 32) {
+        const int tok = m0 + t;
+        token_scale[t] = p.scale_a_rowwise && tok < p.m ? p.scale_a[tok] : 1.0f;
+      }
+      __syncwarp();  // every lane's stores come before lane 0's release
+      if (lane == 0) ptx::mbarrier_arrive(&epilogue_ready);
     }
-    // A split cluster's barriers wait for non-exited threads only: the producer warp may leave.
+    // A split cluster's barriers wait for non-exited threads only: these two warps may leave.
     return;
   }
 
@@ -347,6 +375,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 
   // ---- consumer warpgroup
   ptx::griddep_wait();  // before the output is written, and so before this CTA can finish
+  // Register 4j + 2h + e of a fragment: weight row (output column) 16w + l/4 + 8h, token
+  // 8j + 2(l % 4) + e (warp w, lane l).
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float acc[kAccRegs];
 #pragma unroll
   for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.0f;
@@ -357,9 +388,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     // Each k-block's product lands in a fresh fragment; once its wgmma retired it is added into
     // acc times its token's and weight row's scales. The scales come through shared memory in
     // chunks of kScaleChunk k-blocks, copied (cp.async) a whole chunk ahead: a load per k-block
-    // would put its latency into every step. Register 4j + 2h + e of a fragment: weight row
-    // 16w + l/4 + 8h, token 8j + 2(l % 4) + e.
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    // would put its latency into every step.
     auto load_chunk = [&](int chunk) {  // k-blocks kt0 + chunk * kScaleChunk ... of this CTA's share
       const int buf = chunk & 1;
       constexpr int kAEntries = kQuantizeA ? 0 : kScaleChunk * kTokens;  // quantizing: a's come from the quantizer warpgroup
@@ -503,28 +532,21 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     ptx::cluster_arrive();  // released: the others may exit
   }
 
-  // ---- epilogue: register 4j + 2h + e holds weight row (output column) 16w + l/4 + 8h and
-  // token 8j + 2(l % 4) + e (warp w, lane l). The output is at most 16 x 64 values per CTA:
-  // plain stores, each warp writing 16-byte runs of a token's row. Block scales are in acc already.
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const float sa_tensor = p.scale_a && !p.scale_a_rowwise && !kBlockScales ? p.scale_a[0] : 1.0f;
-  const float sb_tensor = p.scale_b && !p.scale_b_colwise && !kBlockScales ? p.scale_b[0] : 1.0f;
+  // ---- epilogue: the output is at most 16 x 64 values per CTA: plain stores, each warp writing
+  // 16-byte runs of a token's row. Block scales are in acc already.
+  ptx::mbarrier_wait(&epilogue_ready, 0);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int col = n0 + 16 * warp + lane / 4 + 8 * h;
+    const int r = 16 * warp + lane / 4 + 8 * h, col = n0 + r;
     if (col >= p.n) continue;
-    float col_scale = sb_tensor * sa_tensor;
-    if (p.scale_b_colwise) col_scale *= p.scale_b[col];
-    const float add = p.bias ? wgmma::load_as_float(p.bias, col, p.bias_type) : 0.0f;
+    const float col_scale = column_scale[r], add = column_bias[r];
 #pragma unroll
     for (int j = 0; j < kTokens / 8; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int tok = m0 + 8 * j + 2 * (lane % 4) + e;
+        const int t = 8 * j + 2 * (lane % 4) + e, tok = m0 + t;
         if (tok >= p.m) continue;
-        float v = acc[4 * j + 2 * h + e] * col_scale;
-        if (p.scale_a_rowwise) v *= p.scale_a[tok];
-        v += add;
+        const float v = acc[4 * j + 2 * h + e] * col_scale * token_scale[t] + add;
         const long long at = tok * p.ldo + col;
         if constexpr (kOutType == wgmma::kOutF32) {
           static_cast<float*>(p.out)[at] = v;

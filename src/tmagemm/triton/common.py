@@ -74,36 +74,44 @@ def first_row_in_bounds(pid_m, BLOCK_M: tl.constexpr, M, A_ROW_MAJOR: tl.constex
 
 
 @triton.jit
-def scale_bias_epilogue(
-    acc,
-    offs_m,
-    offs_n,
-    M,
-    N,
-    scale_a_ptr,
-    scale_b_ptr,
-    bias_ptr,
-    SCALE_A: tl.constexpr,
-    SCALE_B: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-):
-    """acc (fp32, [BM, BN]) -> scale_a * scale_b * acc + bias, still fp32.
+def epilogue_operands(offs_m, offs_n, M, N, scale_a_ptr, scale_b_ptr, bias_ptr, SCALE_A: tl.constexpr,
+                      SCALE_B: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The scales and bias :func:`scale_bias` applies (placeholders where the kernel has none).
 
-    Row-wise scales are masked by M/N so ragged edge tiles never read past the scale vectors.
+    Kernels with one output tile read them right after the PDL wait, before the main loop, so
+    their latency passes under the operand stream instead of adding a round trip to memory to
+    the kernel's tail (a decode GEMM's weight stream evicts them from L2). Row-wise scales are
+    masked by M/N so ragged edge tiles never read past the scale vectors.
     """
+    sa = 1.0
+    sb = 1.0
+    bias = 0.0
     if SCALE_A == 1:
-        acc = acc * tl.load(scale_a_ptr)
+        sa = tl.load(scale_a_ptr)
     elif SCALE_A == 2:
         sa = tl.load(scale_a_ptr + offs_m, mask=offs_m < M, other=0.0)
-        acc = acc * sa[:, None]
     if SCALE_B == 1:
-        acc = acc * tl.load(scale_b_ptr)
+        sb = tl.load(scale_b_ptr)
     elif SCALE_B == 2:
         sb = tl.load(scale_b_ptr + offs_n, mask=offs_n < N, other=0.0)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+    return sa, sb, bias
+
+
+@triton.jit
+def scale_bias(acc, sa, sb, bias, SCALE_A: tl.constexpr, SCALE_B: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """acc (fp32, [BM, BN]) -> scale_a * scale_b * acc + bias, still fp32 (:func:`epilogue_operands`)."""
+    if SCALE_A == 1:
+        acc = acc * sa
+    elif SCALE_A == 2:
+        acc = acc * sa[:, None]
+    if SCALE_B == 1:
+        acc = acc * sb
+    elif SCALE_B == 2:
         acc = acc * sb[None, :]
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
-        acc = acc + bias.to(tl.float32)[None, :]
+        acc = acc + bias[None, :]
     return acc
 
 

@@ -20,7 +20,7 @@ import triton.language as tl
 from .. import device
 from ..configs import TritonGemmConfig
 from ..plan import GemmArgs, Variant
-from .common import (first_row_in_bounds, grouped_tile, let_next_kernel_launch, mma, scale_bias_epilogue,
+from .common import (epilogue_operands, first_row_in_bounds, grouped_tile, let_next_kernel_launch, mma, scale_bias,
                      wait_for_previous_kernel)
 from .host import GEMM_OPERANDS, Layout, example_args, operand_descriptors, tma_builder, tma_layout, tma_supports
 from .launch import KernelCall, aot_spec as _aot_spec, pdl
@@ -33,7 +33,9 @@ def _epilogue(acc, c_desc, c_ptr, off_m, off_n, M, N, stride_cm, stride_cn, scal
               SCALE_A: tl.constexpr, SCALE_B: tl.constexpr, HAS_BIAS: tl.constexpr):
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
-    acc = scale_bias_epilogue(acc, offs_m, offs_n, M, N, scale_a_ptr, scale_b_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS)
+    out_sa, out_sb, out_bias = epilogue_operands(offs_m, offs_n, M, N, scale_a_ptr, scale_b_ptr, bias_ptr,
+                                                 SCALE_A, SCALE_B, HAS_BIAS)
+    acc = scale_bias(acc, out_sa, out_sb, out_bias, SCALE_A, SCALE_B, HAS_BIAS)
     store_tile(c_desc, c_ptr, acc, offs_m, offs_n, off_m, off_n, M, N, stride_cm, stride_cn, TMA_STORE)
 
 

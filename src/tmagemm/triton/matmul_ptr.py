@@ -14,7 +14,7 @@ import triton.language as tl
 from .. import tuning
 from ..configs import TritonGemmConfig
 from ..plan import GemmArgs, Plan, Scaling, Variant
-from .common import grouped_tile, let_next_kernel_launch, mma, scale_bias_epilogue, wait_for_previous_kernel
+from .common import epilogue_operands, grouped_tile, let_next_kernel_launch, mma, scale_bias, wait_for_previous_kernel
 from .host import example_args
 from .launch import A, B, BIAS, OUT, SCALE_A, SCALE_B, KernelCall, aot_spec as _aot_spec, pdl
 
@@ -35,6 +35,8 @@ def ptr_gemm_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
+    out_sa, out_sb, out_bias = epilogue_operands(offs_m, offs_n, M, N, scale_a_ptr, scale_b_ptr, bias_ptr,
+                                                 SCALE_A, SCALE_B, HAS_BIAS)
     # int64 offsets: M*stride_am can pass 2^31 for large activations.
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :].to(tl.int64) * stride_bn
@@ -50,7 +52,7 @@ def ptr_gemm_kernel(
         b_ptrs += BLOCK_K * stride_bk
     let_next_kernel_launch(PDL)
 
-    acc = scale_bias_epilogue(acc, offs_m, offs_n, M, N, scale_a_ptr, scale_b_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS)
+    acc = scale_bias(acc, out_sa, out_sb, out_bias, SCALE_A, SCALE_B, HAS_BIAS)
     c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 

@@ -34,9 +34,9 @@ import triton.language as tl
 from .. import device, tma, workspace
 from ..plan import GemmArgs, Plan, Scaling, Variant, block_tiling
 from . import matmul_blockscaled as blockscaled
-from .common import (SCALES_AHEAD_MIN_ROWS, block_scaled_add, chunk_step, first_row_scale_chunks, let_next_kernel_launch,
-                     load_block_scales, load_weight_scales, mma, next_row_scale_chunks, row_scales_in,
-                     scale_bias_epilogue, wait_for_previous_kernel)
+from .common import (SCALES_AHEAD_MIN_ROWS, block_scaled_add, chunk_step, epilogue_operands, first_row_scale_chunks,
+                     let_next_kernel_launch, load_block_scales, load_weight_scales, mma, next_row_scale_chunks,
+                     row_scales_in, scale_bias, wait_for_previous_kernel)
 from .host import descriptor
 from .launch import A, B, BIAS, COUNTERS, OUT, PARTIALS, SCALE_A, SCALE_B, KernelCall, direct_launch, pdl
 
@@ -235,6 +235,10 @@ def _splitk_kernel(
     k_hi = tl.minimum(k_lo + iters_per_split, tl.cdiv(K, BLOCK_K))
     # PDL: the activation (and everything else) is read after the previous kernel has finished.
     wait_for_previous_kernel(PDL)
+    # Every slice reads them, though only the last to arrive applies them: read after the
+    # reduction they would add a memory round trip to the kernel's tail.
+    out_sa, out_sb, out_bias = epilogue_operands(offs_m, offs_n, M, N, scale_a_ptr, scale_b_ptr, bias_ptr,
+                                                 SCALE_A, SCALE_B, HAS_BIAS)
 
     # -- mainloop: the weight streams through TMA (zero-filled past N and K, so ragged edges need
     # no masks); Triton pipelines the loads num_stages deep behind mbarriers.
@@ -334,9 +338,7 @@ def _splitk_kernel(
     # -- epilogue: back to (tokens, N) orientation, dequantise, bias, cast, masked store.
     if SWAP_AB:
         acc = acc.T
-    acc = scale_bias_epilogue(
-        acc, offs_m, offs_n, M, N, scale_a_ptr, scale_b_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS
-    )
+    acc = scale_bias(acc, out_sa, out_sb, out_bias, SCALE_A, SCALE_B, HAS_BIAS)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 

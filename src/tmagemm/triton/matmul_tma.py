@@ -14,7 +14,7 @@ import triton.language as tl
 from .. import device, tma
 from ..configs import TritonGemmConfig
 from ..plan import GemmArgs, Variant
-from .common import (first_row_in_bounds, grouped_tile, let_next_kernel_launch, mma, scale_bias_epilogue,
+from .common import (epilogue_operands, first_row_in_bounds, grouped_tile, let_next_kernel_launch, mma, scale_bias,
                      wait_for_previous_kernel)
 from .host import GEMM_OPERANDS, Layout, example_args, install_allocator, operand_descriptors, tma_builder, tma_layout, tma_supports
 from .launch import KernelCall, aot_spec as _aot_spec, pdl
@@ -102,6 +102,10 @@ def tma_gemm_kernel(
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     off_m = first_row_in_bounds(pid_m, BLOCK_M, M, A_ROW_MAJOR)
     off_n = pid_n * BLOCK_N
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    out_sa, out_sb, out_bias = epilogue_operands(offs_m, offs_n, M, N, scale_a_ptr, scale_b_ptr, bias_ptr,
+                                                 SCALE_A, SCALE_B, HAS_BIAS)
 
     # K loop: TMA zero-fills the ragged last K tile, so no masks are needed here.
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -114,9 +118,7 @@ def tma_gemm_kernel(
         acc = mma(a, b, acc, FAST_ACCUM, BLOCK_K)
     let_next_kernel_launch(PDL)
 
-    offs_m = off_m + tl.arange(0, BLOCK_M)
-    offs_n = off_n + tl.arange(0, BLOCK_N)
-    acc = scale_bias_epilogue(acc, offs_m, offs_n, M, N, scale_a_ptr, scale_b_ptr, bias_ptr, SCALE_A, SCALE_B, HAS_BIAS)
+    acc = scale_bias(acc, out_sa, out_sb, out_bias, SCALE_A, SCALE_B, HAS_BIAS)
     store_tile(c_desc, c_ptr, acc, offs_m, offs_n, off_m, off_n, M, N, stride_cm, stride_cn, TMA_STORE)
 
 
