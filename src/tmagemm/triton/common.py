@@ -80,8 +80,9 @@ def epilogue_operands(offs_m, offs_n, M, N, scale_a_ptr, scale_b_ptr, bias_ptr, 
 
     Kernels with one output tile read them right after the PDL wait, before the main loop, so
     their latency passes under the operand stream instead of adding a round trip to memory to
-    the kernel's tail (a decode GEMM's weight stream evicts them from L2). Row-wise scales are
-    masked by M/N so ragged edge tiles never read past the scale vectors.
+    the kernel's tail (a decode GEMM's weight stream evicts them from L2); the persistent kernels
+    read each tile's with its epilogue. Row-wise scales are masked by M/N so ragged edge tiles
+    never read past the scale vectors.
     """
     sa = 1.0
     sb = 1.0
