@@ -199,6 +199,9 @@ def test_builds_for_sm90a(ab, out, k_major, tokens, split):
     # A split cluster adds its fragments over distributed shared memory, after two cluster barriers.
     assert ("ld.shared::cluster.v4.f32" in body) == (split > 1)
     assert body.count("barrier.cluster.arrive") == (3 if split > 1 else 0)
+    # The launch's block is the kernel's: a missing loader warp would leave the epilogue waiting
+    # on its barrier for ever.
+    assert f".maxntid {decode.THREADS}, 1, 1" in body
 
 
 @needs_nvrtc
@@ -238,6 +241,7 @@ def test_quantizing_builds_for_sm90a(scales, tokens, split, x_dtype):
     assert "fence.proxy.async.shared::cta" in body and "shfl.sync.bfly" in body
     assert "ld.shared.v4.b32" in body and "ld.shared.v2.b32" in body and "st.shared.v2.b32" in body
     assert "cp.async.ca.shared.global" in body
+    assert f".maxntid {decode.QUANTIZING_THREADS}, 1, 1" in body
     plain = decode.compile_module(config, FP8, torch.bfloat16, scales=scales).ptx
     assert "cvt.rn.satfinite.e4m3x2.f32" not in plain[plain.index(".entry"):]
     with pytest.raises(Exception, match="quantizing the activation"):
