@@ -153,15 +153,6 @@ __device__ __forceinline__ void mma(float (&d)[kAccRegs], u64 desc_w, u64 desc_x
 }
 #undef TMAGEMM_DECODE_MMA
 
-constexpr u32 kInfBits = kQuantize == 2 ? 0x7c00u : 0x7f80u;  // +Inf of the 16-bit activation type
-
-__device__ __forceinline__ float to_float16bit(u32 bits) {
-  if constexpr (kQuantize == 1) return __uint_as_float(bits << 16);
-  float out;
-  asm("cvt.f32.f16 %0, %1;\n" : "=f"(out) : "h"(static_cast<unsigned short>(bits)));
-  return out;
-}
-
 // One stage's tokens quantized per 1x128 group as tmagemm's 1x128 quantizer does
 // (triton/quantize.py): magnitudes with NaN as +Inf, scale = max(amax / 448 correctly rounded, the
 // smallest normal), q = x / scale correctly rounded, clamped to +-448 and rounded to nearest even
@@ -178,6 +169,13 @@ __device__ __forceinline__ void quantize_stage(u32 raw, u32 box, float* scales, 
   constexpr int kGroups = 32 / kLanes;         // groups per warp at a time
   constexpr int kRun = kValues < 8 ? kValues : 8;  // values per load: 8 (16 bytes), or a lane's 4 (8 bytes)
   static_assert(kValues == 4 || kValues == 8 || kValues == 16, "4, 8 or 16 values per lane");
+  constexpr u32 kInfBits = kQuantize == 2 ? 0x7c00u : 0x7f80u;  // +Inf of the 16-bit activation type
+  auto to_float16bit = [](u32 bits) {
+    if constexpr (kQuantize == 1) return __uint_as_float(bits << 16);
+    float out;
+    asm("cvt.f32.f16 %0, %1;\n" : "=f"(out) : "h"(static_cast<unsigned short>(bits)));
+    return out;
+  };
   const int sub = lane / kLanes, part = lane % kLanes;
   for (int t0 = 0; t0 < rows; t0 += kGroups) {
     // Only real tokens' groups: an all-zero group's scale (the smallest normal) would send its
@@ -328,7 +326,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       // the stream; read in the epilogue they would add a round trip to memory (the weight stream
       // evicts them from L2) to the kernel's tail. Measured slower: the same loads by the
       // producer warp's idle lanes (they hold up the producer thread, a lane of the same warp),
-      // or into the consumers' registers (their main loop ran up to 40% slower at 16 tokens).
+      // or into the consumers' registers (their main loop ran up to 38% slower at 16 tokens).
       ptx::griddep_wait();  // the scales may be the previous kernel's output
       const int lane = threadIdx.x - kLoaderThread;
       float tensor_scale = 1.0f;  // block scales are applied in the main loop instead
