@@ -77,6 +77,8 @@ def test_heuristic(m, n, k, itemsize, expect):
     (8, 8192, 7168, 1, (8, 8, 1)),  # 128 tiles
     (1, 3584, 18944, 1, (8, 16, 1)),  # 148 k-blocks: one CTA keeps them all
     (1, 2560, 1024, 1, (8, 16, 1)),  # 8 k-blocks: too short to split
+    (32, 2560, 8192, 1, (32, 8, 2)),  # the 32-token tile keeps the split and ring rules
+    (24, 4096, 14336, 1, (32, 16, 1)),
 ])
 def test_heuristic_for_slow_memory(m, n, k, itemsize, expect):
     config = decode.choose_config(m, n, k, itemsize, 132, decode.RULE_SLOW_MEMORY)
@@ -121,6 +123,15 @@ def test_rule_for_reads_the_recipe_and_the_memory(monkeypatch):
     assert decode.rule_for(block) is decode.RULE_SLOW_MEMORY_BLOCK
     assert decode.rule_for(half) is decode.RULE
     assert plan._decode_first(fp8) and plan._decode_first(block)
+
+
+def test_tensor_and_row_scales_take_the_kernel_to_32_tokens_on_slow_memory(monkeypatch):
+    at = lambda m, n=4096, k=4096: plan._decode_first(_args(m, n, k, FP8))  # noqa: E731
+    monkeypatch.setattr(decode, "slow_memory", lambda dev: False)
+    assert at(16) and not at(17)
+    monkeypatch.setattr(decode, "slow_memory", lambda dev: True)
+    assert at(17) and at(32) and not at(33)
+    assert not at(32, 14336, 4096)  # 224 weight tiles: more than one per SM
 
 
 def test_block_scales_take_the_kernel_to_16_tokens_on_slow_memory(monkeypatch):
@@ -187,6 +198,9 @@ def test_builds_for_sm90a(ab, out, k_major, tokens, split):
     assert s["sass UTMALDG"] > 0
     assert s["sass QGMMA" if ab == FP8 else "sass HGMMA"] > 0
     assert s["sass LDL"] == 0 and s["sass STL"] == 0, "register spills"
+    # No path (k_tiles = 0 included) reaches the epilogue with a group in flight: ptxas would
+    # serialize every wgmma (it did at 32 and 64 tokens).
+    assert "are serialized" not in module.log, "ptxas serialized the wgmmas"
     assert f"m64n{tokens}k{32 if ab == FP8 else 16}" in module.ptx
     if ab != FP8:  # A (the weight) transposed when N-major; B (the tokens) K-major
         assert (", p, 1, 1, 0, 0;" if k_major else ", p, 1, 1, 1, 0;") in module.ptx
@@ -205,16 +219,18 @@ def test_builds_for_sm90a(ab, out, k_major, tokens, split):
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("tokens", [8, 16, 64])
+@pytest.mark.parametrize("tokens", decode.TOKENS)
 @pytest.mark.parametrize("scales", [decode.SCALES_BLOCK_128X128, decode.SCALES_BLOCK_PER_ROW],
                          ids=["128x128", "per_row"])
 def test_block_scaled_builds_for_sm90a(scales, tokens):
     """Block scales: four fp8 wgmma per k-block into one of two fragments taking turns (one in
-    flight while the other is scaled into the accumulator); a clean build without spills."""
+    flight while the other is scaled into the accumulator); a clean build without spills, and
+    the wgmmas not serialized (each step's groups retire within it)."""
     module = decode.compile_module(decode.DecodeConfig(tokens, decode.STAGES_SHORT, 2), FP8, torch.bfloat16,
                                    scales=scales)
     s = inspection.summarize(inspection.artifacts_from_binary("decode", module.ptx, module.cubin))
     assert s["sass QGMMA"] % 4 == 0 and s["sass LDL"] == 0 and s["sass STL"] == 0
+    assert "are serialized" not in module.log, "ptxas serialized the wgmmas"
     body = module.ptx[module.ptx.index(".entry"):]
     assert "wgmma.wait_group.sync.aligned 1" in body and "cp.async.ca.shared.global" in body
     with pytest.raises(Exception, match="block scales: fp8"):
@@ -236,6 +252,7 @@ def test_quantizing_builds_for_sm90a(scales, tokens, split, x_dtype):
     module = decode.compile_module(config, FP8, torch.bfloat16, scales=scales, quantize_from=x_dtype)
     s = inspection.summarize(inspection.artifacts_from_binary("decode", module.ptx, module.cubin))
     assert s["sass QGMMA"] % 4 == 0 and s["sass LDL"] == 0 and s["sass STL"] == 0
+    assert "are serialized" not in module.log, "ptxas serialized the wgmmas"
     body = module.ptx[module.ptx.index(".entry"):]
     assert "cvt.rn.satfinite.e4m3x2.f32" in body and "div.rn.f32" in body
     assert "fence.proxy.async.shared::cta" in body and "shfl.sync.bfly" in body

@@ -6,8 +6,10 @@ At decode sizes a GEMM streams its weight once; what is left to win is the start
 each kernel in a chain of them. This kernel has the shape cuBLAS picks at one token (64 weight
 rows per CTA, a deep ring), and where a narrow weight would leave SMs idle, clusters of 2 or 4
 CTAs split each tile's K without partial sums in global memory, counters or a second kernel.
-``plan.preference`` puts it first at M <= 16 (block-scaled: M <= 8) where it measured ahead of
-split-K (``plan.DECODE_MIN_N`` and the rules beside it).
+``plan.preference`` puts it first up to its rule's tokens (:func:`rule_for`: 16, block-scaled
+8; on GPUs with less memory bandwidth per SM 32 for fp8 with tensor- or row-wise scales and 16
+block-scaled) where it measured ahead of split-K and the Triton tiles (``plan.DECODE_MIN_N`` and
+the rules beside it).
 
 Scope: M <= 64 (the dispatcher uses it up to its rule's ``max_m``, where it was measured); fp8
 with a K-major weight (``b = w.t()`` of a row-major (N, K) weight, the ``nn.Linear`` layout):
@@ -125,7 +127,8 @@ class DecodeRule:
 # against 19.1), everything else takes 8. Where the dispatcher takes the kernel, within 1.6% of
 # the best of the six measured configs in geomean, 10% at worst. Past 112 k-blocks per CTA
 # split-K was ahead (7168 x 16384 and 7168 x 18432, 1-6%). Up to 16 tokens (wgmma's n16; at 17-32
-# tokens the tile kernel or split-K ran ahead).
+# tokens the tile kernel or split-K ran ahead, measured while ptxas serialized the 32-token
+# tile's wgmmas: not measured since on this rule's GPUs).
 RULE = DecodeRule(split_fill=1.25, deep_ring_fill=None, max_share=112, max_m=16)
 # Block-scaled (1x128 x 128x128 or per-row), the same rule up to 8 tokens (H200): the decode-stack
 # layers at M = 1 and 8 0.4-4% faster than on split-K, single kernels at one token 2% faster
@@ -150,8 +153,12 @@ SLOW_MEMORY_PER_SM = 30e9
 # takes the kernel, within 0.2% of the best config per shape in geomean (2% at worst), where
 # RULE was 2.4% behind (12% at worst: Qwen2.5-7B's 4608 x 3584, unsplit 9.9 us against 10.9 in
 # pairs). Unsplit CTAs of 128-148 k-blocks ran 7168 x 16384 and 7168 x 18432 0.4-0.6% ahead of
-# split-K and 3584 x 18944 within 0.8% either way.
-RULE_SLOW_MEMORY = DecodeRule(split_fill=0.65, deep_ring_fill=0.5, max_share=160, max_m=16)
+# split-K and 3584 x 18944 within 0.8% either way. Up to 32 tokens (the 32-token tile): at 32
+# tokens, where the rule takes the kernel, 1-9% ahead of the Triton tiles and split-K on 11 of
+# the 13 projections (2112 x 7168 11.1 us in pairs against 12.1; 2560 x 8192 12.8 against 13.7;
+# 4096 x 14336 25.3 against 25.6), 7168 x 16384 level and 7168 x 18432 0.6% behind; at 64 tokens
+# the Triton tiles stayed ahead on every projection (BENCHMARKS.md).
+RULE_SLOW_MEMORY = DecodeRule(split_fill=0.65, deep_ring_fill=0.5, max_share=160, max_m=32)
 # Block-scaled fp8 (one round): RULE's K split, whose extra CTAs the per-k-block adds need (under
 # RULE_SLOW_MEMORY's the decode stacks ran up to 14% slower), but 8 stages throughout (8192 x 7168
 # unsplit: 24.5 against 25.2 us at one token; 3584 x 18944 in pairs: 29.6 against 30.7); one

@@ -455,25 +455,23 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       }
     };
     // Even k-blocks go to part0, odd ones to part1 (register arrays cannot be picked at run
-    // time); each step issues one and retires the one before it.
+    // time); each step issues both, then retires the first while the second runs. Every group
+    // retires within its step: one left in flight across the loop's back edge made ptxas
+    // serialize every wgmma.
     load_chunk(0);
-    for (int kt = 0; kt < k_tiles; kt += 2) {
+    int kt = 0;
+    for (; kt + 1 < k_tiles; kt += 2) {
       issue(kt, part0);
-      if (kt > 0) {
-        wgmma::wait_group<1>();
-        retire(kt - 1, part1);
-      }
-      if (kt + 1 == k_tiles) break;
       issue(kt + 1, part1);
       wgmma::wait_group<1>();
       retire(kt, part0);
-    }
-    if (k_tiles > 0) {  // the last k-block
       wgmma::wait_group<0>();
-      if (k_tiles % 2)
-        retire(k_tiles - 1, part0);
-      else
-        retire(k_tiles - 1, part1);
+      retire(kt + 1, part1);
+    }
+    if (kt < k_tiles) {  // an odd count: the last k-block alone
+      issue(kt, part0);
+      wgmma::wait_group<0>();
+      retire(kt, part0);
     }
   } else {  // tensor/row-wise: one fp32 accumulation over all of K (fast accumulation)
     for (int kt = 0; kt < k_tiles; ++kt) {
@@ -493,10 +491,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       wgmma::fence_operand(acc);
       if (kt > 0 && threadIdx.x == 0) ptx::mbarrier_arrive(&empty[(kt - 1) % kStages]);
     }
-    if (k_tiles > 0) {
-      wgmma::wait_group<0>();
-      wgmma::fence_operand(acc);
-    }
+    wgmma::wait_group<0>();
+    wgmma::fence_operand(acc);
   }
   ptx::griddep_launch_dependents();  // the stream is done: the next kernel may launch
 
