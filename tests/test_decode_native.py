@@ -214,8 +214,12 @@ def test_builds_for_sm90a(ab, out, k_major, tokens, split):
     assert ("ld.shared::cluster.v4.f32" in body) == (split > 1)
     assert body.count("barrier.cluster.arrive") == (3 if split > 1 else 0)
     # The launch's block is the kernel's: a missing loader warp would leave the epilogue waiting
-    # on its barrier for ever.
-    assert f".maxntid {decode.THREADS}, 1, 1" in body
+    # on its barrier for ever. 8-token tiles read the epilogue's operands into the consumers'
+    # registers instead (loads before the main loop, no barrier wait in the epilogue).
+    assert f".maxntid {decode.block_threads(tokens)}, 1, 1" in body
+    loader = tokens >= decode.LOADER_WARP_MIN_TOKENS
+    assert decode.block_threads(tokens) == 160 + 32 * loader
+    assert ("mbarrier.try_wait.parity" in body[body.rindex("griddepcontrol.launch_dependents"):]) == loader
 
 
 @needs_nvrtc
@@ -258,7 +262,7 @@ def test_quantizing_builds_for_sm90a(scales, tokens, split, x_dtype):
     assert "fence.proxy.async.shared::cta" in body and "shfl.sync.bfly" in body
     assert "ld.shared.v4.b32" in body and "ld.shared.v2.b32" in body and "st.shared.v2.b32" in body
     assert "cp.async.ca.shared.global" in body
-    assert f".maxntid {decode.QUANTIZING_THREADS}, 1, 1" in body
+    assert f".maxntid {decode.block_threads(tokens, quantizing=True)}, 1, 1" in body
     plain = decode.compile_module(config, FP8, torch.bfloat16, scales=scales).ptx
     assert "cvt.rn.satfinite.e4m3x2.f32" not in plain[plain.index(".entry"):]
     with pytest.raises(Exception, match="quantizing the activation"):

@@ -46,8 +46,15 @@ SOURCE = "gemm_sm90_decode.cu"
 KERNEL = "tmagemm_gemm_sm90_decode"
 MAX_M = 64  # tokens fill wgmma's N slot: n8, n16, n32 or n64
 WEIGHT_ROWS = 64  # weight rows per CTA: wgmma's M
-THREADS = 128 + 32 + 32  # one consumer warpgroup, the producer warp and the loader warp
-QUANTIZING_THREADS = THREADS + 128  # and the quantizing form's quantizer warpgroup
+LOADER_WARP_MIN_TOKENS = 16  # tiles of this many tokens or more have the loader warp (the .cu's kLoaderWarp)
+
+
+def block_threads(tokens: int, quantizing: bool = False) -> int:
+    """The kernel's block size: one consumer warpgroup and the producer warp; the loader warp of
+    the epilogue's operands from LOADER_WARP_MIN_TOKENS tokens per tile (8-token tiles read them
+    into the consumers' registers); quantizing, the quantizer warpgroup."""
+    return 128 + 32 + (32 if tokens >= LOADER_WARP_MIN_TOKENS else 0) + (128 if quantizing else 0)
+
 
 
 TOKENS = (8, 16, 32, 64)
@@ -379,7 +386,7 @@ class _DecodeLaunch:
         kernel = _kernel(config, args.b.dtype, args.out.dtype, k_major, scales, args.a.dtype if quantizing else None,
                          self.device_index)
         grid = (-(-args.n // WEIGHT_ROWS), -(-args.m // config.tokens), config.split)
-        threads = QUANTIZING_THREADS if quantizing else THREADS
+        threads = block_threads(config.tokens, quantizing)
         self._launch = kernel.packed(grid, (threads, 1, 1), config.smem_bytes(quantizing), self._pointers,
                                      cluster=(1, 1, config.split), pdl=use_pdl(args.out.device))
         self._stream = stream_getter()

@@ -79,8 +79,15 @@ constexpr int kConsumerThreads = 128;  // one warpgroup multiplies
 // running ahead of the multiplying one by up to the ring's depth.
 constexpr int kQuantizerThreads = kQuantizeA ? 128 : 0;
 constexpr int kProducerThread = kConsumerThreads + kQuantizerThreads;  // then the producer warp
-constexpr int kLoaderThread = kProducerThread + 32;  // then the loader warp (epilogue operands)
-constexpr int kThreads = kLoaderThread + 32;
+// The epilogue's scales and bias are read right after the PDL wait, so their latency passes under
+// the stream (read in the epilogue they added a round trip to memory to the kernel's tail: the
+// weight stream evicts them from L2). 8-token tiles read them into the consumers' registers,
+// measured the fastest at 1-8 tokens; wider tiles have a loader warp that reads them into shared
+// memory (into registers the main loop ran up to 38% slower at 16 tokens, cause not found; by the
+// producer warp's idle lanes they held up the producer thread, a lane of the same warp).
+constexpr bool kLoaderWarp = kTokens > 8;
+constexpr int kLoaderThread = kProducerThread + 32;  // then the loader warp, if any
+constexpr int kThreads = kLoaderThread + (kLoaderWarp ? 32 : 0);
 static_assert(kTokens == 8 || kTokens == 16 || kTokens == 32 || kTokens == 64,
               "tokens per tile: 8, 16, 32 or 64 (wgmma n8 ... n64)");
 static_assert(kTokenBytes % 1024 == 0, "128B-swizzled boxes start 1 KB aligned");
@@ -278,7 +285,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   // Quantizing: each stage's token scales, computed here.
   __shared__ float scale_x_s[kQuantizeA ? kStages : 1][kTokens];
   // The epilogue's tensor/row/column-wise scales and bias (the loader warp's), and their barrier.
-  __shared__ float column_scale[kRows], column_bias[kRows], token_scale[kTokens];
+  __shared__ float column_scale[kLoaderWarp ? kRows : 1], column_bias[kLoaderWarp ? kRows : 1];
+  __shared__ float token_scale[kLoaderWarp ? kTokens : 1];
   __shared__ alignas(8) u64 epilogue_ready;
 
   const int n0 = blockIdx.x * kRows;
@@ -321,12 +329,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         if constexpr (kQuantizeA) ptx::tma_load_2d(raw + s * kRawBytes, &map_x, &full[s], k, m0);
         else ptx::tma_load_2d(tokens + s * kTokenBytes, &map_x, &full[s], k, m0);
       }
-    } else if (threadIdx.x >= kLoaderThread) {
-      // ---- loader warp: reads the epilogue's scales and bias now, so their latency passes under
-      // the stream; read in the epilogue they would add a round trip to memory (the weight stream
-      // evicts them from L2) to the kernel's tail. Measured slower: the same loads by the
-      // producer warp's idle lanes (they hold up the producer thread, a lane of the same warp),
-      // or into the consumers' registers (their main loop ran up to 38% slower at 16 tokens).
+    } else if (kLoaderWarp && threadIdx.x >= kLoaderThread) {
+      // ---- loader warp: the epilogue's scales and bias into shared memory (see kLoaderWarp)
       ptx::griddep_wait();  // the scales may be the previous kernel's output
       const int lane = threadIdx.x - kLoaderThread;
       float tensor_scale = 1.0f;  // block scales are applied in the main loop instead
@@ -345,7 +349,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
       __syncwarp();  // every lane's stores come before lane 0's release
       if (lane == 0) ptx::mbarrier_arrive(&epilogue_ready);
     }
-    // A split cluster's barriers wait for non-exited threads only: these two warps may leave.
+    // A split cluster's barriers wait for non-exited threads only: these warps may leave.
     return;
   }
 
@@ -376,6 +380,23 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   // Register 4j + 2h + e of a fragment: weight row (output column) 16w + l/4 + 8h, token
   // 8j + 2(l % 4) + e (warp w, lane l).
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // Without a loader warp: this thread's epilogue operands, the loader warp's values for its two
+  // columns and two tokens. (Written out in both places: shared as device functions, they changed
+  // the loader warp's builds.)
+  float my_column_scale[2], my_column_bias[2], my_token_scale[2];
+  if constexpr (!kLoaderWarp) {
+    float tensor_scale = 1.0f;
+    if (p.scale_a && !p.scale_a_rowwise && !kBlockScales) tensor_scale = p.scale_a[0];
+    if (p.scale_b && !p.scale_b_colwise && !kBlockScales) tensor_scale = p.scale_b[0] * tensor_scale;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int col = n0 + 16 * warp + lane / 4 + 8 * h, tok = m0 + 2 * (lane % 4) + h;
+      const bool in = col < p.n;
+      my_column_scale[h] = p.scale_b_colwise && in ? tensor_scale * p.scale_b[col] : tensor_scale;
+      my_column_bias[h] = p.bias && in ? wgmma::load_as_float(p.bias, col, p.bias_type) : 0.0f;
+      my_token_scale[h] = p.scale_a_rowwise && tok < p.m ? p.scale_a[tok] : 1.0f;
+    }
+  }
   float acc[kAccRegs];
 #pragma unroll
   for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.0f;
@@ -528,19 +549,20 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 
   // ---- epilogue: the output is at most 16 x 64 values per CTA: plain stores, each warp writing
   // 16-byte runs of a token's row. Block scales are in acc already.
-  ptx::mbarrier_wait(&epilogue_ready, 0);
+  if constexpr (kLoaderWarp) ptx::mbarrier_wait(&epilogue_ready, 0);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = 16 * warp + lane / 4 + 8 * h, col = n0 + r;
     if (col >= p.n) continue;
-    const float col_scale = column_scale[r], add = column_bias[r];
+    const float col_scale = kLoaderWarp ? column_scale[r] : my_column_scale[h];
+    const float add = kLoaderWarp ? column_bias[r] : my_column_bias[h];
 #pragma unroll
     for (int j = 0; j < kTokens / 8; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int t = 8 * j + 2 * (lane % 4) + e, tok = m0 + t;
         if (tok >= p.m) continue;
-        const float v = acc[4 * j + 2 * h + e] * col_scale * token_scale[t] + add;
+        const float v = acc[4 * j + 2 * h + e] * col_scale * (kLoaderWarp ? token_scale[t] : my_token_scale[e]) + add;
         const long long at = tok * p.ldo + col;
         if constexpr (kOutType == wgmma::kOutF32) {
           static_cast<float*>(p.out)[at] = v;
