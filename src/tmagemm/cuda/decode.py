@@ -56,7 +56,6 @@ def block_threads(tokens: int, quantizing: bool = False) -> int:
     return 128 + 32 + (32 if tokens >= LOADER_WARP_MIN_TOKENS else 0) + (128 if quantizing else 0)
 
 
-
 TOKENS = (8, 16, 32, 64)
 SPLITS = (1, 2, 4)
 
