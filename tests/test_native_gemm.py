@@ -725,8 +725,9 @@ def test_stage_addresses_are_built_once(case):
         scale_reads = [i for i, op in enumerate(between) if op.startswith("LDS")]
         arrive = next(i for i, op in enumerate(between) if op.startswith("WARPGROUP.ARRIVE"))
         assert len(scale_reads) == 2 + config.block_n // 128 and max(scale_reads) < arrive, between
-        # 30-33 with NVRTC 13.0; descriptors rebuilt from the ring would add 23-34 more.
-        assert len(between) <= 14 + 20, between
+        # Up to 33 with NVRTC 13.0 (32 with 13.5); descriptors rebuilt from the ring would add
+        # 23-34 more.
+        assert len(between) <= 14 + 19, between
     else:
         assert len(between) <= 14, ops[wait:first + 1]
     assert not any("SR_CgaCtaId" in op for op in ops[wait - 8:first]), ops[wait - 8:first + 1]
