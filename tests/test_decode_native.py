@@ -205,11 +205,18 @@ def test_builds_for_sm90a(ab, out, k_major, tokens, split):
     if ab != FP8:  # A (the weight) transposed when N-major; B (the tokens) K-major
         assert (", p, 1, 1, 0, 0;" if k_major else ", p, 1, 1, 1, 0;") in module.ptx
     # PDL order: every load (the previous kernel may write the weight too) comes after the grid
-    # dependency wait; the next kernel is signalled after the last wgmma retired.
+    # dependency wait. fp8 tiles of up to 16 tokens signal the next kernel right after the
+    # producer's wait, before its first load; the others once the last wgmma retired.
     body = module.ptx[module.ptx.index(".entry"):]
     assert "cp.async.bulk.prefetch.tensor" not in body
-    assert body.index("cp.async.bulk.tensor") > body.index("griddepcontrol.wait")
-    assert body.index("griddepcontrol.launch_dependents") > body.rindex("wgmma.wait_group.sync.aligned 0")
+    wait, signal = body.index("griddepcontrol.wait"), body.index("griddepcontrol.launch_dependents")
+    assert body.index("cp.async.bulk.tensor") > wait
+    assert body.count("griddepcontrol.launch_dependents") == 1
+    last_wgmma_wait = body.rindex("wgmma.wait_group.sync.aligned 0")
+    if ab == FP8 and tokens <= 16:
+        assert wait < signal < body.index("cp.async.bulk.tensor")
+    else:
+        assert signal > last_wgmma_wait
     # A split cluster adds its fragments over distributed shared memory, after two cluster barriers.
     assert ("ld.shared::cluster.v4.f32" in body) == (split > 1)
     assert body.count("barrier.cluster.arrive") == (3 if split > 1 else 0)
@@ -219,7 +226,7 @@ def test_builds_for_sm90a(ab, out, k_major, tokens, split):
     assert f".maxntid {decode.block_threads(tokens)}, 1, 1" in body
     loader = tokens >= decode.LOADER_WARP_MIN_TOKENS
     assert decode.block_threads(tokens) == 160 + 32 * loader
-    assert ("mbarrier.try_wait.parity" in body[body.rindex("griddepcontrol.launch_dependents"):]) == loader
+    assert ("mbarrier.try_wait.parity" in body[last_wgmma_wait:]) == loader
 
 
 @needs_nvrtc

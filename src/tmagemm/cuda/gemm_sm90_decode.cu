@@ -20,10 +20,12 @@
 //
 // Programmatic dependent launch: everything before the grid dependency wait is set-up (barriers,
 // descriptor prefetch), so it overlaps the previous kernel's tail; every load, the weight's
-// included (the previous kernel may write it), comes after the wait. The consumers signal the
-// next kernel once their main loop is done, so its CTAs do not take SM room while this one still
-// streams. Prefetching the weight into L2 before the wait, and signalling as soon as the last
-// loads were issued, both measured slower in decode stacks (docs/small-m.md).
+// included (the previous kernel may write it), comes after the wait. fp8 tiles of up to 16
+// tokens with epilogue scales let the next kernel launch right after their own wait: its launch
+// and set-up then pass under this kernel's whole stream (it launches once every CTA here has
+// started, so its CTAs only take room these leave). Other builds signal once their main loop is
+// done. Loading the weight (into L2 or the ring) before the wait measured slower in decode stacks
+// (docs/small-m.md, "PDL placement").
 //
 // Compile-time knobs (tmagemm/cuda/decode.py through NVRTC -D flags):
 //   TMAGEMM_AB_TYPE   0 f16, 1 bf16, 2 e4m3       TMAGEMM_OUT_TYPE  0 f16, 1 bf16, 2 f32
@@ -88,6 +90,8 @@ constexpr int kProducerThread = kConsumerThreads + kQuantizerThreads;  // then t
 constexpr bool kLoaderWarp = kTokens > 8;
 constexpr int kLoaderThread = kProducerThread + 32;  // then the loader warp, if any
 constexpr int kThreads = kLoaderThread + (kLoaderWarp ? 32 : 0);
+// Where the next kernel may launch (see the header): measured per build kind in the decode stacks.
+constexpr bool kSignalAtWait = kTokens <= 16 && kAbType == wgmma::kE4M3 && !kBlockScales;
 static_assert(kTokens == 8 || kTokens == 16 || kTokens == 32 || kTokens == 64,
               "tokens per tile: 8, 16, 32 or 64 (wgmma n8 ... n64)");
 static_assert(kTokenBytes % 1024 == 0, "128B-swizzled boxes start 1 KB aligned");
@@ -317,6 +321,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     // ---- producer: one thread of its warp streams the k-blocks
     if (threadIdx.x == kProducerThread) {
       ptx::griddep_wait();  // the activation, or even the weight, may be the previous kernel's output
+      if constexpr (kSignalAtWait) ptx::griddep_launch_dependents();
       for (int kt = 0; kt < k_tiles; ++kt) {
         const int s = kt % kStages;
         // The (kt / kStages)-th refill of stage s waits for its previous k-block's release (the
@@ -515,7 +520,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     wgmma::wait_group<0>();
     wgmma::fence_operand(acc);
   }
-  ptx::griddep_launch_dependents();  // the stream is done: the next kernel may launch
+  if constexpr (!kSignalAtWait) ptx::griddep_launch_dependents();  // the stream is done: the next kernel may launch
 
   // ---- split K: the other CTAs of the cluster publish their fragments (release at cluster
   // scope), the first adds them from their shared memory, and they stay resident until it has.
