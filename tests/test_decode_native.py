@@ -212,6 +212,9 @@ def test_builds_for_sm90a(ab, out, k_major, tokens, split):
     wait, signal = body.index("griddepcontrol.wait"), body.index("griddepcontrol.launch_dependents")
     assert body.index("cp.async.bulk.tensor") > wait
     assert body.count("griddepcontrol.launch_dependents") == 1
+    # The weight stream loads evict-first (read once); the activation boxes without a policy.
+    assert body.count("createpolicy.fractional.L2::evict_first") == 1
+    assert body.count(".L2::cache_hint") == body.count("cp.async.bulk.tensor") // 2
     last_wgmma_wait = body.rindex("wgmma.wait_group.sync.aligned 0")
     if ab == FP8 and tokens <= 16:
         assert wait < signal < body.index("cp.async.bulk.tensor")

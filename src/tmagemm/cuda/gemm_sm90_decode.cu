@@ -322,6 +322,9 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x == kProducerThread) {
       ptx::griddep_wait();  // the activation, or even the weight, may be the previous kernel's output
       if constexpr (kSignalAtWait) ptx::griddep_launch_dependents();
+      // Each weight byte is read once: evict-first keeps the stream from pushing out of L2 what
+      // is read again (the activation, read by every CTA, and the next kernels' operands).
+      const u64 stream = ptx::l2_policy_evict_first();
       for (int kt = 0; kt < k_tiles; ++kt) {
         const int s = kt % kStages;
         // The (kt / kStages)-th refill of stage s waits for its previous k-block's release (the
@@ -329,8 +332,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
         ptx::mbarrier_wait(&empty[s], ((kt / kStages) & 1) ^ 1);
         ptx::mbarrier_arrive_expect_tx(&full[s], kWeightBytes + kLoadedTokenBytes);
         const int k = (kt0 + kt) * kBlockK;
-        if constexpr (kWeightKMajor) ptx::tma_load_2d(weights + s * kWeightBytes, &map_w, &full[s], k, n0);
-        else ptx::tma_load_2d(weights + s * kWeightBytes, &map_w, &full[s], n0, k);
+        if constexpr (kWeightKMajor) ptx::tma_load_2d_hint(weights + s * kWeightBytes, &map_w, &full[s], k, n0, stream);
+        else ptx::tma_load_2d_hint(weights + s * kWeightBytes, &map_w, &full[s], n0, k, stream);
         if constexpr (kQuantizeA) ptx::tma_load_2d(raw + s * kRawBytes, &map_x, &full[s], k, m0);
         else ptx::tma_load_2d(tokens + s * kTokenBytes, &map_x, &full[s], k, m0);
       }
