@@ -143,6 +143,27 @@ def test_block_scales_take_the_kernel_to_16_tokens_on_slow_memory(monkeypatch):
     assert at(8) and at(16) and not at(17)
 
 
+def test_block_scales_take_weights_wider_than_the_sms_on_slow_memory(monkeypatch):
+    """On slow memory block-scaled fp8 takes weights of up to 5 64-row tiles per SM (unsplit, 8
+    stages); the rules of builds that signal the next kernel at their wait keep one tile per SM,
+    and so does the quantizing form."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(decode._device, "sms_of", lambda dev: 132)
+    takes = lambda m, n, k=4096, block=True: decode.takes(m, n, k, 1, block, cpu)  # noqa: E731
+    monkeypatch.setattr(decode, "slow_memory", lambda dev: True)
+    assert takes(1, 28672) and takes(16, 37888, 3584) and takes(8, 14336, 8192)
+    assert takes(1, 5 * 132 * 64) and not takes(1, 5 * 132 * 64 + 1)  # past 5 tiles per SM: split-K
+    assert not takes(17, 28672)  # the block rule's 16 tokens
+    assert not takes(1, 28672, block=False) and not takes(16, 8449, block=False)  # tensor/row: one tile per SM
+    assert decode.takes_quantizing(8, 8448, 4096, cpu) and not decode.takes_quantizing(1, 8449, 4096, cpu)
+    config = decode.choose_config(16, 37888, 3584, 1, 132, decode.RULE_SLOW_MEMORY_BLOCK)
+    assert (config.tokens, config.stages, config.split) == (16, 8, 1)
+    monkeypatch.setattr(decode, "slow_memory", lambda dev: False)
+    assert not takes(1, 8449) and takes(1, 8448)  # RULE_BLOCK: one tile per SM
+    for rule in (decode.RULE, decode.RULE_BLOCK, decode.RULE_SLOW_MEMORY):
+        assert rule.max_tiles_per_sm == 1
+
+
 def _args(m, n, k, dtype=torch.bfloat16, k_major=True, device="cpu", **kw):
     a = torch.randn(m, k, device=device).to(dtype)
     w = torch.randn(n, k, device=device).to(dtype)
@@ -407,6 +428,24 @@ def test_block_scaled_matches_float64(recipe, sa_layout, out_dtype, bias, shape,
     built(args)
     torch.cuda.synchronize()
     assert_close(out, block_reference(a, w, sa, sb, recipe, b), WGMMA_TOL[out_dtype], f"{recipe[1].name} {shape}")
+    _check_untouched(big, m, n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 7, 16])
+def test_block_scaled_weight_wider_than_the_sms(m, seeded):
+    """8520 weight rows (134 tiles, ragged) through the dispatcher: on GPUs with slow memory per
+    SM the decode kernel, several CTAs per SM; elsewhere split-K."""
+    n, k = 8520, 2176
+    a, w, sa, sb = block_operands(m, n, k, BLOCK_128, device=DEV)
+    big, out = _poisoned_out(m, n, torch.bfloat16)
+    args = GemmArgs(a, w.t(), out, sa, sb, None, True, BLOCK_128)
+    built = plan.build(args)
+    if decode.slow_memory(out.device) and -(-n // decode.WEIGHT_ROWS) > decode._device.sms_of(out.device):
+        assert built.variant == "cuda.decode"
+    built(args)
+    torch.cuda.synchronize()
+    assert_close(out, block_reference(a, w, sa, sb, BLOCK_128), WGMMA_TOL[torch.bfloat16], f"{built.variant} m={m}")
     _check_untouched(big, m, n)
 
 

@@ -238,17 +238,16 @@ SPLITK_16BIT_LONG_K = 8192
 
 
 # The native decode kernel (cuda/decode.py) first on weights of at least DECODE_MIN_N x
-# DECODE_MIN_K, with at most DECODE_MAX_TILES_PER_SM 64-row weight tiles per SM, up to its rule's
-# max_m tokens and max_share k-blocks of 128 bytes per CTA after its K split
-# (cuda.decode.rule_for). Measured per GEMM on the 17 decode-stack projections, 8 chained copies
-# with their own weights in one CUDA graph, M = 1 and 16 (H200, BENCHMARKS.md): where the rule
-# takes it, fp8 1-19% faster than split-K on all 10 shapes (geomean 9.8%), bf16 2.4% faster in
-# geomean (11% faster to 4% slower). Past it split-K was ahead: more tiles (N = 14336-37888,
-# 2-11%) or a longer share of K per CTA (7168 x 16384 and 7168 x 18432, 1-6%; on an H100 the
+# DECODE_MIN_K, up to its rule's max_m tokens, max_share k-blocks of 128 bytes per CTA after its K
+# split and max_tiles_per_sm 64-row weight tiles per SM (cuda.decode.rule_for). Measured per GEMM
+# on the 17 decode-stack projections, 8 chained copies with their own weights in one CUDA graph,
+# M = 1 and 16 (H200, BENCHMARKS.md): where the rule takes it, fp8 1-19% faster than split-K on
+# all 10 shapes (geomean 9.8%), bf16 2.4% faster in geomean (11% faster to 4% slower). Past it
+# split-K was ahead: more tiles than SMs (N = 14336-37888, 2-11%; block-scaled fp8 on an H100
+# excepted) or a longer share of K per CTA (7168 x 16384 and 7168 x 18432, 1-6%; on an H100 the
 # unsplit kernel was ahead there). Narrower or shorter weights were not measured.
 DECODE_MIN_N = 2048
 DECODE_MIN_K = 2048
-DECODE_MAX_TILES_PER_SM = 1
 
 
 def _decode_first(args: GemmArgs) -> bool:

@@ -37,7 +37,7 @@ import torch
 from .. import device as _device
 from .. import tma
 from ..jit.runtime import stream_getter
-from ..plan import DECODE_MAX_TILES_PER_SM, DECODE_MIN_K, DECODE_MIN_N, GemmArgs, Plan, Scaling, Variant
+from ..plan import DECODE_MIN_K, DECODE_MIN_N, GemmArgs, Plan, Scaling, Variant
 from ..tma import MapsByAddress, params_for_tensor
 from .gemm import _AB_TYPES, _OUT_TYPES, _ROW_BYTES, k_blocks, use_pdl
 
@@ -113,15 +113,17 @@ class DecodeRule:
     split_fill x SMs (and each keeps at least MIN_SHARE k-blocks); deep_ring_fill: 16 stages while
     the CTAs fill at most this share of the SMs (0: never), or None for the long-share rule (16
     stages when the CTAs fit one per SM and each keeps at least LONG_SHARE k-blocks); the
-    dispatcher takes the kernel up to max_m tokens and up to max_share k-blocks per CTA after the
-    split; block-scaled rules: the quantizing form replaces quantizer + GEMM up to quantize_max_m
-    tokens (:func:`takes_quantizing`)."""
+    dispatcher takes the kernel up to max_m tokens, up to max_share k-blocks per CTA after the
+    split and up to max_tiles_per_sm 64-row weight tiles per SM; block-scaled rules: the
+    quantizing form replaces quantizer + GEMM up to quantize_max_m tokens
+    (:func:`takes_quantizing`)."""
 
     split_fill: float
     deep_ring_fill: float | None
     max_share: int
     max_m: int
     quantize_max_m: int = 0
+    max_tiles_per_sm: int = 1
 
 
 # The heuristic (H200, 8 chained GEMMs with their own weights in one CUDA graph, per GEMM, M = 1
@@ -176,7 +178,18 @@ RULE_SLOW_MEMORY = DecodeRule(split_fill=0.65, deep_ring_fill=0.5, max_share=160
 # against quantize_fp8(x, "1x128") + this kernel: one token 9.9 / 25.1 / 13.0 us against 13.2 /
 # 28.7 / 15.1, four 10.1 / 26.4 / 13.8 against 12.9 / 29.4 / 14.9, eight 10.7 / 28.2 / 14.7
 # against 12.9 / 29.4 / 15.0; sixteen 1.1-1.3x slower).
-RULE_SLOW_MEMORY_BLOCK = DecodeRule(split_fill=1.25, deep_ring_fill=0.0, max_share=160, max_m=16, quantize_max_m=8)
+# Weights of more 64-row tiles than SMs (up to 37888 rows: 592 tiles, 4.5 per SM), unsplit with 8
+# stages, about three CTAs per SM: the decode stacks' block-scaled layers at 1, 8 and 16 tokens ran
+# 1.5-3.5% faster per layer in geomean than with split-K on those weights (H100, two rounds;
+# DeepSeek-V3 211.2 -> 205.2 us at 8 tokens, Qwen2.5-7B 97.3 -> 94.1 at 16; Llama-3-8B at one
+# token 0.5% slower); Qwen3-32B's 10240 x 5120 qkv alone (L2 flushed) 31.7 -> 27.6 us. The
+# rules of builds that signal the next kernel at their wait (fp8 with tensor- or row-wise scales)
+# keep one tile per SM: with every CTA of a 448-592-CTA grid resident and signalling at its wait,
+# Llama-3-8B's and Llama-3-70B's layers at 1-16 tokens ran 8-12% slower (signalling after the main
+# loop, from 0.5% slower to 1.3% faster; per GEMM split-K measured up to 3% ahead on those weights).
+# The quantizing form keeps one tile per SM too (:func:`takes_quantizing`: not measured wider).
+RULE_SLOW_MEMORY_BLOCK = DecodeRule(split_fill=1.25, deep_ring_fill=0.0, max_share=160, max_m=16, quantize_max_m=8,
+                                    max_tiles_per_sm=5)
 # Tokens past which no GPU's rule takes the quantizing form (``nn.quantize.block_linear`` stops
 # looking there).
 QUANTIZE_MAX_M = max(RULE_BLOCK.quantize_max_m, RULE_SLOW_MEMORY_BLOCK.quantize_max_m)
@@ -226,8 +239,8 @@ def rule_of(itemsize: int, block: bool, dev: torch.device) -> DecodeRule:
 def takes(m: int, n: int, k: int, itemsize: int, block: bool, dev: torch.device) -> bool:
     """Whether the dispatcher runs an (m, n, k) problem of ``itemsize``-byte operands
     (block-scaled or not) on this kernel first (``plan._decode_first``): weights of at least
-    ``plan.DECODE_MIN_N`` x ``DECODE_MIN_K``, at most ``DECODE_MAX_TILES_PER_SM`` weight tiles per
-    SM, up to the rule's tokens and share of K per CTA."""
+    ``plan.DECODE_MIN_N`` x ``DECODE_MIN_K``, up to the rule's tokens, share of K per CTA and
+    weight tiles per SM."""
     if not (n >= DECODE_MIN_N and k >= DECODE_MIN_K):
         return False
     rule = rule_of(itemsize, block, dev)
@@ -235,7 +248,7 @@ def takes(m: int, n: int, k: int, itemsize: int, block: bool, dev: torch.device)
         return False
     sms = _device.sms_of(dev)
     split = choose_config(m, n, k, itemsize, sms, rule).split
-    return -(-n // WEIGHT_ROWS) <= DECODE_MAX_TILES_PER_SM * sms and k_blocks(k, itemsize) <= rule.max_share * split
+    return -(-n // WEIGHT_ROWS) <= rule.max_tiles_per_sm * sms and k_blocks(k, itemsize) <= rule.max_share * split
 
 
 def choose_config(m: int, n: int, k: int, itemsize: int, sms: int, rule: DecodeRule = RULE) -> DecodeConfig:
@@ -418,8 +431,9 @@ def takes_quantizing(m: int, n: int, k: int, dev: torch.device) -> bool:
     """Whether a block-scaled (m, n, k) problem with a 16-bit activation runs as the quantizing
     form (``nn.quantize.block_linear``): up to the block rule's quantize_max_m tokens (8 on GPUs
     with slow memory per SM, 2 elsewhere) where the dispatcher takes this kernel for the fp8
-    problem (:func:`takes`)."""
-    return m <= rule_of(1, True, dev).quantize_max_m and takes(m, n, k, 1, True, dev)
+    problem (:func:`takes`), on weights of at most one 64-row tile per SM (where it was measured)."""
+    return (m <= rule_of(1, True, dev).quantize_max_m and -(-n // WEIGHT_ROWS) <= _device.sms_of(dev)
+            and takes(m, n, k, 1, True, dev))
 
 
 def quantizing_reason(args: GemmArgs) -> str | None:
