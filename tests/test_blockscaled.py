@@ -532,8 +532,10 @@ def test_splitk_block_scaled(m, n, k, recipe, split, swap, a_tma, seeded):
     bias = torch.randn(n, device=DEVICE).to(torch.bfloat16) if split == 3 else None
     args = GemmArgs(a, w.t(), poisoned((m, n), torch.float32, DEVICE), sa, sb, bias, True, recipe)
     assert splitk.supports(args) is None, splitk.supports(args)
-    config = splitk.SplitKConfig(block_m=16, block_n=32, block_k=128, split_k=split, swap_ab=swap, a_tma=a_tma,
-                                 num_stages=2)
+    # On a GPU the kernel's tiles are at least 64 wide (SplitKConfig.gpu_reason); the interpreter
+    # takes the narrower, faster tile.
+    config = splitk.SplitKConfig(block_m=16, block_n=64 if ON_GPU else 32, block_k=128, split_k=split, swap_ab=swap,
+                                 a_tma=a_tma, num_stages=2)
     plan = splitk.build(args, config)
     plan(args)
     tol = WGMMA_TOL if ON_GPU else TOL
