@@ -281,6 +281,25 @@ def test_heuristic_table(row):
     assert (cfg.block_m, cfg.block_n, cfg.split_k, cfg.swap_ab) == want
 
 
+@pytest.mark.parametrize("n, k, stages", [
+    (14336, 8192, 8),  # 224 tiles: two per SM hold them all
+    (28672, 4096, 8),  # three per SM would leave a last wave of 52 CTAs
+    (36864, 7168, sk.WIDE_FP8_STAGES),  # 576 tiles: a last wave of 180
+    (37888, 3584, sk.WIDE_FP8_STAGES),
+    (4096, 4096, 8),
+])
+def test_wide_fp8_weights_at_decode_tokens(n, k, stages):
+    """fp8 at <= 16 tokens on weights of more 64-row tiles than two per SM: three CTAs per SM
+    unless their last wave is short; 16-bit operands and 17 tokens keep the first rule."""
+    for m in (1, 16):
+        cfg = sk.choose_config(m, n, k, 1, 132)
+        assert (cfg.block_n, cfg.num_stages, cfg.split_k, cfg.swap_ab) == (64, stages, 1, True)
+        assert 3 * cfg.smem_bytes(1) <= 227 * 1024 or stages != sk.WIDE_FP8_STAGES  # three CTAs per SM
+    for m, itemsize in ((17, 1), (1, 2)):
+        cfg = sk.choose_config(m, n, k, itemsize, 132)
+        assert (cfg.block_n, cfg.num_stages) == (64, sk.stages_for(cfg.block_m, 64, cfg.block_k, itemsize))
+
+
 # ----------------------------------------------------------------------------------------------
 # matmul_tma.heuristic at small and medium M (fp8): the winners of scripts/gpu/mid_m.py
 # ----------------------------------------------------------------------------------------------
@@ -452,6 +471,29 @@ def test_gpu_every_m(dtype, nk, seeded):
         _assert_close(out, ref, rtol=2.0**-7, atol=2.0**-10 * float(ref.abs().max()))
         worst = max(worst, float(((out.double() - ref).abs() / (ref.abs() + 1)).max()))
     assert worst > 0.0, "a check that compared nothing"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [34368, 36872])
+@pytest.mark.parametrize("m", [1, 11, 16])
+def test_gpu_fp8_wide_weight_tiles(m, n, seeded):
+    """fp8 at decode tokens on the widest weights (:func:`sk._wide_fp8_stages`: three CTAs per
+    SM), N ragged, row-wise scales and a bias, against float64 (fast accumulation: 2^-10 x sum
+    |a||b|)."""
+    k = 2176
+    a, b = _operands(m, n, k, F8)
+    scale_a, scale_b = torch.rand(m, device="cuda") + 0.5, torch.rand(n, device="cuda") + 0.5
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    out = torch.full((m, n), float("nan"), device="cuda")
+    args = GemmArgs(a, b, out, scale_a, scale_b, bias)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    config = sk.choose_config(m, n, k, 1, sms)
+    assert config.num_stages == sk.WIDE_FP8_STAGES
+    _run(args)
+    ref = _reference(a, b, scale_a, scale_b, bias)
+    bound = 2.0**-10 * (a.double().abs() @ b.double().abs()) * scale_a.double()[:, None] * scale_b.double() + 1e-6
+    err = (out.double() - ref).abs()
+    assert bool((err <= bound).all()), f"max error / bound = {float((err / bound).max()):.3f}"
 
 
 @pytest.mark.gpu

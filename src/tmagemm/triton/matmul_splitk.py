@@ -121,13 +121,38 @@ def stages_for(block_m: int, block_n: int, block_k: int, itemsize: int, ctas_per
     return max(2, min(8, _SMEM_BUDGET // ctas_per_sm // stage))
 
 
+# fp8 at up to 16 tokens on weights of more 64-row tiles than two per SM (the widest gate/up
+# projections, one K slice): WIDE_FP8_STAGES stages, three CTAs per SM instead of two, where the
+# last of those waves still holds CTAs for at least half the SMs. Per GEMM (H100, 8 chained
+# copies with their own weights in one CUDA graph, M = 1, 8, 16, two rounds): 37888 x 3584 48.6
+# against 49.9 us at one token (cuBLAS 49.8), 36864 x 7168 91.9 against 92.4; 28672 x 4096,
+# whose last wave would hold 52 CTAs, 44.5 against 42.7, so it keeps 8 stages. In the decode
+# stacks (fp8 tensor- and row-wise, 1-16 tokens) Qwen2.5-7B's layers ran 0.9-2.6% faster and
+# DeepSeek-V3's 0.2-0.7% (BENCHMARKS.md).
+# Weights of up to two tiles per SM (all resident at 8 stages) keep them: on Llama-3-70B TP 4's
+# 14336 x 8192 128-row tiles (one per SM) were 2% faster per GEMM but level in its stack at 1
+# and 8 tokens and 0.8% slower at 16.
+WIDE_FP8_STAGES = 6
+
+
+def _wide_fp8_stages(n: int, sm_count: int) -> int | None:
+    """:func:`choose_config`'s ring depth for fp8 at <= 16 tokens on an ``n``-row weight, or None
+    for the general rule."""
+    tiles = _cdiv(n, 64)
+    last_wave = tiles % (3 * sm_count)
+    if tiles > 2 * sm_count and (last_wave == 0 or 2 * last_wave >= sm_count):
+        return WIDE_FP8_STAGES
+    return None
+
+
 @functools.lru_cache(maxsize=4096)
 def choose_config(m: int, n: int, k: int, itemsize: int, sm_count: int) -> SplitKConfig:
     """Tiles and split factor for an (m, n, k) problem; pure, so tests can tabulate it.
 
     Fitted to a sweep on an H100 (docs/small-m.md): swap-AB with the tokens rounded up to a
     power of two >= 16 in the WGMMA N slot, 64 weight rows per tile (twice the CTAs of 128-row
-    tiles, and the deepest pipeline: 8 stages at M <= 16), block_k spanning 128 bytes (one 128B
+    tiles, and the deepest pipeline: 8 stages at M <= 16; fp8 on the widest weights:
+    :func:`_wide_fp8_stages`), block_k spanning 128 bytes (one 128B
     swizzle row), and a K split only while the tiles alone leave SMs idle (split up to
     sm_count // tiles, keeping >= 4 K-blocks per slice). Splitting further to fill two waves lost
     in the sweep: the partial sums cost more than the extra parallelism returned. ``itemsize``:
@@ -136,6 +161,9 @@ def choose_config(m: int, n: int, k: int, itemsize: int, sm_count: int) -> Split
     block_k = 128 // itemsize
     block_m = min(MAX_M, max(16, _next_pow2(m)))
     block_n = 64
+    num_stages = stages_for(block_m, block_n, block_k, itemsize)
+    if itemsize == 1 and block_m == 16:
+        num_stages = _wide_fp8_stages(n, sm_count) or num_stages
     tiles = _cdiv(max(m, 1), block_m) * _cdiv(max(n, 1), block_n)
     k_iters = max(1, _cdiv(k, block_k))
     split = max(1, min(sm_count // tiles, k_iters // 4))
@@ -156,7 +184,7 @@ def choose_config(m: int, n: int, k: int, itemsize: int, sm_count: int) -> Split
         # weight: 1-3% faster than pointer loads at M = 64 on an H100 (N = K = 4096, 3584, and
         # 4096 x 14336). build() falls back to pointer loads where TMA cannot describe A.
         a_tma=itemsize == 2 and m > 32,
-        num_stages=stages_for(block_m, block_n, block_k, itemsize),
+        num_stages=num_stages,
         num_warps=warps_for(block_m, block_n),
     )
 
