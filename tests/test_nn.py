@@ -63,26 +63,35 @@ def emulate(layer: tnn.FP8Linear, x: torch.Tensor) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], -1)
 
 
-def check_emulated(y: torch.Tensor, layer: tnn.FP8Linear, x: torch.Tensor) -> None:
-    """y against :func:`emulate`, element by element: |y - ref| <= out_rounding * |ref| +
-    accumulation * (|x_q| @ |w_q|^T), the accumulation bound per platform: the interpreter sums
-    in fp32; the GPU's fp8 tensor cores keep fewer bits while summing (``use_fast_accum``, the
-    row/tensor default: across all of K; block-scaled products promote every 128-deep k-block)."""
-    ref = emulate(layer, x).reshape(-1, layer.out_features)
-    got = y.detach().double().cpu().reshape(-1, layer.out_features)
-    size = emulate_activation(x.reshape(-1, x.shape[-1]).cpu(), layer.recipe).abs() @ \
-        layer.dequantized_weight(torch.float64).cpu().abs().t()
-    # One ulp of the output at the bottom of its binade (the interpreter truncates, the GPU rounds).
+def accumulation(recipe: str) -> float:
+    """The accumulation bound per unit of sum |x_q||w_q| of a layer's product: the interpreter
+    sums in fp32; the GPU's fp8 tensor cores keep fewer bits while summing (``use_fast_accum``,
+    the row/tensor default: across all of K, up to 2^-9 seen on an H100 at M = 4, K = 272;
+    block-scaled products promote every 128-deep k-block)."""
+    return 2.0**-20 if not CUDA else (2.0**-12 if recipe == "block" else 2.0**-8)
+
+
+def assert_within(y: torch.Tensor, ref: torch.Tensor, size: torch.Tensor, acc: float, what: str) -> None:
+    """y against the float64 ``ref`` element by element: |y - ref| <= out_rounding * |ref| + acc *
+    size (size: sum |x_q||w_q| per element; out_rounding: one ulp of y's dtype at the bottom of
+    its binade, the interpreter truncating, the GPU rounding)."""
+    got = y.detach().double().cpu().reshape(ref.shape)
     out_rounding = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7, torch.float32: 2.0**-20}[y.dtype]
-    # GPU fast accumulation (row/tensor): up to 2^-9 of sum |x||w| seen on an H100 (M = 4, K = 272).
-    accumulation = 2.0**-20 if not CUDA else (2.0**-12 if layer.recipe == "block" else 2.0**-8)
-    bound = out_rounding * ref.abs() + accumulation * size
+    bound = out_rounding * ref.abs() + acc * size
     bad = ~((got - ref).abs() <= bound)  # NaN fails
     if bool(bad.any()):
         r, c = bad.nonzero()[0].tolist()
-        raise AssertionError(f"{layer.recipe} {y.dtype}: {int(bad.sum())} of {got.numel()} elements off; first at "
+        raise AssertionError(f"{what} {y.dtype}: {int(bad.sum())} of {got.numel()} elements off; first at "
                              f"({r}, {c}): got {float(got[r, c]):.6g}, want {float(ref[r, c]):.6g} "
                              f"+- {float(bound[r, c]):.3g}")
+
+
+def check_emulated(y: torch.Tensor, layer: tnn.FP8Linear, x: torch.Tensor) -> None:
+    """y against :func:`emulate` (:func:`assert_within`, :func:`accumulation`)."""
+    ref = emulate(layer, x).reshape(-1, layer.out_features)
+    size = emulate_activation(x.reshape(-1, x.shape[-1]).cpu(), layer.recipe).abs() @ \
+        layer.dequantized_weight(torch.float64).cpu().abs().t()
+    assert_within(y, ref, size, accumulation(layer.recipe), layer.recipe)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -428,10 +437,10 @@ def check_gated(y: torch.Tensor, mlp: tnn.FP8GatedMLP, x: torch.Tensor) -> None:
     """The fused MLP's y (at most FUSED_MAX_TOKENS tokens) in two steps, element by element. The
     h its gate/up kernel makes for this x against float64 silu(g) * u (tests/test_gate_up.py's
     check: half an fp8 step plus g's and u's accumulation); then y against that very h times the
-    dequantized down weight (+ bias): the output's rounding and the down projection's
-    accumulation (as check_emulated). Comparing y with emulate_gated's instead would let every
-    element of h whose float64 value lies within the accumulation error of an fp8 rounding
-    boundary round either way: on the GPU's fp8 adder, too many of them for a useful bound."""
+    dequantized down weight (+ bias), bounded as a block-scaled layer (:func:`assert_within`).
+    Comparing y with emulate_gated's instead would let every element of h whose float64 value
+    lies within the accumulation error of an fp8 rounding boundary round either way: on the GPU's
+    fp8 adder, too many of them for a useful bound."""
     xq, xs = quantize_input(x, mlp.hidden_size, "block", mlp.input_norm)
     w, sw = mlp.gate_up_weight, mlp.gate_up_weight_scale_inv
     hq, hs = gate_up_silu_quant(xq, xs, w, sw)
@@ -441,14 +450,7 @@ def check_gated(y: torch.Tensor, mlp: tnn.FP8GatedMLP, x: torch.Tensor) -> None:
     ref = hd @ wd.t()
     if mlp.down_proj.bias is not None:
         ref = ref + mlp.down_proj.bias.double().cpu()
-    got = y.detach().double().cpu().reshape(ref.shape)
-    out_rounding = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7, torch.float32: 2.0**-20}[y.dtype]
-    bound = out_rounding * ref.abs() + (2.0**-12 if CUDA else 2.0**-20) * (hd.abs() @ wd.abs().t())
-    bad = ~((got - ref).abs() <= bound)  # NaN fails
-    if bool(bad.any()):
-        r, c = bad.nonzero()[0].tolist()
-        raise AssertionError(f"{int(bad.sum())} of {got.numel()} elements off; first at ({r}, {c}): got "
-                             f"{float(got[r, c]):.6g}, want {float(ref[r, c]):.6g} +- {float(bound[r, c]):.3g}")
+    assert_within(y, ref, hd.abs() @ wd.abs().t(), accumulation("block"), "fused MLP")
 
 
 @pytest.mark.parametrize("bias", [False, True])

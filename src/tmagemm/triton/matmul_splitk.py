@@ -135,10 +135,9 @@ def stages_for(block_m: int, block_n: int, block_k: int, itemsize: int, ctas_per
 WIDE_FP8_STAGES = 6
 
 
-def _wide_fp8_stages(n: int, sm_count: int) -> int | None:
-    """:func:`choose_config`'s ring depth for fp8 at <= 16 tokens on an ``n``-row weight, or None
-    for the general rule."""
-    tiles = _cdiv(n, 64)
+def _wide_fp8_stages(tiles: int, sm_count: int) -> int | None:
+    """:func:`choose_config`'s ring depth for fp8 at <= 16 tokens on a weight of ``tiles`` 64-row
+    tiles, or None for the general rule."""
     last_wave = tiles % (3 * sm_count)
     if tiles > 2 * sm_count and (last_wave == 0 or 2 * last_wave >= sm_count):
         return WIDE_FP8_STAGES
@@ -161,10 +160,10 @@ def choose_config(m: int, n: int, k: int, itemsize: int, sm_count: int) -> Split
     block_k = 128 // itemsize
     block_m = min(MAX_M, max(16, _next_pow2(m)))
     block_n = 64
-    num_stages = stages_for(block_m, block_n, block_k, itemsize)
-    if itemsize == 1 and block_m == 16:
-        num_stages = _wide_fp8_stages(n, sm_count) or num_stages
     tiles = _cdiv(max(m, 1), block_m) * _cdiv(max(n, 1), block_n)
+    num_stages = stages_for(block_m, block_n, block_k, itemsize)
+    if itemsize == 1 and block_m == 16:  # one row of tiles: ``tiles`` counts the weight's
+        num_stages = _wide_fp8_stages(tiles, sm_count) or num_stages
     k_iters = max(1, _cdiv(k, block_k))
     split = max(1, min(sm_count // tiles, k_iters // 4))
     if itemsize == 1 and split == 2 and k_iters < 128:
