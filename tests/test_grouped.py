@@ -325,29 +325,77 @@ def test_fp8_rowwise_bias(layout, seeded):
     check(out, reference(a_deq, b_deq, counts, layout, bias.cpu()), REL8, f"fp8 rowwise {layout.name}")
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["half", "fp8_rowwise"])
-def test_decode_tiles_from_the_heuristic(fp8, seeded):
-    """The 64 x 256 tiles the heuristic gives decode-sized groups (fp8: where they fit in one
-    wave, as 3 experts' 2 wide tiles do) on a ragged problem: N off the tile (a box past N), a
-    one-row group, an empty one, rows past the last group untouched."""
+@pytest.mark.parametrize("layout", [GroupLayout.CONTIGUOUS, GroupLayout.MASKED], ids=["contiguous", "masked"])
+@pytest.mark.parametrize("recipe", ["half", "half_n_major", "fp8_rowwise", "fp8_block", "fp8_block_per_channel"])
+def test_decode_tiles_from_the_heuristic(recipe, layout, seeded):
+    """The swapped tiles the heuristic gives decode-sized groups (weight rows in wgmma's M, 16
+    rows of A in its N slot, one tile per program, the last tile ids first) on a ragged problem:
+    N off the 128-row weight tile (a box past N), K off the k-block, one-row groups, an empty one,
+    a group of 19 rows (two token tiles), a masked count past max_m, rows past the counts untouched; tensor-, row- and
+    block-scaled fp8 with a bias, 16-bit weights K- and N-major."""
     from tmagemm.triton import matmul_grouped as mg
 
-    e, k, n = 3, 256 if fp8 else 128, 300
-    counts = [1, 1, 14]  # groups of 1, 0 and 13 rows; rows 14-19 belong to none
-    a, b = (fp8_operands((20, k), e, k, n) if fp8 else
-            (torch.randn(20, k, device=DEV).to(HALF), weights(e, k, n, HALF)))
-    out = poisoned((20, n))
-    if fp8:
-        sa, sb = torch.rand(20, device=DEV) + 0.5, torch.rand(e, n, device=DEV) + 0.5
-        args = grouped.scaled_mm_args(a, b, sa, sb, offs=counts_tensor(counts), out_dtype=torch.float32, out=out)
-        a_deq, b_deq = a.double().cpu() * sa.double().cpu()[:, None], b.double().cpu() * sb.double().cpu()[:, None, :]
+    n = 300 if recipe.startswith("fp8") else 296  # an N-major b's rows are whole 16-byte units
+    k = 176 if recipe.startswith("fp8") else 96
+    # contiguous (3 rows per expert on average): groups of 1, 0, 19, 2 and no rows, rows 22-23 in
+    # none; masked: a count past max_m
+    if layout == GroupLayout.CONTIGUOUS:
+        e, rows, counts = 8, 24, [1, 1, 20, 22, 22, 22, 22, 22]
     else:
-        args = grouped.mm_args(a, b, offs=counts_tensor(counts), out_dtype=torch.float32, out=out)
+        e, rows, counts = 4, 16, [1, 0, 40, 2]
+    shape_a = (rows, k) if layout == GroupLayout.CONTIGUOUS else (e, rows, k)
+    kw = {"offs" if layout == GroupLayout.CONTIGUOUS else "masked_m": counts_tensor(counts)}
+    out = poisoned((*shape_a[:-1], n))
+    bias = torch.randn(e, n, device=DEV)
+    if recipe.startswith("fp8"):
+        a, b = fp8_operands(shape_a, e, k, n)
+        kb = -(-k // 128)
+        if recipe == "fp8_rowwise":
+            sa, sb = torch.rand(shape_a[:-1], device=DEV) + 0.5, torch.rand(e, n, device=DEV) + 0.5
+            a_deq = a.double().cpu() * sa.double().cpu()[..., None]
+            b_deq = b.double().cpu() * sb.double().cpu()[:, None, :]
+        else:
+            per_channel = recipe == "fp8_block_per_channel"
+            sa = torch.rand(*shape_a[:-1], kb, device=DEV) + 0.5
+            sb = torch.rand(e, n if per_channel else -(-n // 128), kb, device=DEV) + 0.5
+            a_deq, b_deq = _block_deq(a, b, sa, sb, per_channel)
+        args = grouped.scaled_mm_args(a, b, sa, sb, bias=bias, out_dtype=torch.float32, out=out,
+                                      use_fast_accum=True, **kw)
+    else:
+        a = torch.randn(shape_a, device=DEV).to(HALF)
+        b = weights(e, k, n, HALF, k_major=recipe == "half")
+        args = grouped.mm_args(a, b, out_dtype=torch.float32, out=out, **kw)
+        bias = None
         a_deq, b_deq = a.double().cpu(), b.double().cpu()
     config = mg.heuristic(args)  # fitted to shared memory, as the dispatcher takes it
-    assert (config.block_m, config.block_n) == (64, 256)
-    out = grouped.run(args, config=config, num_sms=SMS)
-    check(out, reference(a_deq, b_deq, counts, GroupLayout.CONTIGUOUS), REL8 if fp8 else 1e-5, "decode tiles")
+    assert config.swap_ab and (config.block_m, config.block_n) == (mg.DECODE_TOKENS, mg.DECODE_WEIGHT_ROWS)
+    out = grouped.run(args, config=config)
+    ref = reference(a_deq, b_deq, counts, layout, None if bias is None else bias.cpu())
+    check(out, ref, REL8 if recipe.startswith("fp8") else 1e-5, f"decode tiles {recipe}")
+
+
+def test_tile_bound_holds_for_any_counts():
+    """The grid of swapped tiles (one per program) is a bound of the tiles from shapes alone:
+    ceil(r / BM) summed over the groups never passes it, for any counts that sum to at most
+    M_total, and it is reached (all groups of one row, or one group of every row)."""
+    from tmagemm.triton import matmul_grouped as mg
+
+    gen = torch.Generator().manual_seed(3)
+    for e, m_total in ((1, 1), (4, 3), (8, 40), (128, 16), (64, 200), (3, 100)):
+        a = torch.zeros(m_total, 32, dtype=torch.float16)
+        args = grouped.mm_args(a, torch.zeros(e, 32, 16, dtype=torch.float16),
+                               offs=torch.full((e,), m_total, dtype=torch.int32))
+        for bm in (16, 64):
+            bound = mg.tile_bound(args, bm, 16)
+            tiles = []
+            for _ in range(200):
+                cuts = torch.randint(0, m_total + 1, (e - 1,), generator=gen).sort().values.tolist()
+                sizes = [hi - lo for lo, hi in zip([0, *cuts], [*cuts, m_total])]
+                tiles.append(sum(-(-r // bm) for r in sizes))
+            assert max(tiles) <= bound, (e, m_total, bm, max(tiles), bound)
+            assert -(-m_total // bm) <= bound  # one group of every row
+            if e >= m_total:
+                assert bound == m_total  # every group of one row: the bound is reached
 
 
 def test_fp8_tensorwise_per_expert_fast_accum(seeded):
@@ -956,7 +1004,8 @@ def test_heuristic_is_pure_and_valid():
         for rows in (1, 64, 200, 4096):
             config = mg.heuristic_for(rows, dtype == FP8, block)
             assert config == mg.heuristic_for(rows, dtype == FP8, block)
-            assert config.block_m == (64 if rows <= 64 else 128)
+            assert config.block_m == (16 if rows <= mg.DECODE_ROWS else 64 if rows <= 64 else 128)
+            assert config.swap_ab == (rows <= mg.DECODE_ROWS)
             if block:
                 assert config.block_k == 128 and config.block_n <= 128
 
@@ -967,11 +1016,15 @@ def test_heuristic_is_pure_and_valid():
         (64, False, False, True, 10.0, (128, 256)),  # contiguous 16-bit: skewed groups want wide tiles
         (64, False, False, True, 1.0, (64, 128)),  # ... unless they leave SMs idle
         (32, False, False, True, 10.0, (64, 128)),  # decode-sized groups: 64-row tiles
-        (16, False, False, True, 10.0, (64, 256)),  # up to 16 rows, 16-bit: twice the columns
-        (1, False, False, False, 0.5, (64, 256)),
+        (4, False, False, True, 10.0, (16, 128)),  # contiguous, <= 4 rows on average: swapped tiles
+        (1, False, False, False, 0.5, (16, 128)),  # masked, max_m <= 16: swapped tiles
+        (16, True, False, False, 1.5, (16, 128)),
+        (1, True, True, False, 0.5, (16, 128)),  # block-scaled too
+        (16, False, False, True, 10.0, (64, 256)),  # contiguous, 16 on average, 16-bit: twice the columns
         (16, True, False, True, 8 * 16 / 132, (64, 256)),  # fp8: where those tiles fit in one wave
         (16, True, False, True, 1.5, (64, 128)),  # ... else 64 x 128
-        (1, True, True, False, 0.5, (64, 128)),  # block-scaled: 64 x 128
+        (5, True, True, True, 0.5, (64, 128)),  # block-scaled, contiguous past 4 rows on average
+        (17, True, True, False, 0.5, (64, 128)),  # masked past 16 rows
         (64, True, False, True, 10.0, (64, 128)),  # fp8: balanced groups lost 4-7% on wide tiles
         (64, False, False, False, 10.0, (64, 128)),  # masked: max_m <= 64 bounds every group
         (100, False, False, True, 10.0, (128, 128)),
@@ -987,6 +1040,7 @@ def test_heuristic_tiles(rows, fp8, block, contiguous, wide_per_sm, tile):
 
     config = mg.heuristic_for(rows, fp8, block, contiguous, wide_per_sm)
     assert (config.block_m, config.block_n) == tile
+    assert config.swap_ab == (rows <= (mg.DECODE_MEAN_ROWS if contiguous else mg.DECODE_ROWS))
 
 
 def test_heuristic_reads_the_experts_columns():
@@ -1175,7 +1229,7 @@ def test_gpu_direct_launch_and_decode_config(seeded):
     counts = [3, 8, 0, 1] * 4
     got = grouped_scaled_mm(a, b, sa, sb, masked_m=counts_tensor(counts))
     (p,) = grouped.cached_plans()
-    assert p.direct and p.config.block_m == 64
+    assert p.direct and p.config.swap_ab and p.config.num_stages == 6  # swapped decode tiles, not cut
     ref = reference(a.double().cpu() * sa.double().cpu()[..., None], b.double().cpu() * sb.double().cpu()[:, None],
                     counts, GroupLayout.MASKED)
     check(torch.where(torch.isnan(ref).to(DEV), float("nan"), got.float()), ref, 1e-2, "decode")

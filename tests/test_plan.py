@@ -125,6 +125,24 @@ def test_forced_tile_config_that_does_not_fit_is_refused(name):
         plan.build(args, variant=name, config=too_big)
 
 
+@pytest.mark.parametrize("name", ["triton.tma", "triton.tma_device", "triton.persistent", "triton.blockscaled"])
+def test_dense_tile_families_refuse_swapped_grouped_tiles(name):
+    """``swap_ab`` configs are the grouped kernel's decode tiles: a dense tile family given one
+    refuses it with a ValueError naming the family, not a silent unswapped run."""
+    from tmagemm.configs import TritonGemmConfig
+    from tmagemm.triton import matmul_blockscaled
+
+    swapped = TritonGemmConfig(16, 128, 128, 8, 6, 4, swap_ab=True)
+    assert swapped.is_valid(1, 1, 2) and swapped.label() == "16x128x128s6w4t"
+    if name == "triton.blockscaled":
+        assert not matmul_blockscaled.is_valid(swapped, 2)
+        return
+    a = torch.randn(16, 512).to(torch.float16)
+    b = torch.randn(256, 512).to(torch.float16).t()
+    with pytest.raises(ValueError, match=f"{name}: config 16x128x128s6w4t has swap_ab"):
+        plan.build(GemmArgs(a, b, torch.empty(16, 256, dtype=torch.float16)), variant=name, config=swapped)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU: the Triton families under the interpreter")
 @pytest.mark.parametrize("name", ["triton.tma", "triton.tma_device", "triton.persistent", "triton.splitk", "triton.ptr"])
 def test_every_triton_family_returns_a_plan(name, seeded):

@@ -71,8 +71,10 @@ GROUPED_CASES = [
     ("block", "contiguous", 3, 800, 520, 576, [0, 350, 640]),  # native, 2x1 clusters, a pair past a group's end
     ("block", "masked", 4, 200, 264, 576, [200, 0, 500, -3]),  # native, masked
     ("block_mn", "masked", 4, 200, 264, 576, [200, 0, 500, -3]),  # native, DeepGEMM's expert-strided scales
-    ("row", "contiguous", 4, 64, 264, 208, [10, 20, 20, 64]),  # Triton kernel (16 rows per group)
-    ("row", "masked", 4, 32, 264, 208, [32, 1, 0, 40]),  # Triton, decode tiles
+    ("row", "contiguous", 4, 64, 264, 208, [10, 20, 20, 64]),  # Triton kernel, 64 x 256 tiles (16 rows per group)
+    ("bf16", "contiguous", 6, 20, 264, 208, [5, 3, 12, 30, 20, 19]),  # swapped decode tiles, offsets decreasing and past M_total
+    ("block", "masked", 4, 16, 264, 576, [16, -2, 3, 40]),  # swapped tiles, counts past max_m and negative
+    ("row", "masked", 4, 32, 264, 208, [32, 1, 0, 40]),  # Triton, 64-row tiles
 ]
 # Weight gradients (grouped GEMMs over K_total, the native kernel): (layout, E, rows (K_total or
 # max_m), M, N, counts): short groups (one box past their end), leftover rows (the box ending at

@@ -18,7 +18,9 @@ class TritonGemmConfig:
     block_m/n/k: output tile and K step; group_m: rows of tiles per L2 group (grouped order);
     num_stages: software-pipeline depth (TMA buffers in flight); num_warps: 4 = one warpgroup,
     8 = two; epilogue_subtile: store the output tile in two halves to halve epilogue registers
-    and shared memory (persistent kernel only).
+    and shared memory (persistent kernel only); swap_ab: the grouped kernel's decode tiles
+    (``triton.grouped`` only; the dense families refuse them): block_n weight rows fill wgmma's M
+    and the block_m rows of A its N slot, the tile computed as out^T.
     """
 
     block_m: int = 128
@@ -28,11 +30,13 @@ class TritonGemmConfig:
     num_stages: int = 4
     num_warps: int = 8
     epilogue_subtile: bool = False
+    swap_ab: bool = False
 
     def label(self) -> str:
         """Short name, e.g. ``64x128x128s4w4`` (tile, stages, warps; group and subtiling when not
         the defaults): how ``tmagemm bench --configs`` names a config's provider."""
-        extra = (f"g{self.group_m}" if self.group_m != 8 else "") + ("e" if self.epilogue_subtile else "")
+        extra = ((f"g{self.group_m}" if self.group_m != 8 else "") + ("e" if self.epilogue_subtile else "")
+                 + ("t" if self.swap_ab else ""))
         return f"{self.block_m}x{self.block_n}x{self.block_k}s{self.num_stages}w{self.num_warps}{extra}"
 
     def smem_bytes(self, a_itemsize: int, b_itemsize: int, out_itemsize: int) -> int:

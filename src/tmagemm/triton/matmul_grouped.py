@@ -16,6 +16,14 @@ vector reduction), and within the group to (m, n) tiles in grouped (L2-friendly)
 grid is min(SMs, an upper bound of the tile count known from shapes alone), so programs past
 the real count simply find no tile.
 
+Swapped decode tiles (``TritonGemmConfig.swap_ab``, groups known to hold a few rows: see
+:func:`heuristic_for`): block_n rows of expert g's weight fill wgmma's M and block_m (16) rows of A
+its N slot, so a group of one row wastes 15 rows of a 16-row tile rather than 63 of a 64-row
+one, and the small stages let more programs stream weights at once. The tile is computed as
+out^T and transposed in registers before the epilogue. The grid is then the tile bound itself,
+one tile per program, walked from the last id down (the programs past the real count start
+among the first and leave at once).
+
 Group-boundary rule (CONTIGUOUS): end_g = min(max(offs[0..g], 0), M_total) (a running maximum,
 clamped), start_g = end_{g-1} (0 for g = 0). Decreasing offsets give empty groups, offsets past
 M_total stop at M_total, rows past the last end are never written. MASKED: rows [0,
@@ -127,7 +135,7 @@ def grouped_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_SMS: tl.constexpr, E_BLOCK: tl.constexpr, LAYOUT: tl.constexpr, B_K_MAJOR: tl.constexpr,
     SCALING: tl.constexpr, B_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, FAST_ACCUM: tl.constexpr,
-    HAS_K: tl.constexpr, SCALE_A_CHUNKS: tl.constexpr, PDL: tl.constexpr,
+    HAS_K: tl.constexpr, SCALE_A_CHUNKS: tl.constexpr, SWAP_AB: tl.constexpr, PDL: tl.constexpr,
 ):
     # ---- static checks
     tl.static_assert(SCALING != 2 or BLOCK_K == 128, "block-scaled: BLOCK_K must be the 128-deep scale block")
@@ -144,7 +152,17 @@ def grouped_gemm_kernel(
     tiles_end = tl.cumsum(group_tiles, 0)  # one past each group's last tile id
     total = tl.sum(group_tiles, 0)
 
-    for tile_id in tl.range(tl.program_id(0), total, NUM_SMS):
+    # Swapped decode tiles: one tile per program (the grid is a bound of the tiles from shapes
+    # alone, a run-time value so that no batch size compiles a binary of its own), the last ids
+    # first: the programs past the real tile count are then scheduled among the first and leave
+    # at once, not after every real tile.
+    if SWAP_AB:
+        programs = tl.num_programs(0)
+        first_id = programs - 1 - tl.program_id(0)
+    else:
+        programs = NUM_SMS
+        first_id = tl.program_id(0)
+    for tile_id in tl.range(first_id, total, programs):
         # Group of this tile: the groups whose tiles all come before it (empty groups included).
         before = tiles_end <= tile_id
         g = tl.sum(before.to(tl.int32), 0)
@@ -161,8 +179,11 @@ def grouped_gemm_kernel(
         col_ok = offs_n < N
         g64 = g.to(tl.int64)
 
-        # ---- main loop
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # ---- main loop (SWAP_AB: the [BLOCK_N, BLOCK_M] tile of out^T, weight rows in wgmma's M)
+        if SWAP_AB:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if HAS_K:
             if SCALING == 2:
                 # Block-scaled: a fresh fp32 product per 128-deep k-block, scaled into the sum.
@@ -189,14 +210,17 @@ def grouped_gemm_kernel(
                 for kb in range(k_blocks):
                     a = load_a(a_desc, g, off_m, kb * BLOCK_K, BLOCK_M, BLOCK_K, LAYOUT)
                     b = load_b(b_desc, g, kb * BLOCK_K, off_n, BLOCK_N, BLOCK_K, B_K_MAJOR)
-                    partial = tl.dot(a, b)
+                    if SWAP_AB:
+                        partial = tl.dot(b.T, a.T)
+                    else:
+                        partial = tl.dot(a, b)
                     if SCALE_A_CHUNKS:
                         step = chunk_step(kb, 0)
                         sa = row_scales_in(sa_chunk, step)
                     elif not SCALES_AHEAD:
                         sa, sb = load_block_scales(sa_ptrs, sb_ptrs, stride_sak, stride_sbk, kb, row_ok, col_ok,
                                                    B_PER_CHANNEL, BLOCK_N)
-                    acc = block_scaled_add(acc, partial, sa, sb, B_PER_CHANNEL, BLOCK_N, False)
+                    acc = block_scaled_add(acc, partial, sa, sb, B_PER_CHANNEL, BLOCK_N, SWAP_AB)
                     if SCALE_A_CHUNKS:
                         sb = load_weight_scales(sb_ptrs, stride_sbk, tl.minimum(kb + 1, k_blocks - 1), col_ok,
                                                 B_PER_CHANNEL, BLOCK_N)
@@ -210,17 +234,25 @@ def grouped_gemm_kernel(
                 for k in range(tl.cdiv(K, BLOCK_K)):
                     a = load_a(a_desc, g, off_m, k * BLOCK_K, BLOCK_M, BLOCK_K, LAYOUT)
                     b = load_b(b_desc, g, k * BLOCK_K, off_n, BLOCK_N, BLOCK_K, B_K_MAJOR)
-                    acc = mma(a, b, acc, FAST_ACCUM, BLOCK_K)
+                    if SWAP_AB:
+                        acc = mma(b.T, a.T, acc, FAST_ACCUM, BLOCK_K)
+                    else:
+                        acc = mma(a, b, acc, FAST_ACCUM, BLOCK_K)
                 if SCALING == 1:
                     # Tensor- and row-wise scales through strides (0 along a broadcast axis).
                     sa = tl.load(scale_a_ptr + g64 * stride_sae + offs_m * stride_sam, mask=row_ok, other=0.0)
                     sb = tl.load(scale_b_ptr + g64 * stride_sbe + offs_n * stride_sbn, mask=col_ok, other=0.0)
-                    acc = acc * sa[:, None] * sb[None, :]
+                    if SWAP_AB:
+                        acc = acc * sb[:, None] * sa[None, :]
+                    else:
+                        acc = acc * sa[:, None] * sb[None, :]
 
-        if tile_id + NUM_SMS >= total:  # PDL: this program's last main loop is done
+        if tile_id + programs >= total:  # PDL: this program's last main loop is done
             let_next_kernel_launch(PDL)
 
         # ---- epilogue: bias in fp32, one rounding, stores clipped to this group's rows
+        if SWAP_AB:
+            acc = acc.T
         if HAS_BIAS:
             bias = tl.load(bias_ptr + g64 * stride_biase + offs_n * stride_biasn, mask=col_ok, other=0.0)
             acc = acc + bias.to(tl.float32)[None, :]
@@ -290,9 +322,12 @@ def zero_rows_plan(out: torch.Tensor, counts: torch.Tensor, layout: GroupLayout)
 def is_valid(config: TritonGemmConfig, args: GroupedArgs) -> bool:
     """The family's config rule: the TMA GEMM rule (powers of two, TMA box, shared memory), boxes
     of at most 256 per dimension, and for block scales a K step of one 128-deep block with tiles
-    that do not straddle a 128-column weight block."""
+    that do not straddle a 128-column weight block. Swapped decode tiles (``swap_ab``): at least
+    64 weight rows (wgmma's M) and at most 64 rows of A (its N slot)."""
     item = args.a.element_size()
     if max(config.block_m, config.block_n, config.block_k) > 256:
+        return False
+    if config.swap_ab and not (config.block_n >= 64 and config.block_m <= 64):
         return False
     if not config.is_valid(item, item, args.out.element_size()):
         return False
@@ -314,10 +349,26 @@ def _config(bm, bn, bk, stages, warps) -> TritonGemmConfig:
 # Zipf routing (BENCHMARKS.md): Mixtral down, masked, max_m 189: 64 x 128 187 us (fp8) / 379 us
 # (bf16) where 128 x 256 took 240 / 458.
 WIDE_MIN_TILES_PER_SM = 2
-# Decode-sized groups (at most this many rows) read their weights through 64 x 256 tiles: half
-# the tiles of 64 x 128 ones, each streaming twice the columns (moe preset, H100, two rounds:
-# bf16 1.012x geomean over the 64 rows at 1 and 16 tokens per expert, none below 0.99x).
+# Decode-sized groups read their weights through 64 x 256 tiles: half the tiles of 64 x 128 ones,
+# each streaming twice the columns (moe preset, H100, two rounds: bf16 1.012x geomean over the 64
+# rows at 1 and 16 tokens per expert, none below 0.99x).
 DECODE_ROWS = 16
+# Groups known to be small take swapped tiles: DECODE_WEIGHT_ROWS rows of the expert's weight fill
+# wgmma's M and DECODE_TOKENS rows of A its N slot, one tile per program. Known small: masked or
+# batched groups of at most DECODE_ROWS rows (max_m bounds every group), contiguous ones of at
+# most DECODE_MEAN_ROWS rows on average (top-k routed decode: a few rows per expert). A contiguous
+# mean of 16 says nothing of the largest group, whose weight a 16-row tile of A reads once per 16
+# rows: Zipf-routed groups of 16 rows on average (up to 512) ran 5-10% slower swapped.
+# Against the tiles they replace, H100 (BENCHMARKS.md, "Grouped decode tiles with the operands
+# swapped"): 8 chained copies with their own weights in one CUDA graph of the expert projections
+# of DeepSeek-V3 EP 4, Qwen3-30B-A3B, Qwen3-235B-A22B and Mixtral with 1, 4 and 16 top-k routed
+# tokens (fp8 block- and row-scaled) 1.057x in geomean (0.978-1.248x; Qwen3-30B-A3B's down
+# projection at 4-16 tokens 1.14-1.17x); the moe preset (one call, L2 flushed) at 1 and 16 tokens
+# per expert: bf16 1.02-1.04x per class, fp8 1.00-1.01x.
+DECODE_MEAN_ROWS = 4
+DECODE_TOKENS = 16  # wgmma's N: the fewest rows a tl.dot takes
+DECODE_WEIGHT_ROWS = 128
+DECODE_STAGES = 6
 
 
 def heuristic_for(rows_per_group: int, fp8: bool, block_scaled: bool, contiguous: bool = False,
@@ -328,12 +379,16 @@ def heuristic_for(rows_per_group: int, fp8: bool, block_scaled: bool, contiguous
     contiguous: the layout is CONTIGUOUS;
     wide_tiles_per_sm: E * ceil(N / 256) / SMs, the 128 x 256 tiles per SM at one row of tiles
     per group.
-    - <= DECODE_ROWS rows, not block-scaled: 64 x 256 tiles for 16-bit operands; for fp8 only
-      where those tiles fit in one wave (wide_tiles_per_sm <= 1). There 64 x 128 tiles fill at
-      most two waves, and with skewed routing a short second one: Mixtral down (8 experts x 4096
-      columns) at 1 token per expert under Zipf routing, 5 experts with rows, 160 tiles for 132
-      SMs, ran 1.17x faster on the wide tiles (0.89x -> 1.05x torch's grouped op); elsewhere fp8
-      lost 2-5% on them (H100, BENCHMARKS.md).
+    - masked / batched groups of <= DECODE_ROWS rows, contiguous ones of <= DECODE_MEAN_ROWS on
+      average: swapped decode tiles (``swap_ab``; DECODE_WEIGHT_ROWS weight rows x DECODE_TOKENS
+      rows of A, one tile per program): a 16-row tile of A wastes least on groups of a few rows,
+      and its small stages let more programs stream weights at once.
+    - other groups of <= DECODE_ROWS rows, not block-scaled: 64 x 256 tiles for 16-bit operands;
+      for fp8 only where those tiles fit in one wave (wide_tiles_per_sm <= 1). There 64 x 128
+      tiles fill at most two waves, and with skewed routing a short second one: Mixtral down (8
+      experts x 4096 columns) at 1 token per expert under Zipf routing, 5 experts with rows, 160
+      tiles for 132 SMs, ran 1.17x faster on the wide tiles (0.89x -> 1.05x torch's grouped op);
+      elsewhere fp8 lost 2-5% on them (H100, BENCHMARKS.md).
     - <= 64 rows: 64-row tiles, one warpgroup (wgmma's M is 64, so a 64-row tile wastes least on
       a short group) and 128 columns, deep pipelines: the GEMM streams the weights, and every
       expert's weight is read by its one row of tiles. Except contiguous 16-bit groups of 33-64
@@ -353,6 +408,8 @@ def heuristic_for(rows_per_group: int, fp8: bool, block_scaled: bool, contiguous
     wide_fills = wide_tiles_per_sm >= WIDE_MIN_TILES_PER_SM
     narrow = _config(64, 128, bk, 5 if fp8 else 4, 4)
     wide = _config(128, 256, bk, 3, 8)
+    if rows_per_group <= (DECODE_MEAN_ROWS if contiguous else DECODE_ROWS):
+        return replace(_config(DECODE_TOKENS, DECODE_WEIGHT_ROWS, bk, DECODE_STAGES, 4), swap_ab=True)
     if rows_per_group <= DECODE_ROWS and not block_scaled and (not fp8 or wide_tiles_per_sm <= 1):
         return _config(64, 256, bk, 4, 4)
     if rows_per_group <= 64:
@@ -375,8 +432,9 @@ def tile_bound(args: GroupedArgs, block_m: int, block_n: int) -> int:
     """An upper bound of the tiles any counts can give, from shapes alone (the grid's size)."""
     tiles_n = triton.cdiv(args.n, block_n)
     if args.layout == GroupLayout.CONTIGUOUS:
-        # Each non-empty group adds at most one partial tile to ceil(M_total / BLOCK_M).
-        return (triton.cdiv(args.m, block_m) + min(args.e, args.m)) * tiles_n
+        # Group g's rows r_g take ceil(r_g / BM) <= (r_g + BM - 1) / BM rows of tiles; summed over
+        # at most min(E, M_total) non-empty groups: (M_total + (BM - 1) * min(E, M_total)) / BM.
+        return (args.m + (block_m - 1) * min(args.e, args.m)) // block_m * tiles_n
     return args.e * triton.cdiv(args.m, block_m) * tiles_n
 
 
@@ -422,7 +480,8 @@ def scale_a_in_chunks(args: GroupedArgs) -> bool:
 def kernel_call(args: GroupedArgs, config: TritonGemmConfig, num_sms: int | None = None) -> KernelCall:
     """One launch, every kernel argument named once (direct launch, Triton's launcher, AOT).
     ``num_sms``: the persistent stride (default the device's SMs; 4 under the interpreter, so
-    the persistent loop runs more than once per program)."""
+    the persistent loop runs more than once per program); swapped tiles ignore it (one tile per
+    program)."""
     has_k = args.k > 0
     a_desc, b_desc = descriptors(args, config) if has_k else (None, None)
     scaling = args.scaling if has_k else GroupScaling.NONE  # an empty sum: zeros (+ bias)
@@ -435,8 +494,12 @@ def kernel_call(args: GroupedArgs, config: TritonGemmConfig, num_sms: int | None
         stride_oe, stride_om, stride_on = out.stride()
     bias = args.bias
     bias_e, bias_n = bias.stride() if bias is not None else (0, 0)
-    num_sms = num_sms or device.sms_of(out.device, cpu=4)
-    grid = (max(1, min(num_sms, tile_bound(args, config.block_m, config.block_n))),)
+    bound = tile_bound(args, config.block_m, config.block_n)
+    if config.swap_ab:  # one tile per program, the stride read at run time (the kernel says why)
+        num_sms, grid = 1, (max(1, bound),)
+    else:
+        num_sms = num_sms or device.sms_of(out.device, cpu=4)
+        grid = (max(1, min(num_sms, bound)),)
     values = dict(
         a_desc=a_desc, b_desc=b_desc, out_ptr=out, counts_ptr=args.counts,
         scale_a_ptr=args.scale_a if scaling else None, scale_b_ptr=args.scale_b if scaling else None,
@@ -448,7 +511,8 @@ def kernel_call(args: GroupedArgs, config: TritonGemmConfig, num_sms: int | None
         NUM_SMS=num_sms, E_BLOCK=triton.next_power_of_2(max(args.e, 1)), LAYOUT=int(args.layout),
         B_K_MAJOR=args.b_k_major, SCALING=int(scaling), B_PER_CHANNEL=args.b_per_channel,
         HAS_BIAS=bias is not None, FAST_ACCUM=args.fast_accum, HAS_K=has_k,
-        SCALE_A_CHUNKS=scaling == GroupScaling.BLOCK and scale_a_in_chunks(args), PDL=pdl(out),
+        SCALE_A_CHUNKS=scaling == GroupScaling.BLOCK and scale_a_in_chunks(args), SWAP_AB=config.swap_ab,
+        PDL=pdl(out),
     )
     return KernelCall(grouped_gemm_kernel, grid, values,
                       dict(num_warps=config.num_warps, num_stages=config.num_stages), _OPERANDS)
