@@ -1,6 +1,8 @@
 """The plan layer: the choice of kernel per problem (pure rules fitted to measurements), the Plan
 contract every family returns, and the one cache of planned calls (CPU, the interpreter)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -125,17 +127,25 @@ def test_forced_tile_config_that_does_not_fit_is_refused(name):
         plan.build(args, variant=name, config=too_big)
 
 
-@pytest.mark.parametrize("name", ["triton.tma", "triton.tma_device", "triton.persistent", "triton.blockscaled"])
+@pytest.mark.parametrize("name", ["triton.tma", "triton.tma_device", "triton.persistent", "triton.ptr",
+                                  "triton.blockscaled", "triton.grouped_k"])
 def test_dense_tile_families_refuse_swapped_grouped_tiles(name):
-    """``swap_ab`` configs are the grouped kernel's decode tiles: a dense tile family given one
-    refuses it with a ValueError naming the family, not a silent unswapped run."""
+    """``swap_ab`` configs are the grouped kernel's decode tiles: another Triton family given one
+    refuses it (a ValueError naming the family, or its validity rule), not a silent unswapped run."""
+    from tmagemm import grouped
     from tmagemm.configs import TritonGemmConfig
-    from tmagemm.triton import matmul_blockscaled
+    from tmagemm.triton import matmul_blockscaled, matmul_grouped_k
 
     swapped = TritonGemmConfig(16, 128, 128, 8, 6, 4, swap_ab=True)
     assert swapped.is_valid(1, 1, 2) and swapped.label() == "16x128x128s6w4t"
     if name == "triton.blockscaled":
         assert not matmul_blockscaled.is_valid(swapped, 2)
+        return
+    if name == "triton.grouped_k":
+        x, dy = torch.randn(64, 16).half(), torch.randn(64, 32).half()
+        args = grouped.weight_grad_args(x, dy, offs=torch.tensor([30, 64], dtype=torch.int32))
+        assert matmul_grouped_k.is_valid(replace(swapped, swap_ab=False, block_k=16), args)
+        assert not matmul_grouped_k.is_valid(replace(swapped, block_k=16), args)
         return
     a = torch.randn(16, 512).to(torch.float16)
     b = torch.randn(256, 512).to(torch.float16).t()
