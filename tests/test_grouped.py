@@ -1871,3 +1871,28 @@ def test_groups_along_k_compile_for_sm90a():
                               kernel.DEFAULT)
     laid_out = parameter_plan(art.ptx, art.launch_metadata, call.positional, call.operand_slots, call.unspecialized)
     assert not isinstance(laid_out, str), laid_out
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+def test_swapped_decode_tiles_compile_for_sm90a(dtype):
+    """The swapped decode tiles as the GPU runs them, compiled for sm_90a: the weight's 128 rows in
+    wgmma's M (two m64 instructions' worth) and 16 rows of A in its N slot (m64n16), TMA loads,
+    no spills, and a parameter list the direct launch can fill."""
+    from tmagemm import inspection
+    from tmagemm.triton import matmul_grouped as kernel
+    from tmagemm.triton.launch import parameter_plan
+
+    a_dtype = FP8 if dtype == "fp8" else torch.bfloat16
+    config = kernel.heuristic_for(1, dtype == "fp8", False, contiguous=True)
+    assert config.swap_ab
+    art = inspection.compile_triton(kernel.aot_spec(config, a_dtype))
+    s = inspection.summarize(art)
+    assert s["sass UTMALDG"] > 0 and s["sass QGMMA" if dtype == "fp8" else "sass HGMMA"] > 0, s
+    shape = "m64n16k32" if dtype == "fp8" else "m64n16k16"
+    assert f"wgmma.mma_async.sync.aligned.{shape}" in art.ptx, "tokens are not in wgmma's N slot"
+    assert art.spills == 0
+    args = grouped.example_args(a_dtype, e=8, rows=1)
+    call = kernel.kernel_call(args, config)
+    laid_out = parameter_plan(art.ptx, art.launch_metadata, call.positional, call.operand_slots, call.unspecialized)
+    assert not isinstance(laid_out, str), laid_out
+    assert call.grid == (kernel.tile_bound(args, 16, 128),)  # one tile per program
