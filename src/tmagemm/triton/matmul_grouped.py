@@ -124,6 +124,17 @@ def load_b(b_desc, g, off_k, off_n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
     return tile
 
 
+@triton.jit
+def product_operands(a, b, SWAP_AB: tl.constexpr):
+    """The two operands of the tile's product: a [BM, BK] @ b [BK, BN], or for the swapped decode
+    tiles b^T [BN, BK] @ a^T [BK, BM], the tile of out^T with the weight rows in wgmma's M."""
+    if SWAP_AB:
+        first, second = b.T, a.T
+    else:
+        first, second = a, b
+    return first, second
+
+
 # M (M_total, or max_m) changes with every batch: one binary per config. stride_sak equals M
 # for an outer-dim-major scale_a.
 @triton.jit(do_not_specialize=["M", "stride_sak"])
@@ -210,10 +221,8 @@ def grouped_gemm_kernel(
                 for kb in range(k_blocks):
                     a = load_a(a_desc, g, off_m, kb * BLOCK_K, BLOCK_M, BLOCK_K, LAYOUT)
                     b = load_b(b_desc, g, kb * BLOCK_K, off_n, BLOCK_N, BLOCK_K, B_K_MAJOR)
-                    if SWAP_AB:
-                        partial = tl.dot(b.T, a.T)
-                    else:
-                        partial = tl.dot(a, b)
+                    x, y = product_operands(a, b, SWAP_AB)
+                    partial = tl.dot(x, y)
                     if SCALE_A_CHUNKS:
                         step = chunk_step(kb, 0)
                         sa = row_scales_in(sa_chunk, step)
@@ -234,25 +243,22 @@ def grouped_gemm_kernel(
                 for k in range(tl.cdiv(K, BLOCK_K)):
                     a = load_a(a_desc, g, off_m, k * BLOCK_K, BLOCK_M, BLOCK_K, LAYOUT)
                     b = load_b(b_desc, g, k * BLOCK_K, off_n, BLOCK_N, BLOCK_K, B_K_MAJOR)
-                    if SWAP_AB:
-                        acc = mma(b.T, a.T, acc, FAST_ACCUM, BLOCK_K)
-                    else:
-                        acc = mma(a, b, acc, FAST_ACCUM, BLOCK_K)
-                if SCALING == 1:
-                    # Tensor- and row-wise scales through strides (0 along a broadcast axis).
-                    sa = tl.load(scale_a_ptr + g64 * stride_sae + offs_m * stride_sam, mask=row_ok, other=0.0)
-                    sb = tl.load(scale_b_ptr + g64 * stride_sbe + offs_n * stride_sbn, mask=col_ok, other=0.0)
-                    if SWAP_AB:
-                        acc = acc * sb[:, None] * sa[None, :]
-                    else:
-                        acc = acc * sa[:, None] * sb[None, :]
+                    x, y = product_operands(a, b, SWAP_AB)
+                    acc = mma(x, y, acc, FAST_ACCUM, BLOCK_K)
+
+        if SWAP_AB:
+            acc = acc.T  # the [BM, BN] tile from here on
+        if SCALING == 1:
+            # Tensor- and row-wise scales through strides (0 along a broadcast axis; SCALING is
+            # NONE without K).
+            sa = tl.load(scale_a_ptr + g64 * stride_sae + offs_m * stride_sam, mask=row_ok, other=0.0)
+            sb = tl.load(scale_b_ptr + g64 * stride_sbe + offs_n * stride_sbn, mask=col_ok, other=0.0)
+            acc = acc * sa[:, None] * sb[None, :]
 
         if tile_id + programs >= total:  # PDL: this program's last main loop is done
             let_next_kernel_launch(PDL)
 
         # ---- epilogue: bias in fp32, one rounding, stores clipped to this group's rows
-        if SWAP_AB:
-            acc = acc.T
         if HAS_BIAS:
             bias = tl.load(bias_ptr + g64 * stride_biase + offs_n * stride_biasn, mask=col_ok, other=0.0)
             acc = acc + bias.to(tl.float32)[None, :]
