@@ -1043,6 +1043,41 @@ def test_heuristic_tiles(rows, fp8, block, contiguous, wide_per_sm, tile):
     assert config.swap_ab == (rows <= (mg.DECODE_MEAN_ROWS if contiguous else mg.DECODE_ROWS))
 
 
+@pytest.mark.parametrize(
+    "fp8, block, k, decode_per_sm, swapped",
+    [
+        (True, False, 4096, 16.1, False),  # a long fp8 weight stream: persistent 64-row tiles
+        (True, False, 7168, 62.1, False),
+        (True, False, 4096, 16.0, True),  # at most 16 swapped tiles per SM
+        (True, False, 4095, 62.1, True),  # shorter K
+        (True, True, 7168, 62.1, True),  # block-scaled groups keep the swapped tiles
+        (False, False, 7168, 62.1, True),  # and 16-bit ones
+    ],
+)
+@pytest.mark.parametrize("rows, contiguous", [(1, True), (4, True), (16, False)])
+def test_heuristic_long_fp8_weight_streams(fp8, block, k, decode_per_sm, swapped, rows, contiguous):
+    from tmagemm.triton import matmul_grouped as mg
+
+    config = mg.heuristic_for(rows, fp8, block, contiguous, 31.0, k, decode_per_sm)
+    assert config.swap_ab == swapped
+    assert (config.block_m, config.block_n) == ((16, 128) if swapped else (64, 128))
+
+
+def test_heuristic_reads_the_swapped_tile_bound():
+    """heuristic(args) on one row per expert: Qwen3-235B-A22B's gate_up (128 experts, 3072 x 4096)
+    bounds 3072 swapped tiles (23 per SM of 132): fp8 takes 64 x 128 tiles; with K = 2048, bf16
+    operands, or 8 experts (192 tiles) the swapped ones."""
+    from tmagemm.triton import matmul_grouped as mg
+
+    def config(a_dtype=FP8, e=128, k=4096):
+        return mg.heuristic(grouped.example_args(a_dtype, e=e, rows=1, n=3072, k=k))
+
+    assert (config().block_m, config().swap_ab) == (64, False)
+    assert config(k=2048).swap_ab
+    assert config(torch.bfloat16).swap_ab
+    assert config(e=8).swap_ab
+
+
 def test_heuristic_reads_the_experts_columns():
     """heuristic(args): 8 experts x 4096 columns give 128 wide tiles (under 2 per SM of 132):
     64 x 128; 64 experts give 1024: 128 x 256 (contiguous bf16, 64 rows per group on average)."""
