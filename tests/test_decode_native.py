@@ -92,9 +92,20 @@ def test_slow_memory_is_read_from_the_device(monkeypatch):
     monkeypatch.setattr(decode._device, "sm_count", lambda index: 132)
     for bandwidth, slow in ((3.35e12, True), (4.8e12, False), (None, False)):
         monkeypatch.setattr(decode._device, "memory_bandwidth", lambda index, b=bandwidth: b)
-        assert decode.slow_memory(gpu) is slow
-    assert not decode.slow_memory(torch.device("cpu"))
+        assert decode._device.slow_memory(gpu) is slow
+    assert not decode._device.slow_memory(torch.device("cpu"))
     assert decode._device.memory_bandwidth_per_sm(torch.device("cpu")) is None
+
+
+@pytest.mark.gpu
+def test_slow_memory_of_this_gpu():
+    """torch reports the memory clock and bus width the rules read: an H100 has slow memory, an
+    H200 does not (a GPU of another name is not asserted)."""
+    name = torch.cuda.get_device_name(0)
+    if "H100" not in name and "H200" not in name:
+        pytest.skip(f"{name}: neither an H100 nor an H200")
+    assert decode._device.memory_bandwidth_per_sm(torch.device("cuda", 0)) is not None
+    assert decode._device.slow_memory(torch.device("cuda", 0)) == ("H100" in name)
 
 
 @pytest.mark.parametrize("m, n, k, expect", [

@@ -1044,35 +1044,47 @@ def test_heuristic_tiles(rows, fp8, block, contiguous, wide_per_sm, tile):
 
 
 @pytest.mark.parametrize(
-    "fp8, block, k, decode_per_sm, swapped",
+    "fp8, block, k, decode_per_sm, slow_memory, long_stream",
     [
-        (True, False, 4096, 16.1, False),  # a long fp8 weight stream: persistent 64-row tiles
-        (True, False, 7168, 62.1, False),
-        (True, False, 4096, 16.0, True),  # at most 16 swapped tiles per SM
-        (True, False, 4095, 62.1, True),  # shorter K
-        (True, True, 7168, 62.1, True),  # block-scaled groups keep the swapped tiles
-        (False, False, 7168, 62.1, True),  # and 16-bit ones
+        (True, False, 4096, 16.1, True, True),  # a long fp8 weight stream on an H100
+        (True, False, 7168, 62.1, True, True),
+        (True, False, 7168, 62.1, False, False),  # an H200's bandwidth wants the swapped tiles
+        (True, False, 4096, 16.0, True, False),  # at most 16 swapped tiles per SM
+        (True, False, 4095, 62.1, True, False),  # shorter K
+        (True, True, 7168, 62.1, True, False),  # block-scaled groups keep the swapped tiles
+        (False, False, 7168, 62.1, True, False),  # and 16-bit ones
     ],
 )
+def test_long_weight_stream(fp8, block, k, decode_per_sm, slow_memory, long_stream):
+    from tmagemm.triton import matmul_grouped as mg
+
+    assert mg.long_weight_stream(fp8, block, k, decode_per_sm, slow_memory) == long_stream
+
+
 @pytest.mark.parametrize("rows, contiguous", [(1, True), (4, True), (16, False)])
-def test_heuristic_long_fp8_weight_streams(fp8, block, k, decode_per_sm, swapped, rows, contiguous):
+def test_heuristic_long_weight_streams_take_64_row_tiles(rows, contiguous):
     from tmagemm.triton import matmul_grouped as mg
 
-    config = mg.heuristic_for(rows, fp8, block, contiguous, 31.0, k, decode_per_sm)
-    assert config.swap_ab == swapped
-    assert (config.block_m, config.block_n) == ((16, 128) if swapped else (64, 128))
+    swapped = mg.heuristic_for(rows, True, False, contiguous, 31.0)
+    assert swapped.swap_ab and (swapped.block_m, swapped.block_n) == (16, 128)
+    streaming = mg.heuristic_for(rows, True, False, contiguous, 31.0, long_stream=True)
+    assert not streaming.swap_ab and (streaming.block_m, streaming.block_n) == (64, 128)
 
 
-def test_heuristic_reads_the_swapped_tile_bound():
+@pytest.mark.parametrize("slow_memory", [True, False])
+def test_heuristic_reads_the_swapped_tile_bound(monkeypatch, slow_memory):
     """heuristic(args) on one row per expert: Qwen3-235B-A22B's gate_up (128 experts, 3072 x 4096)
-    bounds 3072 swapped tiles (23 per SM of 132): fp8 takes 64 x 128 tiles; with K = 2048, bf16
-    operands, or 8 experts (192 tiles) the swapped ones."""
+    bounds 3072 swapped tiles (23 per SM of 132): fp8 on a GPU with slow memory takes 64 x 128
+    tiles; with faster memory, K = 2048, bf16 operands, or 8 experts (192 tiles) the swapped ones."""
+    from tmagemm import device
     from tmagemm.triton import matmul_grouped as mg
+
+    monkeypatch.setattr(device, "slow_memory", lambda dev: slow_memory)
 
     def config(a_dtype=FP8, e=128, k=4096):
         return mg.heuristic(grouped.example_args(a_dtype, e=e, rows=1, n=3072, k=k))
 
-    assert (config().block_m, config().swap_ab) == (64, False)
+    assert (config().block_m, config().swap_ab) == ((64, False) if slow_memory else (16, True))
     assert config(k=2048).swap_ab
     assert config(torch.bfloat16).swap_ab
     assert config(e=8).swap_ab

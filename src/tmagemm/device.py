@@ -53,6 +53,20 @@ def memory_bandwidth_per_sm(dev: torch.device) -> float | None:
     return None if bandwidth is None else bandwidth / sm_count(index)
 
 
+# GPUs with at most this peak DRAM bandwidth per SM (bytes/s) have "slow memory": an H100 SXM
+# (3.35 TB/s, 25 GB/s per SM) does, an H200 (4.8 TB/s, 36 GB/s per SM) does not. Heuristics that
+# were fitted on both kinds of GPU (the native decode kernel's rules, the grouped kernel's swapped
+# tiles) split on it.
+SLOW_MEMORY_PER_SM = 30e9
+
+
+def slow_memory(dev: torch.device) -> bool:
+    """Whether the GPU of ``dev`` has at most SLOW_MEMORY_PER_SM of DRAM bandwidth per SM; False
+    for CPU tensors and where the bandwidth is not known."""
+    per_sm = memory_bandwidth_per_sm(dev)
+    return per_sm is not None and per_sm <= SLOW_MEMORY_PER_SM
+
+
 def sms_of(dev: torch.device, cpu: int = H100_SMS) -> int:
     """SM count of the device a tensor lives on; ``cpu`` for CPU tensors (the interpreter)."""
     if dev.type != "cuda":

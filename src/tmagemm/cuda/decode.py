@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import device as _device
+from ..device import slow_memory
 from .. import tma
 from ..jit.runtime import stream_getter
 from ..plan import DECODE_MIN_K, DECODE_MIN_N, GemmArgs, Plan, Scaling, Variant
@@ -147,11 +148,9 @@ RULE = DecodeRule(split_fill=1.25, deep_ring_fill=None, max_share=112, max_m=16)
 RULE_BLOCK = replace(RULE, max_m=8, quantize_max_m=2)
 LONG_SHARE = 48
 MIN_SHARE = 8  # a split never leaves a CTA fewer k-blocks than this
-# GPUs with at most SLOW_MEMORY_PER_SM bytes/s of peak DRAM bandwidth per SM (an H100 SXM: 3.35
-# TB/s, 25 GB/s per SM; an H200: 4.8 TB/s, 36 GB/s) take rules refitted on an H100
-# (:func:`rule_for`): the same chains at M = 1, 8 and 16, every config of the token tile
-# (BENCHMARKS.md).
-SLOW_MEMORY_PER_SM = 30e9
+# GPUs with slow memory (``device.slow_memory``: at most 30 GB/s of peak DRAM bandwidth per SM, an
+# H100 SXM but not an H200) take rules refitted on an H100 (:func:`rule_for`): the same chains at
+# M = 1, 8 and 16, every config of the token tile (BENCHMARKS.md).
 # fp8 with tensor- or row-wise scales (two rounds): the K split only while the CTAs stay within
 # 0.65 x SMs (N = 4096 unsplit: 10.0 us against 10.5 in 2-CTA clusters at one token; N = 2560 in
 # pairs: 12.1 against 12.5 in fours), 16 stages only while the CTAs fill at most half the SMs
@@ -213,16 +212,9 @@ def scales_mode(args: GemmArgs) -> int:
     return SCALES_BLOCK_128X128 if args.block_scaling[1] == Scaling.BLOCK_128X128 else SCALES_BLOCK_PER_ROW
 
 
-def slow_memory(dev: torch.device) -> bool:
-    """Whether the GPU of ``dev`` has at most SLOW_MEMORY_PER_SM of DRAM bandwidth per SM; False
-    where the bandwidth is not known."""
-    per_sm = _device.memory_bandwidth_per_sm(dev)
-    return per_sm is not None and per_sm <= SLOW_MEMORY_PER_SM
-
-
 def rule_for(args: GemmArgs) -> DecodeRule:
     """The heuristic's constants for ``args``: RULE (RULE_BLOCK for block scales), or on a GPU
-    with slow memory (:func:`slow_memory`) RULE_SLOW_MEMORY for fp8 with tensor- or row-wise
+    with slow memory (``device.slow_memory``) RULE_SLOW_MEMORY for fp8 with tensor- or row-wise
     scales and RULE_SLOW_MEMORY_BLOCK for block scales. 16-bit operands keep RULE: in the decode
     stacks (H100, M = 1-16, BENCHMARKS.md) they measured level to 1% slower under
     RULE_SLOW_MEMORY."""

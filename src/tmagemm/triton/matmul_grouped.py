@@ -375,39 +375,47 @@ DECODE_MEAN_ROWS = 4
 DECODE_TOKENS = 16  # wgmma's N: the fewest rows a tl.dot takes
 DECODE_WEIGHT_ROWS = 128
 DECODE_STAGES = 6
-# Except long weight streams in fp8 without block scales: K of at least LONG_STREAM_K and more
-# than LONG_STREAM_TILES_PER_SM swapped tiles per SM (their bound from shapes; eight per program
-# at two programs per SM). There the persistent 64-row tiles stream the weights faster: H100, one
-# call per graph, L2 flushed, fp8 row-wise, swapped against 64 x 128 tiles (BENCHMARKS.md,
+# Except long weight streams in fp8 without block scales on GPUs with slow memory
+# (``device.slow_memory``: an H100, not an H200): K of at least LONG_STREAM_K and more than
+# LONG_STREAM_TILES_PER_SM swapped tiles per SM (their bound from shapes; eight per program at two
+# programs per SM). There an H100 streams the weights faster through the persistent 64-row tiles
+# (one call per graph, L2 flushed, fp8 row-wise, swapped against 64 x 128 tiles; BENCHMARKS.md,
 # "Swapped tiles on long weight streams"): DeepSeek-V3 gate_up (256 experts, K = 7168, 62 tiles
 # per SM) 0.974-0.982x, Qwen3-235B-A22B gate_up (K = 4096, 23 per SM) 0.965-0.992x, DeepSeek-V3
 # EP 4 gate_up at 16-32 routed tokens (16.5-18.4 per SM) 0.984-0.994x. At fewer tiles per SM the
 # swapped tiles led or tied: Mixtral gate_up (K = 4096, 13.6 per SM) at one token per expert
-# 1.008-1.029x (0.987-0.994x at 2-16), DeepSeek-V3 EP 4 gate_up at 15.5 per SM 0.977-1.005x, the
-# same weights at up to 8 per SM 1.016-1.061x; the down projections (K <= 2048) 1.004-1.21x at
-# any count. Block-scaled groups keep the swapped tiles (the 64-row ones promote per block and
-# lost there), as do 16-bit ones (1.0-1.03x).
+# 1.008-1.029x (0.987-0.994x at 2-16), the same weights at up to 8 per SM 1.016-1.061x; the down
+# projections (K <= 2048) 1.004-1.21x at any count. Block-scaled groups keep the swapped tiles (the
+# 64-row ones promote per block and lost there), as do 16-bit ones (1.0-1.03x). An H200 runs every
+# one of those cases faster swapped (1.02-1.38x, the long fp8 streams 1.02-1.12x): its 64-row
+# tiles, one program per SM, keep too few bytes in flight for its bandwidth.
 LONG_STREAM_K = 4096
 LONG_STREAM_TILES_PER_SM = 16
 
 
+def long_weight_stream(fp8: bool, block_scaled: bool, k: int, decode_tiles_per_sm: float, slow_memory: bool) -> bool:
+    """Whether decode-sized groups stream their weights through the persistent 64-row tiles rather
+    than the swapped ones (LONG_STREAM_K says why): fp8 without block scales, K >= LONG_STREAM_K,
+    more than LONG_STREAM_TILES_PER_SM swapped tiles per SM (``decode_tiles_per_sm``: their
+    :func:`tile_bound` per SM), on a GPU with slow memory."""
+    return (slow_memory and fp8 and not block_scaled and k >= LONG_STREAM_K
+            and decode_tiles_per_sm > LONG_STREAM_TILES_PER_SM)
+
+
 def heuristic_for(rows_per_group: int, fp8: bool, block_scaled: bool, contiguous: bool = False,
-                  wide_tiles_per_sm: float = float("inf"), k: int = 0,
-                  decode_tiles_per_sm: float = 0.0) -> TritonGemmConfig:
+                  wide_tiles_per_sm: float = float("inf"), long_stream: bool = False) -> TritonGemmConfig:
     """A config from shapes alone (pure; nothing timed, nothing synced).
 
     rows_per_group: CONTIGUOUS M_total / E (the mean), MASKED / BATCHED max_m (the most);
     contiguous: the layout is CONTIGUOUS;
     wide_tiles_per_sm: E * ceil(N / 256) / SMs, the 128 x 256 tiles per SM at one row of tiles
     per group;
-    k: the reduction depth; decode_tiles_per_sm: the swapped tiles' bound (:func:`tile_bound`)
-    per SM.
+    long_stream: :func:`long_weight_stream` of the problem.
     - masked / batched groups of <= DECODE_ROWS rows, contiguous ones of <= DECODE_MEAN_ROWS on
       average: swapped decode tiles (``swap_ab``; DECODE_WEIGHT_ROWS weight rows x DECODE_TOKENS
       rows of A, one tile per program): a 16-row tile of A wastes least on groups of a few rows,
-      and its small stages let more programs stream weights at once. Not for long fp8 weight
-      streams without block scales (k >= LONG_STREAM_K, decode_tiles_per_sm >
-      LONG_STREAM_TILES_PER_SM): those take the rules below.
+      and its small stages let more programs stream weights at once. Not for long weight streams
+      (``long_stream``): those take the rules below.
     - other groups of <= DECODE_ROWS rows, not block-scaled: 64 x 256 tiles for 16-bit operands;
       for fp8 only where those tiles fit in one wave (wide_tiles_per_sm <= 1). There 64 x 128
       tiles fill at most two waves, and with skewed routing a short second one: Mixtral down (8
@@ -433,8 +441,6 @@ def heuristic_for(rows_per_group: int, fp8: bool, block_scaled: bool, contiguous
     wide_fills = wide_tiles_per_sm >= WIDE_MIN_TILES_PER_SM
     narrow = _config(64, 128, bk, 5 if fp8 else 4, 4)
     wide = _config(128, 256, bk, 3, 8)
-    long_stream = (fp8 and not block_scaled and k >= LONG_STREAM_K
-                   and decode_tiles_per_sm > LONG_STREAM_TILES_PER_SM)
     if rows_per_group <= (DECODE_MEAN_ROWS if contiguous else DECODE_ROWS) and not long_stream:
         return replace(_config(DECODE_TOKENS, DECODE_WEIGHT_ROWS, bk, DECODE_STAGES, 4), swap_ab=True)
     if rows_per_group <= DECODE_ROWS and not block_scaled and (not fp8 or wide_tiles_per_sm <= 1):
@@ -450,11 +456,12 @@ def heuristic_for(rows_per_group: int, fp8: bool, block_scaled: bool, contiguous
 def heuristic(args: GroupedArgs) -> TritonGemmConfig:
     contiguous = args.layout == GroupLayout.CONTIGUOUS
     rows = triton.cdiv(args.m, max(args.e, 1)) if contiguous else args.m
+    block = args.scaling == GroupScaling.BLOCK
     sms = device.sms_of(args.out.device)
     wide_per_sm = args.e * triton.cdiv(args.n, 256) / sms
     decode_per_sm = tile_bound(args, DECODE_TOKENS, DECODE_WEIGHT_ROWS) / sms
-    config = heuristic_for(rows, args.is_fp8, args.scaling == GroupScaling.BLOCK, contiguous, wide_per_sm,
-                           args.k, decode_per_sm)
+    long_stream = long_weight_stream(args.is_fp8, block, args.k, decode_per_sm, device.slow_memory(args.out.device))
+    config = heuristic_for(rows, args.is_fp8, block, contiguous, wide_per_sm, long_stream)
     return config.fitted(args.a.element_size(), args.a.element_size(), args.out.element_size())
 
 
