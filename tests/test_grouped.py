@@ -325,6 +325,42 @@ def test_fp8_rowwise_bias(layout, seeded):
     check(out, reference(a_deq, b_deq, counts, layout, bias.cpu()), REL8, f"fp8 rowwise {layout.name}")
 
 
+@pytest.mark.anydevice
+@pytest.mark.parametrize("layout", [GroupLayout.CONTIGUOUS, GroupLayout.MASKED], ids=["contiguous", "masked"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["half", "fp8_rowwise"])
+def test_several_programs_per_sm(fp8, layout, seeded):
+    """programs_per_sm: the persistent grid is SMs x programs_per_sm programs (2 x 3 here), each
+    walking tiles p, p + 6, ...: 18 tiles of ragged groups (70, 0, 1, 129 rows; N = 300 off the
+    tile) all written once, matching float64."""
+    from tmagemm.triton import matmul_grouped as mg
+
+    e, k, n = 4, 256, 300
+    counts = [70, 70, 71, 200] if layout == GroupLayout.CONTIGUOUS else [70, 0, 1, 129]
+    rows = 200 if layout == GroupLayout.CONTIGUOUS else 129
+    dtype = FP8 if fp8 else HALF
+    config = TritonGemmConfig(64, 128, 128 if fp8 else 64, 8, 3, 4, programs_per_sm=3)
+    shape_a = (rows, k) if layout == GroupLayout.CONTIGUOUS else (e, rows, k)
+    if fp8:
+        a, b = fp8_operands(shape_a, e, k, n)
+        sa = torch.rand(a.shape[:-1], device=DEV) + 0.5
+        sb = torch.rand(e, n, device=DEV) + 0.5
+    else:
+        a, b = (torch.randn(*shape_a, device=DEV) / 4).to(dtype), weights(e, k, n, dtype)
+    kw = {"offs": counts_tensor(counts)} if layout == GroupLayout.CONTIGUOUS else {"masked_m": counts_tensor(counts)}
+    out = poisoned((*a.shape[:-1], n))
+    if fp8:
+        args = grouped.scaled_mm_args(a, b, sa, sb, out_dtype=torch.float32, out=out, **kw)
+        a_deq, b_deq = a.double().cpu() * sa.double().cpu()[..., None], b.double().cpu() * sb.double().cpu()[:, None]
+    else:
+        args = grouped.mm_args(a, b, out_dtype=torch.float32, out=out, **kw)
+        a_deq, b_deq = a.double().cpu(), b.double().cpu()
+    call = mg.kernel_call(args, config, num_sms=2)
+    assert call.grid == (6,)
+    assert mg.tile_bound(args, 64, 128) > 6  # programs walk several tiles
+    grouped.run(args, config=config, num_sms=2)
+    check(out, reference(a_deq, b_deq, counts, layout), REL8 if fp8 else 1e-3, f"{config.label()} {layout.name}")
+
+
 @pytest.mark.parametrize("layout", [GroupLayout.CONTIGUOUS, GroupLayout.MASKED], ids=["contiguous", "masked"])
 @pytest.mark.parametrize("recipe", ["half", "half_n_major", "fp8_rowwise", "fp8_block", "fp8_block_per_channel"])
 def test_decode_tiles_from_the_heuristic(recipe, layout, seeded):
@@ -1088,6 +1124,22 @@ def test_heuristic_reads_the_swapped_tile_bound(monkeypatch, slow_memory):
     assert config(k=2048).swap_ab
     assert config(torch.bfloat16).swap_ab
     assert config(e=8).swap_ab
+
+
+@pytest.mark.parametrize("rows, fp8, block, slow_memory, expect", [
+    (17, True, False, False, (64, 128, 3, 3)),  # no slow memory: three programs of three stages
+    (64, False, False, False, (64, 128, 3, 3)),
+    (64, True, False, True, (64, 128, 5, 1)),  # slow memory (an H100): one program of five
+    (64, False, False, True, (64, 128, 4, 1)),
+    (64, True, True, False, (64, 128, 5, 1)),  # block scales: as before on every GPU
+    (16, False, False, False, (64, 256, 4, 1)),  # 64 x 256 tiles keep one program
+    (100, True, False, False, (128, 128, 4, 1)),
+])
+def test_heuristic_programs_per_sm(rows, fp8, block, slow_memory, expect):
+    from tmagemm.triton import matmul_grouped as mg
+
+    config = mg.heuristic_for(rows, fp8, block, True, 1.0, slow_memory=slow_memory)
+    assert (config.block_m, config.block_n, config.num_stages, config.programs_per_sm) == expect
 
 
 def test_heuristic_reads_the_experts_columns():

@@ -129,28 +129,33 @@ def test_forced_tile_config_that_does_not_fit_is_refused(name):
 
 @pytest.mark.parametrize("name", ["triton.tma", "triton.tma_device", "triton.persistent", "triton.ptr",
                                   "triton.blockscaled", "triton.grouped_k"])
-def test_dense_tile_families_refuse_swapped_grouped_tiles(name):
-    """``swap_ab`` configs are the grouped kernel's decode tiles: another Triton family given one
-    refuses it (a ValueError naming the family, or its validity rule), not a silent unswapped run."""
+@pytest.mark.parametrize("field, label", [(dict(swap_ab=True), "16x128x128s6w4t"),
+                                          (dict(programs_per_sm=3), "16x128x128s6w4p3")])
+def test_other_tile_families_refuse_grouped_only_configs(name, field, label):
+    """``swap_ab`` (the grouped kernel's decode tiles) and several programs per SM are the grouped
+    kernel's alone: another Triton family given such a config refuses it (a ValueError naming the
+    family and the field, or its validity rule), never a silent run without them."""
     from tmagemm import grouped
     from tmagemm.configs import TritonGemmConfig
     from tmagemm.triton import matmul_blockscaled, matmul_grouped_k
 
-    swapped = TritonGemmConfig(16, 128, 128, 8, 6, 4, swap_ab=True)
-    assert swapped.is_valid(1, 1, 2) and swapped.label() == "16x128x128s6w4t"
+    config = TritonGemmConfig(16, 128, 128, 8, 6, 4, **field)
+    assert config.is_valid(1, 1, 2) and config.label() == label and config.grouped_only()
+    plain = TritonGemmConfig(16, 128, 128, 8, 6, 4)
+    assert plain.grouped_only() is None
     if name == "triton.blockscaled":
-        assert not matmul_blockscaled.is_valid(swapped, 2)
+        assert matmul_blockscaled.is_valid(plain, 2) and not matmul_blockscaled.is_valid(config, 2)
         return
     if name == "triton.grouped_k":
         x, dy = torch.randn(64, 16).half(), torch.randn(64, 32).half()
         args = grouped.weight_grad_args(x, dy, offs=torch.tensor([30, 64], dtype=torch.int32))
-        assert matmul_grouped_k.is_valid(replace(swapped, swap_ab=False, block_k=16), args)
-        assert not matmul_grouped_k.is_valid(replace(swapped, block_k=16), args)
+        assert matmul_grouped_k.is_valid(replace(plain, block_k=16), args)
+        assert not matmul_grouped_k.is_valid(replace(config, block_k=16), args)
         return
     a = torch.randn(16, 512).to(torch.float16)
     b = torch.randn(256, 512).to(torch.float16).t()
-    with pytest.raises(ValueError, match=f"{name}: config 16x128x128s6w4t has swap_ab"):
-        plan.build(GemmArgs(a, b, torch.empty(16, 256, dtype=torch.float16)), variant=name, config=swapped)
+    with pytest.raises(ValueError, match=f"{name}: config {label} has {config.grouped_only()}"):
+        plan.build(GemmArgs(a, b, torch.empty(16, 256, dtype=torch.float16)), variant=name, config=config)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU: the Triton families under the interpreter")

@@ -20,7 +20,10 @@ class TritonGemmConfig:
     8 = two; epilogue_subtile: store the output tile in two halves to halve epilogue registers
     and shared memory (persistent kernel only); swap_ab: the grouped kernel's decode tiles
     (``triton.grouped`` only; the dense families refuse them): block_n weight rows fill wgmma's M
-    and the block_m rows of A its N slot, the tile computed as out^T.
+    and the block_m rows of A its N slot, the tile computed as out^T; programs_per_sm: persistent
+    programs per SM (``triton.grouped`` only; the other families refuse more than one): the grid
+    is that many times the SMs, so several programs share an SM's shared memory and keep more
+    loads in flight.
     """
 
     block_m: int = 128
@@ -31,13 +34,24 @@ class TritonGemmConfig:
     num_warps: int = 8
     epilogue_subtile: bool = False
     swap_ab: bool = False
+    programs_per_sm: int = 1
 
     def label(self) -> str:
-        """Short name, e.g. ``64x128x128s4w4`` (tile, stages, warps; group and subtiling when not
-        the defaults): how ``tmagemm bench --configs`` names a config's provider."""
+        """Short name, e.g. ``64x128x128s4w4`` (tile, stages, warps; group, subtiling, swapped
+        tiles and programs per SM when not the defaults): how ``tmagemm bench --configs`` names a
+        config's provider."""
         extra = ((f"g{self.group_m}" if self.group_m != 8 else "") + ("e" if self.epilogue_subtile else "")
-                 + ("t" if self.swap_ab else ""))
+                 + ("t" if self.swap_ab else "") + (f"p{self.programs_per_sm}" if self.programs_per_sm != 1 else ""))
         return f"{self.block_m}x{self.block_n}x{self.block_k}s{self.num_stages}w{self.num_warps}{extra}"
+
+    def grouped_only(self) -> str | None:
+        """What this config sets that only ``triton.grouped`` runs (``swap_ab``, more than one
+        program per SM), for the other families' refusals; None if nothing."""
+        if self.swap_ab:
+            return "swap_ab"
+        if self.programs_per_sm != 1:
+            return f"programs_per_sm={self.programs_per_sm}"
+        return None
 
     def smem_bytes(self, a_itemsize: int, b_itemsize: int, out_itemsize: int) -> int:
         """Shared memory the pipeline and epilogue need (operand ring + output staging tile)."""
@@ -56,6 +70,7 @@ class TritonGemmConfig:
             and self.num_warps in (4, 8)
             and self.num_stages >= 1
             and self.group_m >= 1
+            and self.programs_per_sm >= 1
             and self.smem_bytes(a_itemsize, b_itemsize, out_itemsize) + SMEM_MARGIN_BYTES <= SM90_SMEM_PER_BLOCK
         )
 

@@ -132,9 +132,10 @@ def blockscaled_gemm_kernel(
 def is_valid(config: TritonGemmConfig, out_itemsize: int) -> bool:
     """The family's config rule: the TMA GEMM rule (powers of two, shared memory) with the K step
     fixed to the 128-deep scale block. Any power-of-two block_n works for both weight recipes
-    (<= 128 divides the weight block; wider tiles gather one scale per column). No swapped tiles
-    (``swap_ab``: the grouped kernel's)."""
-    return config.block_k == SCALE_BLOCK and not config.swap_ab and config.is_valid(1, 1, out_itemsize)
+    (<= 128 divides the weight block; wider tiles gather one scale per column). Nothing only the
+    grouped kernel runs (:meth:`TritonGemmConfig.grouped_only`: swapped tiles, several programs
+    per SM)."""
+    return config.block_k == SCALE_BLOCK and not config.grouped_only() and config.is_valid(1, 1, out_itemsize)
 
 
 def _config(bm, bn, stages, warps, group_m=8) -> TritonGemmConfig:
@@ -318,7 +319,7 @@ def build(args: GemmArgs, config: TritonGemmConfig | None = None) -> Plan:
     elif config.block_k != SCALE_BLOCK:
         raise ValueError(f"{NAME}: config.block_k must be {SCALE_BLOCK} (one scale block per K step), got {config}")
     if not is_valid(config, out_size):
-        raise ValueError(f"{NAME}: {config} does not fit (powers of two, shared memory, no swap_ab) for {args.out.dtype} output")
+        raise ValueError(f"{NAME}: {config} does not fit (powers of two, shared memory, nothing only triton.grouped runs) for {args.out.dtype} output")
     fast = direct_launch(NAME, kernel_call(args, config, layout))
     if fast is not None:
         return Plan(NAME, config, fast, fast.device_index, direct=True)

@@ -11,10 +11,10 @@ Scheduler. The counts never leave the device (no host sync, so the launch captur
 graph and replays with new counts). Every program loads the whole count vector once (E_BLOCK
 lanes), turns it into clamped row ranges [start_g, end_g) and the inclusive prefix sum of the
 tiles per group (ceil(rows_g / BLOCK_M) * tiles_n), then walks the global tile ids p, p +
-NUM_SMS, ... up to that sum. A tile id maps to its group by counting the prefix sums <= id (one
-vector reduction), and within the group to (m, n) tiles in grouped (L2-friendly) order. The
-grid is min(SMs, an upper bound of the tile count known from shapes alone), so programs past
-the real count simply find no tile.
+NUM_PROGRAMS, ... up to that sum. A tile id maps to its group by counting the prefix sums <= id
+(one vector reduction), and within the group to (m, n) tiles in grouped (L2-friendly) order. The
+grid is min(SMs x ``TritonGemmConfig.programs_per_sm``, an upper bound of the tile count known
+from shapes alone), so programs past the real count simply find no tile.
 
 Swapped decode tiles (``TritonGemmConfig.swap_ab``, groups known to hold a few rows: see
 :func:`heuristic_for`): block_n rows of expert g's weight fill wgmma's M and block_m (16) rows of A
@@ -144,7 +144,7 @@ def grouped_gemm_kernel(
     stride_oe, stride_om, stride_on,
     stride_sae, stride_sam, stride_sak, stride_sbe, stride_sbn, stride_sbk, stride_biase, stride_biasn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_SMS: tl.constexpr, E_BLOCK: tl.constexpr, LAYOUT: tl.constexpr, B_K_MAJOR: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, E_BLOCK: tl.constexpr, LAYOUT: tl.constexpr, B_K_MAJOR: tl.constexpr,
     SCALING: tl.constexpr, B_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, FAST_ACCUM: tl.constexpr,
     HAS_K: tl.constexpr, SCALE_A_CHUNKS: tl.constexpr, SWAP_AB: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -171,7 +171,7 @@ def grouped_gemm_kernel(
         programs = tl.num_programs(0)
         first_id = programs - 1 - tl.program_id(0)
     else:
-        programs = NUM_SMS
+        programs = NUM_PROGRAMS
         first_id = tl.program_id(0)
     for tile_id in tl.range(first_id, total, programs):
         # Group of this tile: the groups whose tiles all come before it (empty groups included).
@@ -329,11 +329,12 @@ def is_valid(config: TritonGemmConfig, args: GroupedArgs) -> bool:
     """The family's config rule: the TMA GEMM rule (powers of two, TMA box, shared memory), boxes
     of at most 256 per dimension, and for block scales a K step of one 128-deep block with tiles
     that do not straddle a 128-column weight block. Swapped decode tiles (``swap_ab``): at least
-    64 weight rows (wgmma's M) and at most 64 rows of A (its N slot)."""
+    64 weight rows (wgmma's M) and at most 64 rows of A (its N slot), one tile per program (so no
+    ``programs_per_sm``)."""
     item = args.a.element_size()
     if max(config.block_m, config.block_n, config.block_k) > 256:
         return False
-    if config.swap_ab and not (config.block_n >= 64 and config.block_m <= 64):
+    if config.swap_ab and not (config.block_n >= 64 and config.block_m <= 64 and config.programs_per_sm == 1):
         return False
     if not config.is_valid(item, item, args.out.element_size()):
         return False
@@ -391,6 +392,18 @@ DECODE_STAGES = 6
 # tiles, one program per SM, keep too few bytes in flight for its bandwidth.
 LONG_STREAM_K = 4096
 LONG_STREAM_TILES_PER_SM = 16
+# GPUs without slow memory (an H200) run the 64 x 128 tiles of groups of up to 64 rows (not
+# block-scaled) with FAST_MEMORY_STAGES stages and FAST_MEMORY_PROGRAMS_PER_SM persistent programs
+# per SM instead of one program of 5 (fp8) or 4 (16-bit) stages: 64 x 128 x 128 fp8 stages of
+# 24 KB leave one 5-stage program 80 KB of weight in flight, too few bytes for an H200's
+# bandwidth. H200, every 64 x 128 case of the moe preset's models at 8-64 rows per expert
+# (contiguous and masked, balanced and Zipf; one call per graph, L2 flushed; BENCHMARKS.md,
+# "Grouped 64-row tiles on an H200"): fp8 row-wise 1.076x in geomean (0.983-1.246x; Qwen3-235B-
+# A22B down 1.16-1.25x), bf16 1.079x (1.015-1.293x); 2 programs of 4 stages 1.064x / 1.070x, one
+# of 6-7 stages 1.004-1.070x. On an H100 the same tiles ran fp8 0.999x and bf16 1.024x: kept
+# there. The 64 x 256 tiles (16-bit groups of up to 16 rows) stay: 0.991x on the H200.
+FAST_MEMORY_STAGES = 3
+FAST_MEMORY_PROGRAMS_PER_SM = 3
 
 
 def long_weight_stream(fp8: bool, block_scaled: bool, k: int, decode_tiles_per_sm: float, slow_memory: bool) -> bool:
@@ -403,14 +416,16 @@ def long_weight_stream(fp8: bool, block_scaled: bool, k: int, decode_tiles_per_s
 
 
 def heuristic_for(rows_per_group: int, fp8: bool, block_scaled: bool, contiguous: bool = False,
-                  wide_tiles_per_sm: float = float("inf"), long_stream: bool = False) -> TritonGemmConfig:
+                  wide_tiles_per_sm: float = float("inf"), long_stream: bool = False,
+                  slow_memory: bool = True) -> TritonGemmConfig:
     """A config from shapes alone (pure; nothing timed, nothing synced).
 
     rows_per_group: CONTIGUOUS M_total / E (the mean), MASKED / BATCHED max_m (the most);
     contiguous: the layout is CONTIGUOUS;
     wide_tiles_per_sm: E * ceil(N / 256) / SMs, the 128 x 256 tiles per SM at one row of tiles
     per group;
-    long_stream: :func:`long_weight_stream` of the problem.
+    long_stream: :func:`long_weight_stream` of the problem; slow_memory: ``device.slow_memory`` of
+    the GPU (an H100; not an H200).
     - masked / batched groups of <= DECODE_ROWS rows, contiguous ones of <= DECODE_MEAN_ROWS on
       average: swapped decode tiles (``swap_ab``; DECODE_WEIGHT_ROWS weight rows x DECODE_TOKENS
       rows of A, one tile per program): a 16-row tile of A wastes least on groups of a few rows,
@@ -424,7 +439,8 @@ def heuristic_for(rows_per_group: int, fp8: bool, block_scaled: bool, contiguous
       elsewhere fp8 lost 2-5% on them (H100, BENCHMARKS.md).
     - <= 64 rows: 64-row tiles, one warpgroup (wgmma's M is 64, so a 64-row tile wastes least on
       a short group) and 128 columns, deep pipelines: the GEMM streams the weights, and every
-      expert's weight is read by its one row of tiles. Except contiguous 16-bit groups of 33-64
+      expert's weight is read by its one row of tiles. Without slow memory and block scales,
+      FAST_MEMORY_PROGRAMS_PER_SM programs of FAST_MEMORY_STAGES stages per SM. Except contiguous 16-bit groups of 33-64
       rows on average where 128 x 256 tiles fill the SMs (WIDE_MIN_TILES_PER_SM): the mean says
       nothing of the largest group, and under skewed routing most rows sit in groups whose
       weight a 64-row tile reads several times (H100, moe preset, 64 rows per expert on average:
@@ -447,7 +463,11 @@ def heuristic_for(rows_per_group: int, fp8: bool, block_scaled: bool, contiguous
         return _config(64, 256, bk, 4, 4)
     if rows_per_group <= 64:
         skewable = contiguous and rows_per_group > 32 and not fp8 and not block_scaled
-        return wide if skewable and wide_fills else narrow
+        if skewable and wide_fills:
+            return wide
+        if slow_memory or block_scaled:
+            return narrow
+        return replace(narrow, num_stages=FAST_MEMORY_STAGES, programs_per_sm=FAST_MEMORY_PROGRAMS_PER_SM)
     if rows_per_group <= 128 or block_scaled:
         return _config(128, 128, bk, 4, 8)
     return wide if wide_fills else narrow
@@ -460,8 +480,9 @@ def heuristic(args: GroupedArgs) -> TritonGemmConfig:
     sms = device.sms_of(args.out.device)
     wide_per_sm = args.e * triton.cdiv(args.n, 256) / sms
     decode_per_sm = tile_bound(args, DECODE_TOKENS, DECODE_WEIGHT_ROWS) / sms
-    long_stream = long_weight_stream(args.is_fp8, block, args.k, decode_per_sm, device.slow_memory(args.out.device))
-    config = heuristic_for(rows, args.is_fp8, block, contiguous, wide_per_sm, long_stream)
+    slow = device.slow_memory(args.out.device)
+    long_stream = long_weight_stream(args.is_fp8, block, args.k, decode_per_sm, slow)
+    config = heuristic_for(rows, args.is_fp8, block, contiguous, wide_per_sm, long_stream, slow)
     return config.fitted(args.a.element_size(), args.a.element_size(), args.out.element_size())
 
 
@@ -516,9 +537,9 @@ def scale_a_in_chunks(args: GroupedArgs) -> bool:
 
 def kernel_call(args: GroupedArgs, config: TritonGemmConfig, num_sms: int | None = None) -> KernelCall:
     """One launch, every kernel argument named once (direct launch, Triton's launcher, AOT).
-    ``num_sms``: the persistent stride (default the device's SMs; 4 under the interpreter, so
-    the persistent loop runs more than once per program); swapped tiles ignore it (one tile per
-    program)."""
+    ``num_sms``: the SMs the persistent grid spreads over (default the device's; 4 under the
+    interpreter, so the persistent loop runs more than once per program), ``config.programs_per_sm``
+    programs each; swapped tiles ignore it (one tile per program)."""
     has_k = args.k > 0
     a_desc, b_desc = descriptors(args, config) if has_k else (None, None)
     scaling = args.scaling if has_k else GroupScaling.NONE  # an empty sum: zeros (+ bias)
@@ -533,10 +554,10 @@ def kernel_call(args: GroupedArgs, config: TritonGemmConfig, num_sms: int | None
     bias_e, bias_n = bias.stride() if bias is not None else (0, 0)
     bound = tile_bound(args, config.block_m, config.block_n)
     if config.swap_ab:  # one tile per program, the stride read at run time (the kernel says why)
-        num_sms, grid = 1, (max(1, bound),)
+        programs, grid = 1, (max(1, bound),)
     else:
-        num_sms = num_sms or device.sms_of(out.device, cpu=4)
-        grid = (max(1, min(num_sms, bound)),)
+        programs = (num_sms or device.sms_of(out.device, cpu=4)) * config.programs_per_sm
+        grid = (max(1, min(programs, bound)),)
     values = dict(
         a_desc=a_desc, b_desc=b_desc, out_ptr=out, counts_ptr=args.counts,
         scale_a_ptr=args.scale_a if scaling else None, scale_b_ptr=args.scale_b if scaling else None,
@@ -545,7 +566,7 @@ def kernel_call(args: GroupedArgs, config: TritonGemmConfig, num_sms: int | None
         stride_sae=sa_e, stride_sam=sa_m, stride_sak=sa_k, stride_sbe=sb_e, stride_sbn=sb_n, stride_sbk=sb_k,
         stride_biase=bias_e, stride_biasn=bias_n,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        NUM_SMS=num_sms, E_BLOCK=triton.next_power_of_2(max(args.e, 1)), LAYOUT=int(args.layout),
+        NUM_PROGRAMS=programs, E_BLOCK=triton.next_power_of_2(max(args.e, 1)), LAYOUT=int(args.layout),
         B_K_MAJOR=args.b_k_major, SCALING=int(scaling), B_PER_CHANNEL=args.b_per_channel,
         HAS_BIAS=bias is not None, FAST_ACCUM=args.fast_accum, HAS_K=has_k,
         SCALE_A_CHUNKS=scaling == GroupScaling.BLOCK and scale_a_in_chunks(args), SWAP_AB=config.swap_ab,

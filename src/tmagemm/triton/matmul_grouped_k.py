@@ -208,12 +208,13 @@ def tma_store(args: ReduceArgs) -> bool:
 
 def is_valid(config: TritonGemmConfig, args: ReduceArgs) -> bool:
     """Powers of two, boxes within TMA's 256 per dimension, the stages and the store's staging
-    tile within shared memory; the tile is stored whole (no epilogue subtiling, no swapped tiles)."""
+    tile within shared memory; the tile is stored whole (no epilogue subtiling), one program per SM
+    and no swapped tiles (the forward grouped kernel's, :meth:`TritonGemmConfig.grouped_only`)."""
     dims = (config.block_m, config.block_n, config.block_k)
     pow2 = all(d >= 16 and d & (d - 1) == 0 and d <= 256 for d in dims)
     stage = (config.block_m + config.block_n) * config.block_k * args.a.element_size()
     staging = config.block_m * config.block_n * args.out.element_size() if tma_store(args) else 0
-    return (pow2 and config.num_stages >= 1 and not config.epilogue_subtile and not config.swap_ab
+    return (pow2 and config.num_stages >= 1 and not config.epilogue_subtile and not config.grouped_only()
             and stage * config.num_stages + staging <= 224 * 1024)
 
 

@@ -107,8 +107,8 @@ def build(args: GemmArgs, config: TritonGemmConfig | None = None) -> Plan:
     """Triton's launcher per call: the pointer kernel serves layouts the fast paths refuse."""
     if config is None:
         config = tuning.select("triton.ptr", args, CONFIGS, heuristic, lambda c: kernel_call(args, c).launch())
-    elif config.swap_ab:
-        raise ValueError(f"triton.ptr: config {config.label()} has swap_ab, which only triton.grouped runs")
+    elif config.grouped_only():
+        raise ValueError(f"triton.ptr: config {config.label()} has {config.grouped_only()}, which only triton.grouped runs")
 
     def launch(a, b, out, scale_a, scale_b, bias) -> None:
         kernel_call(GemmArgs(a, b, out, scale_a, scale_b, bias, args.fast_accum), config).launch()
