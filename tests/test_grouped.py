@@ -1129,8 +1129,8 @@ def test_heuristic_reads_the_swapped_tile_bound(monkeypatch, slow_memory):
 @pytest.mark.parametrize("rows, fp8, block, slow_memory, expect", [
     (17, True, False, False, (64, 128, 3, 3)),  # no slow memory: three programs of three stages
     (64, False, False, False, (64, 128, 3, 3)),
-    (64, True, False, True, (64, 128, 5, 1)),  # slow memory (an H100): one program of five
-    (64, False, False, True, (64, 128, 4, 1)),
+    (64, True, False, True, (64, 128, 5, 1)),  # fp8 on slow memory (an H100): one program of five
+    (64, False, False, True, (64, 128, 3, 3)),  # 16-bit: three programs on every GPU
     (64, True, True, False, (64, 128, 5, 1)),  # block scales: as before on every GPU
     (16, False, False, False, (64, 256, 4, 1)),  # 64 x 256 tiles keep one program
     (100, True, False, False, (128, 128, 4, 1)),

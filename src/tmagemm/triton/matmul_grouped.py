@@ -392,18 +392,19 @@ DECODE_STAGES = 6
 # tiles, one program per SM, keep too few bytes in flight for its bandwidth.
 LONG_STREAM_K = 4096
 LONG_STREAM_TILES_PER_SM = 16
-# GPUs without slow memory (an H200) run the 64 x 128 tiles of groups of up to 64 rows (not
-# block-scaled) with FAST_MEMORY_STAGES stages and FAST_MEMORY_PROGRAMS_PER_SM persistent programs
-# per SM instead of one program of 5 (fp8) or 4 (16-bit) stages: 64 x 128 x 128 fp8 stages of
-# 24 KB leave one 5-stage program 80 KB of weight in flight, too few bytes for an H200's
-# bandwidth. H200, every 64 x 128 case of the moe preset's models at 8-64 rows per expert
-# (contiguous and masked, balanced and Zipf; one call per graph, L2 flushed; BENCHMARKS.md,
-# "Grouped 64-row tiles on an H200"): fp8 row-wise 1.076x in geomean (0.983-1.246x; Qwen3-235B-
-# A22B down 1.16-1.25x), bf16 1.079x (1.015-1.293x); 2 programs of 4 stages 1.064x / 1.070x, one
-# of 6-7 stages 1.004-1.070x. On an H100 the same tiles ran fp8 0.999x and bf16 1.024x: kept
-# there. The 64 x 256 tiles (16-bit groups of up to 16 rows) stay: 0.991x on the H200.
-FAST_MEMORY_STAGES = 3
-FAST_MEMORY_PROGRAMS_PER_SM = 3
+# The 64 x 128 tiles of groups of up to 64 rows (not block-scaled) run STREAM_PROGRAMS_PER_SM
+# persistent programs of STREAM_STAGES stages per SM, instead of one program of 5 (fp8) or 4
+# (16-bit) stages, for 16-bit operands and, on GPUs without slow memory (an H200), for fp8: a
+# 5-stage fp8 program keeps 80 KB of weight in flight, too few bytes for an H200's bandwidth.
+# Every 64 x 128 case of the moe preset's models at 8-64 rows per expert (contiguous and masked,
+# balanced and Zipf; one call per graph, L2 flushed; BENCHMARKS.md, "Grouped 64-row tiles on an
+# H200"): H200 fp8 row-wise 1.076x in geomean (0.983-1.246x; Qwen3-235B-A22B down 1.16-1.25x),
+# bf16 1.079x (1.015-1.293x); H100 bf16 1.024x (1.004-1.053x per projection), fp8 0.999x (its
+# gate_up projections 0.977-0.998x: one program kept). 2 programs of 4 stages: H200 1.064x /
+# 1.070x, H100 0.976x / 1.000x. The 64 x 256 tiles (16-bit groups of up to 16 rows) stay: 0.991x
+# on the H200.
+STREAM_STAGES = 3
+STREAM_PROGRAMS_PER_SM = 3
 
 
 def long_weight_stream(fp8: bool, block_scaled: bool, k: int, decode_tiles_per_sm: float, slow_memory: bool) -> bool:
@@ -439,8 +440,8 @@ def heuristic_for(rows_per_group: int, fp8: bool, block_scaled: bool, contiguous
       elsewhere fp8 lost 2-5% on them (H100, BENCHMARKS.md).
     - <= 64 rows: 64-row tiles, one warpgroup (wgmma's M is 64, so a 64-row tile wastes least on
       a short group) and 128 columns, deep pipelines: the GEMM streams the weights, and every
-      expert's weight is read by its one row of tiles. Without slow memory and block scales,
-      FAST_MEMORY_PROGRAMS_PER_SM programs of FAST_MEMORY_STAGES stages per SM. Except contiguous 16-bit groups of 33-64
+      expert's weight is read by its one row of tiles. 16-bit, and fp8 without slow memory, not
+      block-scaled: STREAM_PROGRAMS_PER_SM programs of STREAM_STAGES stages per SM. Except contiguous 16-bit groups of 33-64
       rows on average where 128 x 256 tiles fill the SMs (WIDE_MIN_TILES_PER_SM): the mean says
       nothing of the largest group, and under skewed routing most rows sit in groups whose
       weight a 64-row tile reads several times (H100, moe preset, 64 rows per expert on average:
@@ -465,9 +466,9 @@ def heuristic_for(rows_per_group: int, fp8: bool, block_scaled: bool, contiguous
         skewable = contiguous and rows_per_group > 32 and not fp8 and not block_scaled
         if skewable and wide_fills:
             return wide
-        if slow_memory or block_scaled:
+        if block_scaled or (fp8 and slow_memory):
             return narrow
-        return replace(narrow, num_stages=FAST_MEMORY_STAGES, programs_per_sm=FAST_MEMORY_PROGRAMS_PER_SM)
+        return replace(narrow, num_stages=STREAM_STAGES, programs_per_sm=STREAM_PROGRAMS_PER_SM)
     if rows_per_group <= 128 or block_scaled:
         return _config(128, 128, bk, 4, 8)
     return wide if wide_fills else narrow
