@@ -387,9 +387,9 @@ DECODE_STAGES = 6
 # swapped tiles led or tied: Mixtral gate_up (K = 4096, 13.6 per SM) at one token per expert
 # 1.008-1.029x (0.987-0.994x at 2-16), the same weights at up to 8 per SM 1.016-1.061x; the down
 # projections (K <= 2048) 1.004-1.21x at any count. Block-scaled groups keep the swapped tiles (the
-# 64-row ones promote per block and lost there), as do 16-bit ones (1.0-1.03x). An H200 runs every
-# one of those cases faster swapped (1.02-1.38x, the long fp8 streams 1.02-1.12x): its 64-row
-# tiles, one program per SM, keep too few bytes in flight for its bandwidth.
+# 64-row ones promote per block and lost there), as do 16-bit ones (1.0-1.03x). An H200 ran every
+# one of those cases faster swapped (1.02-1.38x, the long fp8 streams 1.02-1.12x) than on the
+# 64-row tiles of one program per SM it then had.
 LONG_STREAM_K = 4096
 LONG_STREAM_TILES_PER_SM = 16
 # The 64 x 128 tiles of groups of up to 64 rows (not block-scaled) run STREAM_PROGRAMS_PER_SM
@@ -440,13 +440,14 @@ def heuristic_for(rows_per_group: int, fp8: bool, block_scaled: bool, contiguous
       elsewhere fp8 lost 2-5% on them (H100, BENCHMARKS.md).
     - <= 64 rows: 64-row tiles, one warpgroup (wgmma's M is 64, so a 64-row tile wastes least on
       a short group) and 128 columns, deep pipelines: the GEMM streams the weights, and every
-      expert's weight is read by its one row of tiles. 16-bit, and fp8 without slow memory, not
-      block-scaled: STREAM_PROGRAMS_PER_SM programs of STREAM_STAGES stages per SM. Except contiguous 16-bit groups of 33-64
-      rows on average where 128 x 256 tiles fill the SMs (WIDE_MIN_TILES_PER_SM): the mean says
-      nothing of the largest group, and under skewed routing most rows sit in groups whose
-      weight a 64-row tile reads several times (H100, moe preset, 64 rows per expert on average:
-      Zipf-routed DeepSeek-V3, Qwen3-MoE and Mixtral gate_up 9-11% faster, balanced groups within
-      2%; at 1 and 16 rows on average the wide tiles were up to 5% slower).
+      expert's weight is read by its one row of tiles; 16-bit, and fp8 without slow memory (not
+      block-scaled), in STREAM_PROGRAMS_PER_SM programs of STREAM_STAGES stages per SM. Except
+      contiguous 16-bit groups of 33-64 rows on average where 128 x 256 tiles fill the SMs
+      (WIDE_MIN_TILES_PER_SM): the mean says nothing of the largest group, and under skewed
+      routing most rows sit in groups whose weight a 64-row tile reads several times (H100, moe
+      preset, 64 rows per expert on average: Zipf-routed DeepSeek-V3, Qwen3-MoE and Mixtral
+      gate_up 9-11% faster, balanced groups within 2%; at 1 and 16 rows on average the wide tiles
+      were up to 5% slower).
     - <= 128 rows: 128x128 tiles, two warpgroups.
     - more: 128x256 (16-bit, and fp8 with tensor/row scales) where they fill the SMs, else 64 x 128;
       block-scaled stays at 128x128 (its fresh per-block product doubles the accumulator
