@@ -95,6 +95,9 @@ def test_unknown_variant_and_config_fields():
         inspection.inspect_variant("triton.nope")
     with pytest.raises(ValueError, match="unknown config fields"):
         inspection.triton_spec("triton.tma", "fp8", {"blockm": 64})
+    for field in ({"swap_ab": True}, {"programs_per_sm": 3}):  # the grouped kernel's fields
+        with pytest.raises(ValueError, match=f"triton.persistent: config has {next(iter(field))}.*only triton.grouped"):
+            inspection.triton_spec("triton.persistent", "fp8", field)
 
 
 def test_native_source_compiles_with_nvrtc_and_shows_tma_and_setmaxnreg():
