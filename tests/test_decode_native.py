@@ -125,11 +125,11 @@ def test_rule_for_reads_the_recipe_and_the_memory(monkeypatch):
     fp8 = _args(1, 7168, 16384, FP8)  # 112 tiles x 128 k-blocks: split-K under RULE
     block = _args(1, 7168, 16384, FP8, block_scaling=(Scaling.BLOCK_1X128, Scaling.BLOCK_128X128))
     half = _args(1, 4096, 4096)
-    monkeypatch.setattr(decode, "slow_memory", lambda dev: False)
+    monkeypatch.setattr(decode._device, "slow_memory", lambda dev: False)
     assert decode.rule_for(fp8) is decode.rule_for(half) is decode.RULE
     assert decode.rule_for(block) is decode.RULE_BLOCK
     assert not plan._decode_first(fp8) and not plan._decode_first(block)
-    monkeypatch.setattr(decode, "slow_memory", lambda dev: True)
+    monkeypatch.setattr(decode._device, "slow_memory", lambda dev: True)
     assert decode.rule_for(fp8) is decode.RULE_SLOW_MEMORY
     assert decode.rule_for(block) is decode.RULE_SLOW_MEMORY_BLOCK
     assert decode.rule_for(half) is decode.RULE
@@ -138,9 +138,9 @@ def test_rule_for_reads_the_recipe_and_the_memory(monkeypatch):
 
 def test_tensor_and_row_scales_take_the_kernel_to_32_tokens_on_slow_memory(monkeypatch):
     at = lambda m, n=4096, k=4096: plan._decode_first(_args(m, n, k, FP8))  # noqa: E731
-    monkeypatch.setattr(decode, "slow_memory", lambda dev: False)
+    monkeypatch.setattr(decode._device, "slow_memory", lambda dev: False)
     assert at(16) and not at(17)
-    monkeypatch.setattr(decode, "slow_memory", lambda dev: True)
+    monkeypatch.setattr(decode._device, "slow_memory", lambda dev: True)
     assert at(17) and at(32) and not at(33)
     assert not at(32, 14336, 4096)  # 224 weight tiles: more than one per SM
 
@@ -148,9 +148,9 @@ def test_tensor_and_row_scales_take_the_kernel_to_32_tokens_on_slow_memory(monke
 def test_block_scales_take_the_kernel_to_16_tokens_on_slow_memory(monkeypatch):
     block = (Scaling.BLOCK_1X128, Scaling.BLOCK_128X128)
     at = lambda m: plan._decode_first(_args(m, 4096, 4096, FP8, block_scaling=block))  # noqa: E731
-    monkeypatch.setattr(decode, "slow_memory", lambda dev: False)
+    monkeypatch.setattr(decode._device, "slow_memory", lambda dev: False)
     assert at(8) and not at(9)
-    monkeypatch.setattr(decode, "slow_memory", lambda dev: True)
+    monkeypatch.setattr(decode._device, "slow_memory", lambda dev: True)
     assert at(8) and at(16) and not at(17)
 
 
@@ -161,7 +161,7 @@ def test_block_scales_take_weights_wider_than_the_sms_on_slow_memory(monkeypatch
     cpu = torch.device("cpu")
     monkeypatch.setattr(decode._device, "sms_of", lambda dev: 132)
     takes = lambda m, n, k=4096, block=True: decode.takes(m, n, k, 1, block, cpu)  # noqa: E731
-    monkeypatch.setattr(decode, "slow_memory", lambda dev: True)
+    monkeypatch.setattr(decode._device, "slow_memory", lambda dev: True)
     assert takes(1, 28672) and takes(16, 37888, 3584) and takes(8, 14336, 8192)
     assert takes(1, 5 * 132 * 64) and not takes(1, 5 * 132 * 64 + 1)  # past 5 tiles per SM: split-K
     assert not takes(17, 28672)  # the block rule's 16 tokens
@@ -169,7 +169,7 @@ def test_block_scales_take_weights_wider_than_the_sms_on_slow_memory(monkeypatch
     assert decode.takes_quantizing(8, 8448, 4096, cpu) and not decode.takes_quantizing(1, 8449, 4096, cpu)
     config = decode.choose_config(16, 37888, 3584, 1, 132, decode.RULE_SLOW_MEMORY_BLOCK)
     assert (config.tokens, config.stages, config.split) == (16, 8, 1)
-    monkeypatch.setattr(decode, "slow_memory", lambda dev: False)
+    monkeypatch.setattr(decode._device, "slow_memory", lambda dev: False)
     assert not takes(1, 8449) and takes(1, 8448)  # RULE_BLOCK: one tile per SM
     for rule in (decode.RULE, decode.RULE_BLOCK, decode.RULE_SLOW_MEMORY):
         assert rule.max_tiles_per_sm == 1
@@ -317,7 +317,7 @@ def test_quantizing_config_keeps_the_fp8_split_in_less_shared_memory(m, n, k, mo
     to QUANTIZE_SMEM and never below 2 stages."""
     monkeypatch.setattr(decode._device, "sms_of", lambda dev: 132)
     for slow in (False, True):
-        monkeypatch.setattr(decode, "slow_memory", lambda dev, slow=slow: slow)
+        monkeypatch.setattr(decode._device, "slow_memory", lambda dev, slow=slow: slow)
         out = torch.empty(m, n, dtype=torch.bfloat16)
         args = GemmArgs(torch.empty(m, k, dtype=torch.bfloat16), torch.empty(n, k, dtype=FP8).t(), out, None,
                         torch.empty(-(-n // 128), -(-k // 128)), None, True, BLOCK_128)
@@ -333,7 +333,7 @@ def test_quantizing_form_takes_the_rules_tokens_where_the_fp8_problem_runs_here(
     """Up to 8 tokens on GPUs with slow memory per SM (an H100), 2 elsewhere (an H200), where the
     dispatcher runs the fp8 problem on the decode kernel."""
     monkeypatch.setattr(decode._device, "sms_of", lambda dev: 132)
-    monkeypatch.setattr(decode, "slow_memory", lambda dev: slow)
+    monkeypatch.setattr(decode._device, "slow_memory", lambda dev: slow)
     dev = torch.device("cpu")
     assert decode.takes_quantizing(1, 4096, 4096, dev) and decode.takes_quantizing(most, 6144, 4096, dev)
     assert not decode.takes_quantizing(most + 1, 4096, 4096, dev)  # its quantizer warps' work grows with the tokens
@@ -452,7 +452,7 @@ def test_block_scaled_weight_wider_than_the_sms(m, seeded):
     big, out = _poisoned_out(m, n, torch.bfloat16)
     args = GemmArgs(a, w.t(), out, sa, sb, None, True, BLOCK_128)
     built = plan.build(args)
-    if decode.slow_memory(out.device) and -(-n // decode.WEIGHT_ROWS) > decode._device.sms_of(out.device):
+    if decode._device.slow_memory(out.device) and -(-n // decode.WEIGHT_ROWS) > decode._device.sms_of(out.device):
         assert built.variant == "cuda.decode"
     built(args)
     torch.cuda.synchronize()

@@ -406,8 +406,9 @@ def triton_spec(name: str, dtype: str = "fp8", config: Mapping[str, Any] | None 
         if unknown:
             raise ValueError(f"unknown config fields {unknown}; TritonGemmConfig has {list(TritonGemmConfig.__dataclass_fields__)}")
         kwargs["config"] = TritonGemmConfig(**config)
-        if kwargs["config"].grouped_only():
-            raise ValueError(f"{name}: config has {kwargs['config'].grouped_only()}, which only triton.grouped runs")
+        grouped_only = kwargs["config"].grouped_only()
+        if grouped_only:
+            raise ValueError(f"{name}: config has {grouped_only}, which only triton.grouped runs")
     params = pyinspect.signature(aot_spec).parameters
     if "variant" in params:  # one module, several variants (e.g. triton.tma and triton.tma_device)
         kwargs["variant"] = name

@@ -35,7 +35,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import device as _device
-from ..device import slow_memory
 from .. import tma
 from ..jit.runtime import stream_getter
 from ..plan import DECODE_MIN_K, DECODE_MIN_N, GemmArgs, Plan, Scaling, Variant
@@ -223,7 +222,7 @@ def rule_for(args: GemmArgs) -> DecodeRule:
 
 def rule_of(itemsize: int, block: bool, dev: torch.device) -> DecodeRule:
     """:func:`rule_for` of a problem with ``itemsize``-byte weights, block-scaled or not, on ``dev``."""
-    if itemsize != 1 or not slow_memory(dev):
+    if itemsize != 1 or not _device.slow_memory(dev):
         return RULE_BLOCK if block else RULE
     return RULE_SLOW_MEMORY_BLOCK if block else RULE_SLOW_MEMORY
 
