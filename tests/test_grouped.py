@@ -1126,20 +1126,35 @@ def test_heuristic_reads_the_swapped_tile_bound(monkeypatch, slow_memory):
     assert config(e=8).swap_ab
 
 
-@pytest.mark.parametrize("rows, fp8, block, slow_memory, expect", [
-    (17, True, False, False, (64, 128, 3, 3)),  # no slow memory: three programs of three stages
-    (64, False, False, False, (64, 128, 3, 3)),
-    (64, True, False, True, (64, 128, 5, 1)),  # fp8 on slow memory (an H100): one program of five
-    (64, False, False, True, (64, 128, 3, 3)),  # 16-bit: three programs on every GPU
-    (64, True, True, False, (64, 128, 5, 1)),  # block scales: as before on every GPU
-    (16, False, False, False, (64, 256, 4, 1)),  # 64 x 256 tiles keep one program
-    (100, True, False, False, (128, 128, 4, 1)),
+@pytest.mark.parametrize("rows, fp8, block, slow_memory, short_k, expect", [
+    (17, True, False, False, False, (64, 128, 3, 3)),  # no slow memory: three programs of three stages
+    (64, False, False, False, False, (64, 128, 3, 3)),
+    (64, True, False, True, False, (64, 128, 5, 1)),  # fp8 on slow memory (an H100): one program of five
+    (64, True, False, True, True, (64, 128, 3, 3)),  # ... but three where K is short
+    (64, False, False, True, False, (64, 128, 3, 3)),  # 16-bit: three programs on every GPU
+    (64, True, True, False, False, (64, 128, 5, 1)),  # block scales: as before on every GPU
+    (64, True, True, True, True, (64, 128, 5, 1)),
+    (16, False, False, False, False, (64, 256, 4, 1)),  # 64 x 256 tiles keep one program
+    (16, False, False, True, False, (64, 256, 3, 1)),  # ... of three stages on slow memory
+    (16, True, False, True, True, (64, 256, 3, 1)),
+    (100, True, False, False, False, (128, 128, 4, 1)),
+    (100, True, False, True, True, (128, 128, 4, 1)),
 ])
-def test_heuristic_programs_per_sm(rows, fp8, block, slow_memory, expect):
+def test_heuristic_programs_per_sm(rows, fp8, block, slow_memory, short_k, expect):
     from tmagemm.triton import matmul_grouped as mg
 
-    config = mg.heuristic_for(rows, fp8, block, True, 1.0, slow_memory=slow_memory)
+    config = mg.heuristic_for(rows, fp8, block, True, 1.0, slow_memory=slow_memory, short_k=short_k)
     assert (config.block_m, config.block_n, config.num_stages, config.programs_per_sm) == expect
+
+
+@pytest.mark.parametrize("k, programs", [(1536, 3), (1537, 1), (7168, 1)])
+def test_heuristic_reads_k(monkeypatch, k, programs):
+    """heuristic(args) passes K <= SHORT_K as short_k: fp8 groups of 64 rows on slow memory."""
+    from tmagemm.triton import matmul_grouped as mg
+
+    monkeypatch.setattr(mg.device, "slow_memory", lambda dev: True)
+    args = grouped.example_args(FP8, e=128, rows=64, n=4096, k=k)
+    assert mg.heuristic(args).programs_per_sm == programs
 
 
 def test_heuristic_reads_the_experts_columns():

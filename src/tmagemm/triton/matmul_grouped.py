@@ -360,6 +360,13 @@ WIDE_MIN_TILES_PER_SM = 2
 # each streaming twice the columns (moe preset, H100, two rounds: bf16 1.012x geomean over the 64
 # rows at 1 and 16 tokens per expert, none below 0.99x).
 DECODE_ROWS = 16
+# Their ring: 4 stages (160 KB), on GPUs with slow memory (an H100) SLOW_MEMORY_WIDE_STAGES. Every
+# 64 x 256 case of the moe preset's models at 8 and 16 rows per expert (one call per graph, L2
+# flushed, 4 rounds; BENCHMARKS.md): on an H100 3 stages ran bf16 1.016-1.044x per projection
+# (every one of the 36 cases faster), fp8 (Mixtral down) 1.011x; three programs of 4 stages per SM
+# 1.000-1.010x, so fewer bytes in flight per SM, not more programs, is what gains (as for the
+# decode kernel's rules on slow memory, cuda/decode.py). On an H200 3 stages ran 0.991x.
+SLOW_MEMORY_WIDE_STAGES = 3
 # Groups known to be small take swapped tiles: DECODE_WEIGHT_ROWS rows of the expert's weight fill
 # wgmma's M and DECODE_TOKENS rows of A its N slot, one tile per program. Known small: masked or
 # batched groups of at most DECODE_ROWS rows (max_m bounds every group), contiguous ones of at
@@ -403,8 +410,14 @@ LONG_STREAM_TILES_PER_SM = 16
 # gate_up projections 0.977-0.998x: one program kept). 2 programs of 4 stages: H200 1.064x /
 # 1.070x, H100 0.976x / 1.000x. The 64 x 256 tiles (16-bit groups of up to 16 rows) stay: 0.991x
 # on the H200.
+# fp8 on slow memory takes them too where a tile's K loop is short, K <= SHORT_K (12 k-blocks of
+# 128): there one program fills and drains its pipeline every few k-blocks, and
+# the others stream meanwhile. H100, the same cases: Qwen3-235B-A22B down (K = 1536) 1.045-1.050x
+# (1.023-1.089x) in two sweeps at 8-64 rows per expert; DeepSeek-V3 down (K = 2048) 0.988-0.996x
+# and the gate_up projections (K >= 4096) 0.982-0.997x, which keep one program.
 STREAM_STAGES = 3
 STREAM_PROGRAMS_PER_SM = 3
+SHORT_K = 1536
 
 
 def long_weight_stream(fp8: bool, block_scaled: bool, k: int, decode_tiles_per_sm: float, slow_memory: bool) -> bool:
@@ -418,7 +431,7 @@ def long_weight_stream(fp8: bool, block_scaled: bool, k: int, decode_tiles_per_s
 
 def heuristic_for(rows_per_group: int, fp8: bool, block_scaled: bool, contiguous: bool = False,
                   wide_tiles_per_sm: float = float("inf"), long_stream: bool = False,
-                  slow_memory: bool = True) -> TritonGemmConfig:
+                  slow_memory: bool = True, short_k: bool = False) -> TritonGemmConfig:
     """A config from shapes alone (pure; nothing timed, nothing synced).
 
     rows_per_group: CONTIGUOUS M_total / E (the mean), MASKED / BATCHED max_m (the most);
@@ -426,22 +439,24 @@ def heuristic_for(rows_per_group: int, fp8: bool, block_scaled: bool, contiguous
     wide_tiles_per_sm: E * ceil(N / 256) / SMs, the 128 x 256 tiles per SM at one row of tiles
     per group;
     long_stream: :func:`long_weight_stream` of the problem; slow_memory: ``device.slow_memory`` of
-    the GPU (an H100; not an H200).
+    the GPU (an H100; not an H200); short_k: K <= SHORT_K.
     - masked / batched groups of <= DECODE_ROWS rows, contiguous ones of <= DECODE_MEAN_ROWS on
       average: swapped decode tiles (``swap_ab``; DECODE_WEIGHT_ROWS weight rows x DECODE_TOKENS
       rows of A, one tile per program): a 16-row tile of A wastes least on groups of a few rows,
       and its small stages let more programs stream weights at once. Not for long weight streams
       (``long_stream``): those take the rules below.
     - other groups of <= DECODE_ROWS rows, not block-scaled: 64 x 256 tiles for 16-bit operands;
-      for fp8 only where those tiles fit in one wave (wide_tiles_per_sm <= 1). There 64 x 128
+      for fp8 only where those tiles fit in one wave (wide_tiles_per_sm <= 1); with slow memory
+      SLOW_MEMORY_WIDE_STAGES stages. There 64 x 128
       tiles fill at most two waves, and with skewed routing a short second one: Mixtral down (8
       experts x 4096 columns) at 1 token per expert under Zipf routing, 5 experts with rows, 160
       tiles for 132 SMs, ran 1.17x faster on the wide tiles (0.89x -> 1.05x torch's grouped op);
       elsewhere fp8 lost 2-5% on them (H100, BENCHMARKS.md).
     - <= 64 rows: 64-row tiles, one warpgroup (wgmma's M is 64, so a 64-row tile wastes least on
       a short group) and 128 columns, deep pipelines: the GEMM streams the weights, and every
-      expert's weight is read by its one row of tiles; 16-bit, and fp8 without slow memory (not
-      block-scaled), in STREAM_PROGRAMS_PER_SM programs of STREAM_STAGES stages per SM. Except
+      expert's weight is read by its one row of tiles; 16-bit, and fp8 without slow memory or
+      with a short K (not block-scaled), in STREAM_PROGRAMS_PER_SM programs of STREAM_STAGES
+      stages per SM. Except
       contiguous 16-bit groups of 33-64 rows on average where 128 x 256 tiles fill the SMs
       (WIDE_MIN_TILES_PER_SM): the mean says nothing of the largest group, and under skewed
       routing most rows sit in groups whose weight a 64-row tile reads several times (H100, moe
@@ -462,12 +477,12 @@ def heuristic_for(rows_per_group: int, fp8: bool, block_scaled: bool, contiguous
     if rows_per_group <= (DECODE_MEAN_ROWS if contiguous else DECODE_ROWS) and not long_stream:
         return replace(_config(DECODE_TOKENS, DECODE_WEIGHT_ROWS, bk, DECODE_STAGES, 4), swap_ab=True)
     if rows_per_group <= DECODE_ROWS and not block_scaled and (not fp8 or wide_tiles_per_sm <= 1):
-        return _config(64, 256, bk, 4, 4)
+        return _config(64, 256, bk, SLOW_MEMORY_WIDE_STAGES if slow_memory else 4, 4)
     if rows_per_group <= 64:
         skewable = contiguous and rows_per_group > 32 and not fp8 and not block_scaled
         if skewable and wide_fills:
             return wide
-        if block_scaled or (fp8 and slow_memory):
+        if block_scaled or (fp8 and slow_memory and not short_k):
             return narrow
         return replace(narrow, num_stages=STREAM_STAGES, programs_per_sm=STREAM_PROGRAMS_PER_SM)
     if rows_per_group <= 128 or block_scaled:
@@ -484,7 +499,7 @@ def heuristic(args: GroupedArgs) -> TritonGemmConfig:
     decode_per_sm = tile_bound(args, DECODE_TOKENS, DECODE_WEIGHT_ROWS) / sms
     slow = device.slow_memory(args.out.device)
     long_stream = long_weight_stream(args.is_fp8, block, args.k, decode_per_sm, slow)
-    config = heuristic_for(rows, args.is_fp8, block, contiguous, wide_per_sm, long_stream, slow)
+    config = heuristic_for(rows, args.is_fp8, block, contiguous, wide_per_sm, long_stream, slow, args.k <= SHORT_K)
     return config.fitted(args.a.element_size(), args.a.element_size(), args.out.element_size())
 
 
