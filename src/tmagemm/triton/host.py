@@ -127,8 +127,8 @@ def tma_builder(name: str, candidates, heuristic, kernel_call, *, direct: bool =
         if config is None:
             config = tuning.select(name, args, candidates, heuristic,
                                    lambda c: kernel_call(args, c, layout, **call_options).launch())
-        elif config.grouped_only():
-            raise ValueError(f"{name}: config {config.label()} has {config.grouped_only()}, which only triton.grouped runs")
+        elif field := config.grouped_only():
+            raise ValueError(f"{name}: config {config.label()} has {field}, which only triton.grouped runs")
         elif not config.is_valid(args.a.element_size(), args.b.element_size(), args.out.element_size()):
             need = config.smem_bytes(args.a.element_size(), args.b.element_size(), args.out.element_size())
             raise ValueError(f"{name}: config {config.label()} does not fit {args.a.dtype} x {args.b.dtype} -> "

@@ -411,8 +411,8 @@ LONG_STREAM_TILES_PER_SM = 16
 # 1.070x, H100 0.976x / 1.000x. The 64 x 256 tiles (16-bit groups of up to 16 rows) stay: 0.991x
 # on the H200.
 # fp8 on slow memory takes them too where a tile's K loop is short, K <= SHORT_K (12 k-blocks of
-# 128): there one program fills and drains its pipeline every few k-blocks, and
-# the others stream meanwhile. H100, the same cases: Qwen3-235B-A22B down (K = 1536) 1.045-1.050x
+# 128): there one program fills and drains its pipeline every few k-blocks, and the others stream
+# meanwhile. H100, the same cases: Qwen3-235B-A22B down (K = 1536) 1.045-1.050x
 # (1.023-1.089x) in two sweeps at 8-64 rows per expert; DeepSeek-V3 down (K = 2048) 0.988-0.996x
 # and the gate_up projections (K >= 4096) 0.982-0.997x, which keep one program.
 STREAM_STAGES = 3
@@ -447,22 +447,21 @@ def heuristic_for(rows_per_group: int, fp8: bool, block_scaled: bool, contiguous
       (``long_stream``): those take the rules below.
     - other groups of <= DECODE_ROWS rows, not block-scaled: 64 x 256 tiles for 16-bit operands;
       for fp8 only where those tiles fit in one wave (wide_tiles_per_sm <= 1); with slow memory
-      SLOW_MEMORY_WIDE_STAGES stages. There 64 x 128
-      tiles fill at most two waves, and with skewed routing a short second one: Mixtral down (8
-      experts x 4096 columns) at 1 token per expert under Zipf routing, 5 experts with rows, 160
-      tiles for 132 SMs, ran 1.17x faster on the wide tiles (0.89x -> 1.05x torch's grouped op);
-      elsewhere fp8 lost 2-5% on them (H100, BENCHMARKS.md).
+      SLOW_MEMORY_WIDE_STAGES stages. There 64 x 128 tiles fill at most two waves, and with
+      skewed routing a short second one: Mixtral down (8 experts x 4096 columns) at 1 token per
+      expert under Zipf routing, 5 experts with rows, 160 tiles for 132 SMs, ran 1.17x faster on
+      the wide tiles (0.89x -> 1.05x torch's grouped op); elsewhere fp8 lost 2-5% on them (H100,
+      BENCHMARKS.md).
     - <= 64 rows: 64-row tiles, one warpgroup (wgmma's M is 64, so a 64-row tile wastes least on
       a short group) and 128 columns, deep pipelines: the GEMM streams the weights, and every
       expert's weight is read by its one row of tiles; 16-bit, and fp8 without slow memory or
       with a short K (not block-scaled), in STREAM_PROGRAMS_PER_SM programs of STREAM_STAGES
-      stages per SM. Except
-      contiguous 16-bit groups of 33-64 rows on average where 128 x 256 tiles fill the SMs
-      (WIDE_MIN_TILES_PER_SM): the mean says nothing of the largest group, and under skewed
-      routing most rows sit in groups whose weight a 64-row tile reads several times (H100, moe
-      preset, 64 rows per expert on average: Zipf-routed DeepSeek-V3, Qwen3-MoE and Mixtral
-      gate_up 9-11% faster, balanced groups within 2%; at 1 and 16 rows on average the wide tiles
-      were up to 5% slower).
+      stages per SM. Except contiguous 16-bit groups of 33-64 rows on average where 128 x 256
+      tiles fill the SMs (WIDE_MIN_TILES_PER_SM): the mean says nothing of the largest group, and
+      under skewed routing most rows sit in groups whose weight a 64-row tile reads several times
+      (H100, moe preset, 64 rows per expert on average: Zipf-routed DeepSeek-V3, Qwen3-MoE and
+      Mixtral gate_up 9-11% faster, balanced groups within 2%; at 1 and 16 rows on average the
+      wide tiles were up to 5% slower).
     - <= 128 rows: 128x128 tiles, two warpgroups.
     - more: 128x256 (16-bit, and fp8 with tensor/row scales) where they fill the SMs, else 64 x 128;
       block-scaled stays at 128x128 (its fresh per-block product doubles the accumulator
@@ -499,7 +498,8 @@ def heuristic(args: GroupedArgs) -> TritonGemmConfig:
     decode_per_sm = tile_bound(args, DECODE_TOKENS, DECODE_WEIGHT_ROWS) / sms
     slow = device.slow_memory(args.out.device)
     long_stream = long_weight_stream(args.is_fp8, block, args.k, decode_per_sm, slow)
-    config = heuristic_for(rows, args.is_fp8, block, contiguous, wide_per_sm, long_stream, slow, args.k <= SHORT_K)
+    config = heuristic_for(rows, args.is_fp8, block, contiguous, wide_per_sm, long_stream=long_stream,
+                           slow_memory=slow, short_k=args.k <= SHORT_K)
     return config.fitted(args.a.element_size(), args.a.element_size(), args.out.element_size())
 
 

@@ -107,8 +107,8 @@ def build(args: GemmArgs, config: TritonGemmConfig | None = None) -> Plan:
     """Triton's launcher per call: the pointer kernel serves layouts the fast paths refuse."""
     if config is None:
         config = tuning.select("triton.ptr", args, CONFIGS, heuristic, lambda c: kernel_call(args, c).launch())
-    elif config.grouped_only():
-        raise ValueError(f"triton.ptr: config {config.label()} has {config.grouped_only()}, which only triton.grouped runs")
+    elif field := config.grouped_only():
+        raise ValueError(f"triton.ptr: config {config.label()} has {field}, which only triton.grouped runs")
 
     def launch(a, b, out, scale_a, scale_b, bias) -> None:
         kernel_call(GemmArgs(a, b, out, scale_a, scale_b, bias, args.fast_accum), config).launch()
