@@ -1049,7 +1049,7 @@ def test_heuristic_is_pure_and_valid():
 @pytest.mark.parametrize(
     "rows, fp8, block, contiguous, wide_per_sm, tile",
     [
-        (64, False, False, True, 10.0, (128, 256)),  # contiguous 16-bit: skewed groups want wide tiles
+        (64, False, False, True, 10.0, (64, 256)),  # contiguous 16-bit: skewed groups want wide tiles
         (64, False, False, True, 1.0, (64, 128)),  # ... unless they leave SMs idle
         (32, False, False, True, 10.0, (64, 128)),  # decode-sized groups: 64-row tiles
         (4, False, False, True, 10.0, (16, 128)),  # contiguous, <= 4 rows on average: swapped tiles
@@ -1147,6 +1147,22 @@ def test_heuristic_programs_per_sm(rows, fp8, block, slow_memory, short_k, expec
     assert (config.block_m, config.block_n, config.num_stages, config.programs_per_sm) == expect
 
 
+@pytest.mark.parametrize("rows, slow_memory, expect", [
+    (33, True, (64, 256, 3, 4)),  # slow memory (an H100): 64 x 256 tiles of three stages
+    (64, True, (64, 256, 3, 4)),
+    (33, False, (128, 256, 3, 8)),  # an H200: 128 x 256 tiles
+    (64, False, (128, 256, 3, 8)),
+    (32, True, (64, 128, 3, 4)),  # 32 or fewer on average: the streaming 64 x 128 tiles
+])
+def test_heuristic_contiguous_16bit_groups_where_wide_tiles_fill(rows, slow_memory, expect):
+    """Contiguous 16-bit groups of 33-64 rows on average whose experts' columns fill the SMs
+    with 128 x 256 tiles (the mean says nothing of the largest group)."""
+    from tmagemm.triton import matmul_grouped as mg
+
+    config = mg.heuristic_for(rows, False, False, True, 10.0, slow_memory=slow_memory)
+    assert (config.block_m, config.block_n, config.num_stages, config.num_warps) == expect
+
+
 @pytest.mark.parametrize("k, programs", [(1536, 3), (1537, 1), (7168, 1)])
 def test_heuristic_reads_k(monkeypatch, k, programs):
     """heuristic(args) passes K <= SHORT_K as short_k: fp8 groups of 64 rows on slow memory."""
@@ -1157,15 +1173,18 @@ def test_heuristic_reads_k(monkeypatch, k, programs):
     assert mg.heuristic(args).programs_per_sm == programs
 
 
-def test_heuristic_reads_the_experts_columns():
+@pytest.mark.parametrize("slow_memory, wide", [(False, (128, 256)), (True, (64, 256))])
+def test_heuristic_reads_the_experts_columns(monkeypatch, slow_memory, wide):
     """heuristic(args): 8 experts x 4096 columns give 128 wide tiles (under 2 per SM of 132):
-    64 x 128; 64 experts give 1024: 128 x 256 (contiguous bf16, 64 rows per group on average)."""
+    64 x 128; 64 experts give 1024: wide tiles, 128 x 256 or, on slow memory, 64 x 256
+    (contiguous bf16, 64 rows per group on average)."""
     from tmagemm.triton import matmul_grouped as mg
 
+    monkeypatch.setattr(mg.device, "slow_memory", lambda dev: slow_memory)
     few = grouped.example_args(torch.bfloat16, e=8, rows=64, n=4096, k=256)
     many = grouped.example_args(torch.bfloat16, e=64, rows=64, n=4096, k=256)
     assert (mg.heuristic(few).block_m, mg.heuristic(few).block_n) == (64, 128)
-    assert (mg.heuristic(many).block_m, mg.heuristic(many).block_n) == (128, 256)
+    assert (mg.heuristic(many).block_m, mg.heuristic(many).block_n) == wide
 
 
 # ---------------------------------------------------------------------------------- GPU
