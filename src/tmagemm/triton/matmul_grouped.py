@@ -462,9 +462,10 @@ def heuristic_for(rows_per_group: int, fp8: bool, block_scaled: bool, contiguous
       (H100, moe preset, 64 rows per expert on average: Zipf-routed DeepSeek-V3, Qwen3-MoE and
       Mixtral gate_up 9-11% faster, balanced groups within 2%; at 1 and 16 rows on average the
       wide tiles were up to 5% slower). With slow memory those groups take 64 x 256 tiles of
-      SLOW_MEMORY_WIDE_STAGES stages instead: on an H100 balanced groups of 64 ran 4.7-7.6%
-      faster than on 128 x 256 tiles (torch's grouped op 0.99-1.02x -> 1.04-1.09x), Zipf-routed
-      ones 1-4% slower (still 1.07-1.11x torch); with 4 stages balanced groups gained nothing.
+      SLOW_MEMORY_WIDE_STAGES stages instead: on an H100 balanced groups of 64 ran 4.6-7.6%
+      faster than on 128 x 256 tiles (against torch's grouped op 0.99-1.02x -> 1.04-1.07x),
+      Zipf-routed ones 0.7-4.1% slower (still 1.06-1.13x torch); with 4 stages balanced groups
+      gained nothing (BENCHMARKS.md, 2026-11-28).
     - <= 128 rows: 128x128 tiles, two warpgroups.
     - more: 128x256 (16-bit, and fp8 with tensor/row scales) where they fill the SMs, else 64 x 128;
       block-scaled stays at 128x128 (its fresh per-block product doubles the accumulator
