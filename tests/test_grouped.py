@@ -1049,7 +1049,7 @@ def test_heuristic_is_pure_and_valid():
 @pytest.mark.parametrize(
     "rows, fp8, block, contiguous, wide_per_sm, tile",
     [
-        (64, False, False, True, 10.0, (64, 256)),  # contiguous 16-bit: skewed groups want wide tiles
+        (64, False, False, True, 10.0, (64, 256)),  # contiguous 16-bit: wide tiles (64 x 256 on slow memory, the default)
         (64, False, False, True, 1.0, (64, 128)),  # ... unless they leave SMs idle
         (32, False, False, True, 10.0, (64, 128)),  # decode-sized groups: 64-row tiles
         (4, False, False, True, 10.0, (16, 128)),  # contiguous, <= 4 rows on average: swapped tiles

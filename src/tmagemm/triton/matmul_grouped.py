@@ -477,14 +477,15 @@ def heuristic_for(rows_per_group: int, fp8: bool, block_scaled: bool, contiguous
     wide_fills = wide_tiles_per_sm >= WIDE_MIN_TILES_PER_SM
     narrow = _config(64, 128, bk, 5 if fp8 else 4, 4)
     wide = _config(128, 256, bk, 3, 8)
+    half_wide = _config(64, 256, bk, SLOW_MEMORY_WIDE_STAGES if slow_memory else 4, 4)  # one warpgroup
     if rows_per_group <= (DECODE_MEAN_ROWS if contiguous else DECODE_ROWS) and not long_stream:
         return replace(_config(DECODE_TOKENS, DECODE_WEIGHT_ROWS, bk, DECODE_STAGES, 4), swap_ab=True)
     if rows_per_group <= DECODE_ROWS and not block_scaled and (not fp8 or wide_tiles_per_sm <= 1):
-        return _config(64, 256, bk, SLOW_MEMORY_WIDE_STAGES if slow_memory else 4, 4)
+        return half_wide
     if rows_per_group <= 64:
         skewable = contiguous and rows_per_group > 32 and not fp8 and not block_scaled
         if skewable and wide_fills:
-            return _config(64, 256, bk, SLOW_MEMORY_WIDE_STAGES, 4) if slow_memory else wide
+            return half_wide if slow_memory else wide
         if block_scaled or (fp8 and slow_memory and not short_k):
             return narrow
         return replace(narrow, num_stages=STREAM_STAGES, programs_per_sm=STREAM_PROGRAMS_PER_SM)
