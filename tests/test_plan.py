@@ -79,6 +79,31 @@ def test_preference_table(m, n, k, dtype, first):
 
 
 @pytest.mark.parametrize(
+    "m, n, k, fast_accum, first",
+    [
+        (1, 14336, 8192, True, "triton.tma"),  # wide fp8 weights at M <= 16: the tile kernel
+        (16, 28672, 4096, True, "triton.tma"),
+        (16, 32768, 4096, True, "triton.tma"),  # up to FP8_TILE_MAX_N
+        (16, 36864, 7168, True, "triton.splitk"),  # wider: split-K
+        (16, 12288, 8192, True, "triton.splitk"),  # narrower than FP8_WIDE_TILE_MIN_N
+        (16, 28672, 3584, True, "triton.splitk"),  # shallower than FP8_WIDE_TILE_MIN_K
+        (16, 14336, 8192, False, "triton.splitk"),  # exact accumulation: split-K
+    ],
+)
+def test_preference_wide_fp8_tiles_on_slow_memory(monkeypatch, m, n, k, fast_accum, first):
+    """On a GPU with slow memory (an H100) fp8 with fast accumulation at up to 16 tokens on weights
+    FP8_WIDE_TILE_MIN_N to FP8_TILE_MAX_N wide and FP8_WIDE_TILE_MIN_K deep runs on the tile
+    kernel; elsewhere split-K stays first (the meta tensors of the table above have no memory
+    bandwidth: not slow)."""
+    monkeypatch.setattr(plan.device, "slow_memory", lambda dev: True)
+    base = _args(m, n, k)
+    args = GemmArgs(base.a, base.b, base.out, fast_accum=fast_accum)
+    assert plan.preference(args)[0] == first
+    monkeypatch.setattr(plan.device, "slow_memory", lambda dev: False)
+    assert plan.preference(args)[0] == "triton.splitk"
+
+
+@pytest.mark.parametrize(
     "m, n, fast_accum, first",
     [
         (256, 8192, False, "cuda.persistent_coop"),  # 128 tiles of 128 x 128: the native promoting kernel

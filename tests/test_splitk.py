@@ -334,6 +334,17 @@ def test_tma_fp8_heuristic_table(row):
     assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages, cfg.num_warps) == want
 
 
+@pytest.mark.parametrize("m", [1, 16, 32])
+def test_tma_fp8_256_deep_steps_at_decode_tokens_on_slow_memory(monkeypatch, m):
+    """One row of 128-wide tiles past a wave with K >= 3072: 256-deep steps at 1-32 tokens too on
+    a GPU with slow memory (an H100), 128-deep elsewhere."""
+    monkeypatch.setattr(matmul_tma.device, "slow_memory", lambda dev: True)
+    cfg = matmul_tma.heuristic(_fp8_args(m, 28672, 4096))
+    assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages, cfg.num_warps) == (64, 128, 256, 4, 4)
+    monkeypatch.setattr(matmul_tma.device, "slow_memory", lambda dev: False)
+    assert matmul_tma.heuristic(_fp8_args(m, 28672, 4096)).block_k == 128
+
+
 def test_tma_fp8_short_k_keeps_128_deep_steps_past_a_wave():
     """One row of 128-wide tiles past a wave at 33-64 tokens: 256-deep steps only from K = 3072."""
     assert matmul_tma.heuristic(_fp8_args(64, 24576, 1536)).block_k == 128

@@ -264,6 +264,16 @@ def _decode_first(args: GemmArgs) -> bool:
 # 3584-wide weights and on the widest ones (36864 x 7168, 37888 x 3584: 6-9%).
 FP8_TILE_MIN_N = 4096
 FP8_TILE_MAX_N = 32768
+# fp8 with fast accumulation at up to 16 tokens on weights FP8_WIDE_TILE_MIN_N to FP8_TILE_MAX_N
+# wide with K >= FP8_WIDE_TILE_MIN_K, on GPUs with slow memory (an H100): the tile kernel too
+# (64 x 128 tiles, 256-deep steps), not split-K. 8 chained copies with their own weights in one
+# CUDA graph, fp8 tensor-wise, two rounds (H100, 2026-11-28, BENCHMARKS.md): 14336 x 8192 43.2 ->
+# 41.6 us at one token and 44.1 -> 42.3 at 16 (0.97x -> 1.01x cuBLAS), 28672 x 4096 42.6 -> 41.8
+# and 43.9 -> 43.0; the wider 36864 x 7168 level and 37888 x 3584 2% slower keep split-K. Decode
+# stacks (two rounds): Llama-3-8B and Llama-3-70B TP 4 1.3-1.9% faster per layer at 1 and 16
+# tokens, fp8 tensor- and row-wise, level at 32; the other stacks level.
+FP8_WIDE_TILE_MIN_N = 14336
+FP8_WIDE_TILE_MIN_K = 4096
 
 
 def _splitk_first(args: GemmArgs) -> bool:
@@ -277,8 +287,10 @@ def _splitk_first(args: GemmArgs) -> bool:
     14336, either weight layout: split-K ahead of the tile kernel's heuristic tiles at 14 of 20
     points, by up to 15%, and behind at 6 by at most 3%), and bf16 / fp16 up to
     SPLITK_16BIT_MAX_M on long K over narrow weights (above). fp8 at 17-32 tokens on weights
-    FP8_TILE_MIN_N to FP8_TILE_MAX_N wide keeps the tile kernel (above)."""
+    FP8_TILE_MIN_N to FP8_TILE_MAX_N wide keeps the tile kernel (above), and so does fp8 at up to
+    16 tokens on the wide weights of :func:`_fp8_wide_tile` on GPUs with slow memory."""
     fp8_tile = args.is_fp8 and 16 < args.m <= 32 and FP8_TILE_MIN_N <= args.n <= FP8_TILE_MAX_N
+    fp8_tile = fp8_tile or _fp8_wide_tile(args)
     if args.m <= 32 and args.n * args.k * args.b.element_size() >= 100e6 and not fp8_tile:
         return True
     if not args.is_fp8:
@@ -290,7 +302,14 @@ def _splitk_first(args: GemmArgs) -> bool:
 
         sms = device.sms_of(args.out.device)
         return choose_config(args.m, args.n, args.k, args.a.element_size(), sms).split_k >= 3
-    return (args.m <= 16 and args.k >= 3072) or (args.m <= 32 and args.k > 8192 and not fp8_tile)
+    return not fp8_tile and ((args.m <= 16 and args.k >= 3072) or (args.m <= 32 and args.k > 8192))
+
+
+def _fp8_wide_tile(args: GemmArgs) -> bool:
+    """fp8 with fast accumulation at up to 16 tokens on a weight FP8_WIDE_TILE_MIN_N to
+    FP8_TILE_MAX_N wide and at least FP8_WIDE_TILE_MIN_K deep, on a GPU with slow memory (above)."""
+    return (args.is_fp8 and args.fast_accum and args.m <= 16 and args.k >= FP8_WIDE_TILE_MIN_K
+            and FP8_WIDE_TILE_MIN_N <= args.n <= FP8_TILE_MAX_N and device.slow_memory(args.out.device))
 
 
 # Block-scaled fp8 at decode-sized M. The split-K kernel (swap-AB, 64 weight rows per tile) wins

@@ -164,7 +164,11 @@ def _fp8_small_m(args: GemmArgs, sms: int) -> TritonGemmConfig:
     128-deep steps let two CTAs share an SM: 5-12% faster there (H100, BENCHMARKS.md). Not at
     33-64 tokens (one row of tiles) with K >= 3072, where the 256-deep steps stay ahead over
     several waves: 36864 x 7168 115.8 -> 108.6 us, 37888 x 3584 66.9 -> 63.6, 28672 x 4096
-    56.5 -> 56.1 at M = 64 (at K = 1536 they were 4% behind; H100, 2026-11-25).
+    56.5 -> 56.1 at M = 64 (at K = 1536 they were 4% behind; H100, 2026-11-25). On GPUs with
+    slow memory (an H100) at 1-32 tokens too: 8 chained copies with their own weights in one
+    CUDA graph, 28672 x 4096 2.7-4.1% faster (44.9 -> 43.7 us at 32 tokens), 36864 x 7168 9-12%
+    and 37888 x 3584 6-9% faster than with 128-deep steps (H100, 2026-11-28; the plan runs these
+    two on split-K up to 32 tokens).
     At 33-64 tokens, where the 64 x 64 tiles fill at most half the SMs, 64 x 32 tiles (twice the
     CTAs): on the decode stacks' 2112-4096-row weights 0.4-2.8% faster per GEMM (0.948-1.015x
     cuBLAS) and 0.4-1.1 us faster per layer at M = 64; at M = 32 the layers were 0.4-3 us
@@ -182,7 +186,7 @@ def _fp8_small_m(args: GemmArgs, sms: int) -> TritonGemmConfig:
     for block_n, stages in _FP8_SMALL_M_TILES:
         if tiles_m * triton.cdiv(args.n, block_n) <= sms:
             return TritonGemmConfig(_SMALL_M_BLOCK, block_n, 256, 8, stages, 4)
-    if tiles_m == 1 and args.m > 32 and args.k >= 3072:
+    if tiles_m == 1 and args.k >= 3072 and (args.m > 32 or device.slow_memory(args.out.device)):
         return TritonGemmConfig(_SMALL_M_BLOCK, 128, 256, 8, 4, 4)
     return TritonGemmConfig(_SMALL_M_BLOCK, 128, 128, 8, 4, 4)
 
