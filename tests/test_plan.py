@@ -88,13 +88,17 @@ def test_preference_table(m, n, k, dtype, first):
         (16, 12288, 8192, True, "triton.splitk"),  # narrower than FP8_WIDE_TILE_MIN_N
         (16, 28672, 3584, True, "triton.splitk"),  # shallower than FP8_WIDE_TILE_MIN_K
         (16, 14336, 8192, False, "triton.splitk"),  # exact accumulation: split-K
+        (32, 36864, 7168, True, "triton.tma"),  # 17-32 tokens: up to FP8_SLOW_MEMORY_TILE_MAX_N
+        (17, 37888, 3584, True, "triton.tma"),
+        (32, 40960, 7168, True, "triton.splitk"),  # wider than FP8_SLOW_MEMORY_TILE_MAX_N
+        (32, 36864, 7168, False, "triton.splitk"),  # exact accumulation: split-K
     ],
 )
 def test_preference_wide_fp8_tiles_on_slow_memory(monkeypatch, m, n, k, fast_accum, first):
-    """On a GPU with slow memory (an H100) fp8 with fast accumulation at up to 16 tokens on weights
-    FP8_WIDE_TILE_MIN_N to FP8_TILE_MAX_N wide and FP8_WIDE_TILE_MIN_K deep runs on the tile
-    kernel; elsewhere split-K stays first (the meta tensors of the table above have no memory
-    bandwidth: not slow)."""
+    """On a GPU with slow memory (an H100) fp8 with fast accumulation runs on the tile kernel at up
+    to 16 tokens on weights FP8_WIDE_TILE_MIN_N to FP8_TILE_MAX_N wide and FP8_WIDE_TILE_MIN_K
+    deep, and at 17-32 tokens up to FP8_SLOW_MEMORY_TILE_MAX_N wide; elsewhere split-K stays
+    first (the meta tensors of the table above have no memory bandwidth: not slow)."""
     monkeypatch.setattr(plan.device, "slow_memory", lambda dev: True)
     base = _args(m, n, k)
     args = GemmArgs(base.a, base.b, base.out, fast_accum=fast_accum)

@@ -261,9 +261,14 @@ def _decode_first(args: GemmArgs) -> bool:
 # weights, where split-K ran before the pointer loads. Decode stacks at M = 24 and 32, two
 # rounds: fp8 tensor-wise 0.991 -> 1.010x cuBLAS on an H200 (Llama-3-8B 5% faster per layer),
 # 1.007 -> 1.017x on an H100, no layer slower. Per GEMM (H200, M = 32) split-K stayed ahead on
-# 3584-wide weights and on the widest ones (36864 x 7168, 37888 x 3584: 6-9%).
+# 3584-wide weights and on the widest ones (36864 x 7168, 37888 x 3584: 6-9%). On GPUs with slow
+# memory (an H100), with fast accumulation, up to FP8_SLOW_MEMORY_TILE_MAX_N: there the tile
+# kernel takes 256-deep steps (matmul_tma._fp8_small_m), and 8 chained copies with their own
+# weights in one CUDA graph ran 36864 x 7168 at 32 tokens in 94.3 us against split-K's 96.0-96.3
+# and 37888 x 3584 in 51.7 against 52.1 (H100, 2026-11-28, two jobs).
 FP8_TILE_MIN_N = 4096
 FP8_TILE_MAX_N = 32768
+FP8_SLOW_MEMORY_TILE_MAX_N = 37888
 # fp8 with fast accumulation at up to 16 tokens on weights FP8_WIDE_TILE_MIN_N to FP8_TILE_MAX_N
 # wide with K >= FP8_WIDE_TILE_MIN_K, on GPUs with slow memory (an H100): the tile kernel too
 # (64 x 128 tiles, 256-deep steps), not split-K. 8 chained copies with their own weights in one
@@ -286,11 +291,9 @@ def _splitk_first(args: GemmArgs) -> bool:
     fp16 at M <= 16 (H100, M = 8 and 16 on N = K = 4096, 3584, 6144 / 14336 x 4096 and 4096 x
     14336, either weight layout: split-K ahead of the tile kernel's heuristic tiles at 14 of 20
     points, by up to 15%, and behind at 6 by at most 3%), and bf16 / fp16 up to
-    SPLITK_16BIT_MAX_M on long K over narrow weights (above). fp8 at 17-32 tokens on weights
-    FP8_TILE_MIN_N to FP8_TILE_MAX_N wide keeps the tile kernel (above), and so does fp8 at up to
-    16 tokens on the wide weights of :func:`_fp8_wide_tile` on GPUs with slow memory."""
-    fp8_tile = args.is_fp8 and 16 < args.m <= 32 and FP8_TILE_MIN_N <= args.n <= FP8_TILE_MAX_N
-    fp8_tile = fp8_tile or _fp8_wide_tile(args)
+    SPLITK_16BIT_MAX_M on long K over narrow weights (above). fp8 where :func:`_fp8_tile` holds
+    keeps the tile kernel."""
+    fp8_tile = _fp8_tile(args)
     if args.m <= 32 and args.n * args.k * args.b.element_size() >= 100e6 and not fp8_tile:
         return True
     if not args.is_fp8:
@@ -305,11 +308,20 @@ def _splitk_first(args: GemmArgs) -> bool:
     return not fp8_tile and ((args.m <= 16 and args.k >= 3072) or (args.m <= 32 and args.k > 8192))
 
 
-def _fp8_wide_tile(args: GemmArgs) -> bool:
-    """fp8 with fast accumulation at up to 16 tokens on a weight FP8_WIDE_TILE_MIN_N to
-    FP8_TILE_MAX_N wide and at least FP8_WIDE_TILE_MIN_K deep, on a GPU with slow memory (above)."""
-    return (args.is_fp8 and args.fast_accum and args.m <= 16 and args.k >= FP8_WIDE_TILE_MIN_K
-            and FP8_WIDE_TILE_MIN_N <= args.n <= FP8_TILE_MAX_N and device.slow_memory(args.out.device))
+def _fp8_tile(args: GemmArgs) -> bool:
+    """fp8 at decode sizes where the tile kernel stays ahead of split-K (above): 17-32 tokens on
+    a weight FP8_TILE_MIN_N to FP8_TILE_MAX_N wide, and with fast accumulation on a GPU with
+    slow memory 17-32 tokens up to FP8_SLOW_MEMORY_TILE_MAX_N wide and up to 16 tokens on a
+    weight FP8_WIDE_TILE_MIN_N to FP8_TILE_MAX_N wide and at least FP8_WIDE_TILE_MIN_K deep."""
+    if not args.is_fp8 or args.m > 32 or args.n < FP8_TILE_MIN_N:
+        return False
+    if args.m > 16 and args.n <= FP8_TILE_MAX_N:
+        return True
+    if not (args.fast_accum and device.slow_memory(args.out.device)):
+        return False
+    if args.m > 16:
+        return args.n <= FP8_SLOW_MEMORY_TILE_MAX_N
+    return args.k >= FP8_WIDE_TILE_MIN_K and FP8_WIDE_TILE_MIN_N <= args.n <= FP8_TILE_MAX_N
 
 
 # Block-scaled fp8 at decode-sized M. The split-K kernel (swap-AB, 64 weight rows per tile) wins
