@@ -168,7 +168,7 @@ def _fp8_small_m(args: GemmArgs, sms: int) -> TritonGemmConfig:
     slow memory (an H100) at 1-32 tokens too: 8 chained copies with their own weights in one
     CUDA graph, 28672 x 4096 2.7-4.1% faster (44.9 -> 43.7 us at 32 tokens), 36864 x 7168 9-12%
     and 37888 x 3584 6-9% faster than with 128-deep steps (H100, 2026-11-28; the plan runs these
-    two on split-K up to 32 tokens).
+    two on split-K up to 16 tokens).
     At 33-64 tokens, where the 64 x 64 tiles fill at most half the SMs, 64 x 32 tiles (twice the
     CTAs): on the decode stacks' 2112-4096-row weights 0.4-2.8% faster per GEMM (0.948-1.015x
     cuBLAS) and 0.4-1.1 us faster per layer at M = 64; at M = 32 the layers were 0.4-3 us
