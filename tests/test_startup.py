@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import tmagemm
-from tmagemm import plan
+from tmagemm import device, plan, wave_split
+from tmagemm.cuda import decode
 from tmagemm.cuda import gemm as native
 from tmagemm.plan import GemmArgs
 from tmagemm.startup import m_buckets
@@ -20,7 +21,8 @@ from tmagemm.triton import matmul_persistent, matmul_splitk, matmul_tma
 from tmagemm.triton.launch import kernel_params
 
 F8 = torch.float8_e4m3fn
-SHAPES = [(4096, 4096), (2048, 7168), (7168, 2048), (14336, 4096), (2560, 4096), (28672, 4096), (4096, 14336), (57344, 8192), (24576, 1536)]
+SHAPES = [(4096, 4096), (2048, 7168), (7168, 2048), (14336, 4096), (2560, 4096), (28672, 4096), (4096, 14336), (57344, 8192),
+          (24576, 1536), (14336, 8192), (36864, 7168), (37888, 3584)]
 
 
 def _args(m, n, k, dtype):
@@ -35,6 +37,11 @@ def _binary(m, n, k, dtype, sms=132):
     values such as split_k, the persistent grid or M itself excluded)."""
     args = _args(m, n, k, dtype)
     name = plan.preference(args)[0]
+    if name == "mixed.wave_split":  # whole waves on native 128 x 128 tiles, the rest planned alone
+        columns = wave_split.lead_columns(m, n, dtype.itemsize, sms)
+        return name, native.COOP_N128, _binary(m, n - columns, k, dtype, sms)
+    if name == "cuda.decode":
+        return name, decode.choose_config(m, n, k, dtype.itemsize, sms, decode.rule_for(args))
     if name == "triton.splitk":
         return name, matmul_splitk.choose_config(m, n, k, dtype.itemsize, sms)
     if name == "cuda.persistent_coop":
@@ -44,9 +51,12 @@ def _binary(m, n, k, dtype, sms=132):
     return name, module.heuristic(args)
 
 
+@pytest.mark.parametrize("slow", [False, True], ids=["fast_memory", "slow_memory"])
 @pytest.mark.parametrize("dtype", [F8, torch.bfloat16], ids=["fp8", "bf16"])
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_every_m_reuses_a_warmed_binary(dtype, n, k):
+def test_every_m_reuses_a_warmed_binary(dtype, n, k, slow, monkeypatch):
+    """On a GPU with slow memory (an H100: its own decode rules and tile configs) and without."""
+    monkeypatch.setattr(device, "slow_memory", lambda dev: slow)
     buckets = m_buckets(2100)
     warmed = {_binary(m, n, k, dtype) for m in buckets}
     for m in range(1, 2101):
