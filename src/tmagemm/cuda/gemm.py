@@ -349,6 +349,12 @@ def use_pdl(device: torch.device) -> bool:
     return device.type == "cuda" and envs.pdl_enabled()
 
 
+def a_box_rows(config: NativeGemmConfig) -> int:
+    """Rows of A's TMA box: grouped kernels load a 128-row tile as two 64-row boxes and skip the
+    second where it lies past the group's end (kAHalfBoxes in gemm_sm90.cuh)."""
+    return 64 if config.kernel == "persistent" and config.groups > 0 else 128
+
+
 def _defines(config: NativeGemmConfig, ab_dtype: torch.dtype, out_dtype: torch.dtype, b_k_major: bool) -> dict[str, int]:
     """NVRTC -D flags of one build; launch-time fields (group_m, ctas, raster_n) are not among them."""
     defines = {
@@ -366,6 +372,7 @@ def _defines(config: NativeGemmConfig, ab_dtype: torch.dtype, out_dtype: torch.d
         defines["TMAGEMM_PROMOTE"] = config.promote_depth if config.promote else 0
         defines["TMAGEMM_BLOCK_SCALED"] = int(config.block_scaled)
         defines["TMAGEMM_GROUPED"] = int(config.groups > 0)
+        defines["TMAGEMM_A_HALF_BOXES"] = int(a_box_rows(config) == 64)
         defines["TMAGEMM_TAIL_SPLIT"] = config.tail_split
     return defines
 
@@ -432,7 +439,7 @@ class _MappedLaunch:
         block_k = _ROW_BYTES // a.element_size()
         b_box = (config.block_n // config.cluster_m, block_k) if b_k_major else (block_k, 64)
         self._maps = (
-            MapsByAddress(params_for_tensor(a, (128, block_k))),
+            MapsByAddress(params_for_tensor(a, (a_box_rows(config), block_k))),
             MapsByAddress(params_for_tensor(b, b_box)),
             MapsByAddress(params_for_tensor(out, (64, _ROW_BYTES // out_size))),
         )

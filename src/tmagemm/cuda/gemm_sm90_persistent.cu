@@ -416,7 +416,7 @@ extern "C" __global__ void __launch_bounds__(kWarpSpecializedThreads, 1)
           ptx::mbarrier_wait(&empty[write.index], write.phase ^ 1);
           load_stage<kCluster>(smem + write.index * kStageBytes, &full[write.index], &map_a, &map_b, kt, tile.m0,
                                tile.n0, rank, tile.group * params.b_group_rows, scale_maps ? kScaleBoxBytes : 0,
-                               b_policy);
+                               b_policy, kGrouped ? tile.row_end - tile.m0 : kBlockM);
           if (scale_maps) {  // rows past M and blocks past N or K arrive as zeros
             float* slot = scale_slots + write.index * kScaleFloats;
             ptx::tma_load_2d(slot, &map_sa, &full[write.index], tile.m0, kt);

@@ -44,6 +44,13 @@ constexpr int kRowBytes = 128;
 constexpr int kBlockK = kRowBytes / kAbBytes;
 constexpr int kMmaPerStage = kRowBytes / 32;
 constexpr int kStageBytesA = kBlockM * kRowBytes;
+// Grouped GEMMs load A as two 64-row boxes (the host encodes map_a with that box), so that a tile
+// whose second 64 rows lie past its group's end loads only the first: those rows belong to the
+// next group (or padding) and feed outputs that are never stored.
+#ifndef TMAGEMM_A_HALF_BOXES
+#define TMAGEMM_A_HALF_BOXES 0
+#endif
+constexpr bool kAHalfBoxes = TMAGEMM_A_HALF_BOXES != 0;
 constexpr int kStageBytesB = kBlockN * kRowBytes;
 constexpr int kStageBytes = kStageBytesA + kStageBytesB;
 // A warpgroup's wgmma fragment is 64 rows x kBlockN columns: kAccRegs fp32 accumulators per
@@ -256,14 +263,19 @@ __device__ __forceinline__ void load_box(void* dst, const CUtensorMap* map, u64*
 // caller loads into the stage besides A and B (block scales), expected with them. b_policy: 0,
 // or an L2 cache policy for B's boxes on single CTAs (grouped GEMMs stream the weights of short
 // groups with evict_first, so that they do not push out the operands other tiles reuse).
+// a_rows: with kAHalfBoxes, the tile's rows before its group's end; at most 64 skips A's second
+// box (its shared memory keeps stale bytes that only feed rows never stored).
 // ---------------------------------------------------------------------------------------------
 template <int kCluster = 1>
 __device__ __forceinline__ void load_stage(unsigned char* stage, u64* full, const CUtensorMap* map_a,
                                            const CUtensorMap* map_b, int k_tile, int m0, int n0, int rank = 0,
-                                           int b_row0 = 0, unsigned extra_bytes = 0, u64 b_policy = 0) {
+                                           int b_row0 = 0, unsigned extra_bytes = 0, u64 b_policy = 0,
+                                           int a_rows = kBlockM) {
   const int k0 = k_tile * kBlockK;
-  ptx::mbarrier_arrive_expect_tx(full, kStageBytes + extra_bytes);
+  const bool a_second_half = !kAHalfBoxes || a_rows > kBlockM / 2;
+  ptx::mbarrier_arrive_expect_tx(full, kStageBytes - (a_second_half ? 0 : kStageBytesA / 2) + extra_bytes);
   ptx::tma_load_2d(stage, map_a, full, k0, m0);
+  if (kAHalfBoxes && a_second_half) ptx::tma_load_2d(stage + kStageBytesA / 2, map_a, full, k0, m0 + kBlockM / 2);
   // K-major B's rows are columns of the output, N-major B's are K.
   const int bn0 = kBKMajor ? n0 + b_row0 : n0;
   const int bk0 = kBKMajor ? k0 : k0 + b_row0;
