@@ -251,7 +251,7 @@ __device__ __forceinline__ void load_box(void* dst, const CUtensorMap* map, u64*
 // ---------------------------------------------------------------------------------------------
 // Producer step: one thread loads k-block `k_tile` of the A and B tiles into a stage.
 // Boxes past M, N or K are zero-filled by TMA, so ragged edges need no code here, and the
-// expected byte count is always the full box.
+// expected byte count is always that of the whole boxes loaded.
 //
 // kCluster > 1: the CTAs of a cluster own vertically adjacent tiles with the same columns, so
 // they need the same B tile. CTA `rank` loads its 1/kCluster share of B once from L2 and
