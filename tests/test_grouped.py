@@ -1825,14 +1825,15 @@ def test_native_builds_for_sm90a(config, ab, out):
 
 
 def test_native_a_comes_in_half_boxes():
-    """Grouped builds load A as two 64-row boxes (the second skipped where the group ends within
-    the tile's first 64 rows); one GEMM keeps one 128-row box."""
+    """Grouped builds (TMAGEMM_GROUPED, which gives the kernel kAHalfBoxes) load A as two 64-row
+    boxes (the second skipped where the group ends within the tile's first 64 rows); one GEMM
+    keeps one 128-row box."""
     for base in (_COOP, _PINGPONG, _PROMOTE):
         config = _native_config(base, 8)
         assert native_gemm.a_box_rows(config) == 64
-        assert native_gemm._defines(config, FP8, torch.bfloat16, True)["TMAGEMM_A_HALF_BOXES"] == 1
+        assert native_gemm._defines(config, FP8, torch.bfloat16, True)["TMAGEMM_GROUPED"] == 1
         assert native_gemm.a_box_rows(base) == 128
-        assert native_gemm._defines(base, FP8, torch.bfloat16, True)["TMAGEMM_A_HALF_BOXES"] == 0
+        assert native_gemm._defines(base, FP8, torch.bfloat16, True)["TMAGEMM_GROUPED"] == 0
 
 
 # ----------------------------------------------------------- the native weight gradient

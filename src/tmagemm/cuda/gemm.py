@@ -350,8 +350,8 @@ def use_pdl(device: torch.device) -> bool:
 
 
 def a_box_rows(config: NativeGemmConfig) -> int:
-    """Rows of A's TMA box: grouped kernels load a 128-row tile as two 64-row boxes and skip the
-    second where it lies past the group's end (kAHalfBoxes in gemm_sm90.cuh)."""
+    """Rows of A's TMA box: grouped kernels (TMAGEMM_GROUPED) load a 128-row tile as two 64-row
+    boxes and skip the second where it lies past the group's end (kAHalfBoxes in gemm_sm90.cuh)."""
     return 64 if config.kernel == "persistent" and config.groups > 0 else 128
 
 
@@ -372,7 +372,6 @@ def _defines(config: NativeGemmConfig, ab_dtype: torch.dtype, out_dtype: torch.d
         defines["TMAGEMM_PROMOTE"] = config.promote_depth if config.promote else 0
         defines["TMAGEMM_BLOCK_SCALED"] = int(config.block_scaled)
         defines["TMAGEMM_GROUPED"] = int(config.groups > 0)
-        defines["TMAGEMM_A_HALF_BOXES"] = int(a_box_rows(config) == 64)
         defines["TMAGEMM_TAIL_SPLIT"] = config.tail_split
     return defines
 

@@ -44,13 +44,14 @@ constexpr int kRowBytes = 128;
 constexpr int kBlockK = kRowBytes / kAbBytes;
 constexpr int kMmaPerStage = kRowBytes / 32;
 constexpr int kStageBytesA = kBlockM * kRowBytes;
-// Grouped GEMMs load A as two 64-row boxes (the host encodes map_a with that box), so that a tile
-// whose second 64 rows lie past its group's end loads only the first: those rows belong to the
-// next group (or padding) and feed outputs that are never stored.
-#ifndef TMAGEMM_A_HALF_BOXES
-#define TMAGEMM_A_HALF_BOXES 0
+// Grouped GEMMs (TMAGEMM_GROUPED) load A as two 64-row boxes (the host encodes map_a with that
+// box, cuda.gemm.a_box_rows), so that a tile whose second 64 rows lie past its group's end loads
+// only the first: those rows belong to the next group (or padding) and feed outputs never stored.
+#if defined(TMAGEMM_GROUPED) && TMAGEMM_GROUPED
+constexpr bool kAHalfBoxes = true;
+#else
+constexpr bool kAHalfBoxes = false;
 #endif
-constexpr bool kAHalfBoxes = TMAGEMM_A_HALF_BOXES != 0;
 constexpr int kStageBytesB = kBlockN * kRowBytes;
 constexpr int kStageBytes = kStageBytesA + kStageBytesB;
 // A warpgroup's wgmma fragment is 64 rows x kBlockN columns: kAccRegs fp32 accumulators per
